@@ -1,0 +1,72 @@
+"""Shared fixtures: the embedded SmolLM2, HF reference models, tiny random-weight checkpoints."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from workers.model.loader import DEFAULT_MODEL, resolve_model
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    return resolve_model(DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_dir: Path):  # noqa: ANN201 - a transformers model
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(smollm2_dir, torch_dtype=torch.float32).eval()
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:  # noqa: ANN001
+    """HF transformers' greedy tokens with its own KV cache, never stopping at EOS."""
+    tokens: list[int] = []
+    with torch.inference_mode():
+        out = model(torch.tensor([prompt]), use_cache=True)
+        for _ in range(max_new_tokens):
+            nxt = int(out.logits[0, -1].argmax())
+            tokens.append(nxt)
+            out = model(torch.tensor([[nxt]]), past_key_values=out.past_key_values, use_cache=True)
+    return tokens
+
+
+def make_random_checkpoint(
+    tmp_dir: Path, tokenizer_dir: Path, architecture: str, **overrides: object
+) -> Path:
+    """A tiny random-weight HF checkpoint (safetensors) with SmolLM2's tokenizer files."""
+    import transformers
+
+    config_cls = getattr(transformers, architecture.replace("ForCausalLM", "Config"))
+    shape = dict(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        architectures=[architecture],
+    )
+    config = config_cls(**{**shape, **overrides})
+    torch.manual_seed(0)
+    model = getattr(transformers, architecture)(config).eval()
+    model.save_pretrained(tmp_dir, safe_serialization=True)
+    for f in tokenizer_dir.iterdir():
+        if f.name.startswith(("tokenizer", "chat_template", "special_tokens")):
+            shutil.copy(f, tmp_dir / f.name)
+    return tmp_dir

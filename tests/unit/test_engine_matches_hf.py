@@ -1,0 +1,90 @@
+"""The engine's greedy tokens equal HF transformers', batched, for every model family we serve."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import hf_greedy, make_random_checkpoint
+from workers import LLM, SamplingParams
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away, there lived a",
+    "List three primary colors:",
+    "1, 2, 3, 4, 5,",
+    "Translate to French: Good morning, how are you?",
+    "The quick brown fox",
+    "Water boils at a temperature of",
+]
+NEW_TOKENS = 48
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def smollm2_reference(hf_smollm2, smollm2_dir: Path) -> tuple[list[list[int]], list[list[int]]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    prompts = [tok.encode(p) for p in PROMPTS]
+    return prompts, [hf_greedy(hf_smollm2, p, NEW_TOKENS) for p in prompts]
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_smollm2_greedy_batch_equals_hf(smollm2_reference, page_size: int) -> None:
+    prompts, expected = smollm2_reference
+    llm = LLM(page_size=page_size, enable_prefix_caching=False)
+    outs = llm.generate(prompts, GREEDY)
+    for prompt, out, ref in zip(prompts, outs, expected):
+        assert out.prompt_token_ids == prompt
+        assert out.token_ids == ref, f"diverged for {llm.tokenizer.decode(prompt)!r}"
+        assert out.finish_reason == "length"
+
+
+def test_smollm2_answers_the_capital_of_france() -> None:
+    llm = LLM()
+    [out] = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(max_tokens=20, temperature=0),
+    )
+    assert out.text == "The capital of France is Paris."
+    assert out.finish_reason == "stop"
+
+
+RANDOM_MODELS = {
+    "llama3": (
+        "LlamaForCausalLM",
+        dict(
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            }
+        ),
+    ),
+    "llama-tied-mqa": ("LlamaForCausalLM", dict(num_key_value_heads=1, tie_word_embeddings=True)),
+    "mistral": ("MistralForCausalLM", dict(sliding_window=None)),
+    "qwen2": ("Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3ForCausalLM", dict(head_dim=32)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RANDOM_MODELS))
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_random_weight_family_equals_hf(
+    name: str, page_size: int, tmp_path: Path, smollm2_dir: Path
+) -> None:
+    import transformers
+
+    arch, overrides = RANDOM_MODELS[name]
+    ckpt = make_random_checkpoint(tmp_path, smollm2_dir, arch, **overrides)
+    hf = getattr(transformers, arch).from_pretrained(ckpt).eval()
+    prompts = [[(7 * i + 13 * j) % 4000 + 5 for j in range(5 + 9 * i)] for i in range(4)]
+    expected = [hf_greedy(hf, p, 16) for p in prompts]
+    llm = LLM(str(ckpt), page_size=page_size, enable_prefix_caching=False)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    assert [o.token_ids for o in outs] == expected

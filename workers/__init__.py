@@ -1,0 +1,23 @@
+"""pdserve workers: the engine, and the prefill and decode workers built on it.
+
+`from workers import LLM, SamplingParams` is the offline API; imported lazily so that light users
+of `workers.protocol` (the router) do not load the model code.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["LLM", "GenerationOutput", "SamplingParams"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("LLM", "GenerationOutput"):
+        from workers import llm
+
+        return getattr(llm, name)
+    if name == "SamplingParams":
+        from workers.protocol import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(name)

@@ -1,0 +1,66 @@
+"""The attention backend interface: plan once per forward step, then run once per layer.
+
+A step's tokens are packed: sequence i owns query rows `[cu_q_lens[i], cu_q_lens[i+1])`. After the
+step its KV spans `kv_lens[i]` tokens held in pages `page_table[i, :ceil(kv_lens[i] / page_size)]`;
+the last `q_lens[i]` of those tokens are the new ones, whose K/V the backend writes into the pool
+at (`slot_pages`, `slot_offsets`) before attending. Rows of `page_table` past a sequence's pages are
+padded with page 0, the scratch page, which no sequence owns.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from workers.kvcache.pool import KVPool
+
+
+@dataclass
+class AttentionBatch:
+    q_lens: list[int]
+    kv_lens: list[int]
+    page_table: torch.Tensor  # [batch, max_pages] int32, on the pool's device
+    slot_pages: torch.Tensor  # [num_tokens] int64: page of each new token's KV
+    slot_offsets: torch.Tensor  # [num_tokens] int64: slot inside that page
+
+    def __post_init__(self) -> None:
+        assert len(self.q_lens) == len(self.kv_lens) == self.page_table.shape[0]
+        assert self.slot_pages.device == self.page_table.device == self.slot_offsets.device
+        assert all(0 < q <= kv for q, kv in zip(self.q_lens, self.kv_lens))
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.q_lens)
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence adds exactly one token: the decode kernels apply."""
+        return all(q == 1 for q in self.q_lens)
+
+
+class AttentionBackend(ABC):
+    """Paged attention over one rank's KV pool, for `num_q_heads` query heads of that rank."""
+
+    def __init__(self, pool: KVPool, num_q_heads: int, scale: float) -> None:
+        self.pool = pool
+        self.num_q_heads = num_q_heads
+        self.scale = scale
+
+    @abstractmethod
+    def plan(self, batch: AttentionBatch) -> None:
+        """Prepare per-step metadata; called once before the layers run."""
+
+    @abstractmethod
+    def forward(
+        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """q `[T, Hq, D]`, k/v `[T, Hkv, D]` for the new tokens: store k/v, return `[T, Hq, D]`."""
+
+    def store_kv(
+        self, layer_id: int, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch
+    ) -> None:
+        kv = self.pool.layer(layer_id)
+        kv[batch.slot_pages, 0, batch.slot_offsets] = k.to(kv.dtype)
+        kv[batch.slot_pages, 1, batch.slot_offsets] = v.to(kv.dtype)

@@ -1,0 +1,52 @@
+"""The engine's knobs: one pydantic model, validated once; `cluster/config.py` nests it."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from workers.model.loader import DEFAULT_MODEL
+
+
+class EngineConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field(DEFAULT_MODEL, description="embedded name, .gguf, HF dir or cached hub id")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="auto: float32 on CPU, bfloat16 on GPU"
+    )
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    page_size: int = Field(16, ge=1, le=256, description="tokens per KV page")
+    kv_cache_memory_gb: float | None = Field(
+        None, gt=0, description="KV pool size; default 1 GiB on CPU, a fraction of free GPU memory"
+    )
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
+    num_kv_pages: int | None = Field(None, ge=2, description="exact pool size (overrides memory)")
+    max_model_len: int | None = Field(None, ge=1)
+    max_num_seqs: int = Field(256, ge=1, description="running sequences at most")
+    max_num_batched_tokens: int = Field(2048, ge=1, description="token budget of one step")
+    enable_prefix_caching: bool = True
+    attention_backend: Literal["auto", "torch", "flashinfer"] = "auto"
+    tensor_parallel_size: int = Field(1, ge=1)
+    seed: int = 0
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' but no CUDA GPU is visible")
+        return torch.device(self.device)
+
+    def resolved_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.float32 if device.type == "cpu" else torch.bfloat16
+        return getattr(torch, self.dtype)
+
+    def resolved_backend(self, device: torch.device) -> str:
+        if self.attention_backend == "auto":
+            has_flashinfer = importlib.util.find_spec("flashinfer") is not None
+            return "flashinfer" if device.type == "cuda" and has_flashinfer else "torch"
+        return self.attention_backend

@@ -1,0 +1,102 @@
+"""`AsyncEngine`: the engine's step loop on its own thread, fed and drained from asyncio.
+
+Only the loop thread touches the `Engine` (no locks inside it): callers post commands to an inbox
+and receive `RequestOutput` chunks through per-request asyncio queues. A caller that stops
+listening (client gone, task cancelled) aborts its request, which frees its pages at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from workers.engine_core import Engine, EngineStats
+from workers.protocol import GenerateRequest, RequestOutput
+
+logger = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.05
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
+        self._stats = engine.stats()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    # ---- asyncio side ----------------------------------------------------------------------
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        """Stream `req`'s chunks; raises what `Engine.add_request` raised for a bad request."""
+        loop = asyncio.get_running_loop()
+        chunks: asyncio.Queue[Any] = asyncio.Queue()
+        self._streams[req.request_id] = (loop, chunks)
+        self.call(lambda: self._add(req))
+        finished = False
+        try:
+            while not finished:
+                item = await chunks.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._streams.pop(req.request_id, None)
+            if not finished:
+                self.abort(req.request_id)
+
+    def abort(self, request_id: str) -> None:
+        self.call(lambda: self.engine.abort(request_id))
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    def call(self, fn: Callable[[], None]) -> None:
+        """Run `fn` on the loop thread before its next step."""
+        self._inbox.put(fn)
+        self._wake.set()
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    # ---- loop thread ------------------------------------------------------------------------
+    def _add(self, req: GenerateRequest) -> None:
+        try:
+            self.engine.add_request(req)
+        except Exception as e:  # noqa: BLE001 - hand the rejection to the caller
+            self._deliver(req.request_id, e)
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            loop, chunks = stream
+            loop.call_soon_threadsafe(chunks.put_nowait, item)
+
+    def _run(self) -> None:
+        while not self._stop:
+            while not self._inbox.empty():
+                try:
+                    self._inbox.get()()
+                except Exception:  # noqa: BLE001 - a bad command must not stop the loop
+                    logger.exception("engine command failed")
+            if not self.engine.has_work():
+                self._stats = self.engine.stats()
+                self._wake.wait(IDLE_WAIT_S)
+                self._wake.clear()
+                continue
+            try:
+                for out in self.engine.step():
+                    self._deliver(out.request_id, out)
+            except Exception:  # noqa: BLE001 - the loop must outlive any one step
+                logger.exception("engine step failed")
+            self._stats = self.engine.stats()

@@ -1,0 +1,1 @@
+"""KV cache: the page pool tensor, the page allocator and the radix prefix cache."""

@@ -1,0 +1,92 @@
+"""Sequences' pages: reuse from the prefix cache, growth as tokens are added, release.
+
+Ranges of a running sequence's `pages` (page_size tokens each):
+- `[0, num_tree_pages)`: pages the radix tree owns. They came from a prefix match at admission
+  or were handed to the tree by `cache_computed()`; the sequence holds them through its lock on
+  `seq.prefix_node` and never frees them.
+- `[num_tree_pages, len(pages))`: allocated for this sequence, owned by it alone.
+`cache_computed()` moves whole computed pages from the second range to the first (the tree adopts
+new content; where it already held the same tokens, the sequence switches to the tree's pages and
+frees its own duplicates). On release the partial last page and any uncached pages are freed and
+the lock is dropped. Without a prefix cache every page is the sequence's own and is freed.
+"""
+
+from __future__ import annotations
+
+from workers.kvcache.allocator import PageAllocator
+from workers.kvcache.radix_cache import RadixCache
+from workers.sequence import Sequence
+
+
+class KVManager:
+    def __init__(self, allocator: PageAllocator, page_size: int, prefix_caching: bool) -> None:
+        self.allocator = allocator
+        self.page_size = page_size
+        self.radix = RadixCache(page_size, allocator) if prefix_caching else None
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0  # of which found
+
+    def match_prefix(self, seq: Sequence) -> None:
+        """Take the longest cached prefix (leaving at least one token to compute)."""
+        assert not seq.pages and seq.prefix_node is None
+        if self.radix is None:
+            return
+        match = self.radix.match_prefix(seq.token_ids, max_tokens=seq.num_tokens - 1)
+        self.radix.lock(match.node)
+        seq.prefix_node = match.node
+        seq.pages = list(match.pages)
+        seq.num_tree_pages = len(match.pages)
+        seq.num_computed_tokens = match.num_tokens
+        if seq.num_output_tokens == 0:  # a first admission, not a recompute after preemption
+            seq.num_cached_tokens = match.num_tokens
+            self.prefix_queries += seq.num_tokens
+            self.prefix_hits += match.num_tokens
+
+    def reserve(self, seq: Sequence, num_tokens: int) -> bool:
+        """Make `seq.pages` cover `num_tokens` tokens, evicting cached pages if needed."""
+        need = -(-num_tokens // self.page_size) - len(seq.pages)
+        if need <= 0:
+            return True
+        short = need - self.allocator.num_free
+        if short > 0 and self.radix is not None:
+            self.radix.evict(short)
+        if not self.allocator.can_allocate(need):
+            return False
+        seq.pages += self.allocator.allocate(need)
+        return True
+
+    def cache_computed(self, seq: Sequence) -> None:
+        """Hand `seq`'s whole computed pages to the tree, so other requests can share them now."""
+        if self.radix is None:
+            return
+        full = seq.num_computed_tokens // self.page_size
+        if full <= seq.num_tree_pages:
+            return
+        tokens = seq.token_ids[: full * self.page_size]
+        result = self.radix.insert(tokens, seq.pages[:full])
+        self.radix.lock(result.node)
+        if seq.prefix_node is not None:
+            self.radix.unlock(seq.prefix_node)
+        seq.prefix_node = result.node
+        if result.duplicate_pages:
+            seq.pages[:full] = self.radix.match_prefix(tokens).pages
+            self.allocator.free(result.duplicate_pages)
+        seq.num_tree_pages = full
+
+    def release(self, seq: Sequence, cache: bool = True) -> None:
+        """Give back every page of `seq`: computed ones to the tree where `cache`, else freed."""
+        if cache:
+            self.cache_computed(seq)
+        pages, seq.pages = seq.pages, []
+        self.allocator.free(pages[seq.num_tree_pages :])
+        if self.radix is not None and seq.prefix_node is not None:
+            self.radix.unlock(seq.prefix_node)
+        seq.prefix_node, seq.num_tree_pages, seq.num_computed_tokens = None, 0, 0
+
+    @property
+    def num_used_pages(self) -> int:
+        return self.allocator.num_usable - self.allocator.num_free
+
+    @property
+    def num_pinned_pages(self) -> int:
+        return 0 if self.radix is None else self.radix.num_locked_pages

@@ -1,0 +1,64 @@
+"""The KV page pool: one pre-allocated tensor per worker rank.
+
+Layout `[num_pages, num_layers, 2, page_size, num_kv_heads, head_dim]`: page p holds every
+layer's K and V for `page_size` token slots, contiguous in memory. A run of consecutive page ids
+is therefore one contiguous byte range, which NIXL moves as one descriptor (DESIGN.md, KV pool).
+A layer's view `[num_pages, 2, page_size, heads, dim]` has a strided page dimension, which the
+torch backend indexes directly and FlashInfer's paged kernels accept as NHD layout.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from workers.protocol import KVLayout
+
+logger = logging.getLogger(__name__)
+
+
+class KVPool:
+    def __init__(self, layout: KVLayout, num_pages: int, device: torch.device | str) -> None:
+        if num_pages < 2:
+            raise ValueError(f"KV pool needs at least 2 pages (one is scratch), got {num_pages}")
+        self.layout = layout
+        self.num_pages = num_pages
+        self.pages = torch.zeros(
+            (
+                num_pages,
+                layout.num_layers,
+                2,
+                layout.page_size,
+                layout.num_kv_heads,
+                layout.head_dim,
+            ),
+            dtype=getattr(torch, layout.dtype),
+            device=device,
+        )
+        logger.info(
+            "KV pool: %d pages x %d tokens, %.1f MiB on %s",
+            num_pages,
+            layout.page_size,
+            self.nbytes / 2**20,
+            self.pages.device,
+        )
+
+    @property
+    def page_size(self) -> int:
+        return self.layout.page_size
+
+    @property
+    def nbytes(self) -> int:
+        return self.pages.numel() * self.pages.element_size()
+
+    def layer(self, layer_id: int) -> torch.Tensor:
+        """`[num_pages, 2, page_size, num_kv_heads, head_dim]`, page dimension strided."""
+        return self.pages[:, layer_id]
+
+    def page_address(self, page_id: int) -> int:
+        return self.pages.data_ptr() + page_id * self.layout.page_bytes
+
+    @staticmethod
+    def pages_for_budget(layout: KVLayout, budget_bytes: int) -> int:
+        return max(0, budget_bytes // layout.page_bytes)

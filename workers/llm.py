@@ -1,0 +1,110 @@
+"""The offline API, shaped like `vllm.LLM`: a batch of prompts in, one output per prompt out."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+from typing import Any
+
+from pydantic import BaseModel
+from tqdm import tqdm
+
+from workers.config import EngineConfig
+from workers.engine_core import Engine
+from workers.model.loader import DEFAULT_MODEL
+from workers.protocol import FinishReason, GenerateRequest, SamplingParams, TokenLogprob
+
+Prompt = str | list[int]
+Message = dict[str, Any]
+
+
+class GenerationOutput(BaseModel):
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None
+    stop_reason: str | int | None = None
+    num_cached_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
+    error: str | None = None
+
+
+class LLM:
+    def __init__(self, model: str = DEFAULT_MODEL, **engine_options: Any) -> None:
+        self.engine = Engine(EngineConfig(model=model, **engine_options))
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[GenerationOutput]:
+        """Run every prompt to completion as one continuously batched workload."""
+        batch = _as_prompt_list(prompts)
+        plist = params if isinstance(params, Seq) else [params or SamplingParams()] * len(batch)
+        if len(plist) != len(batch):
+            raise ValueError(f"{len(batch)} prompts but {len(plist)} sampling params")
+        outputs: dict[str, GenerationOutput] = {}
+        order = []
+        for prompt, p in zip(batch, plist):
+            ids = self._encode(prompt)
+            rid = f"offline-{next(self._ids)}"
+            self.engine.add_request(GenerateRequest(request_id=rid, prompt_token_ids=ids, params=p))
+            outputs[rid] = GenerationOutput(
+                request_id=rid,
+                prompt_token_ids=ids,
+                token_ids=[],
+                text="",
+                finish_reason=None,
+                logprobs=[] if p.logprobs is not None else None,
+            )
+            order.append(rid)
+        with tqdm(total=len(batch), disable=not use_tqdm, desc="generating") as bar:
+            while self.engine.has_work():
+                for chunk in self.engine.step():
+                    out = outputs[chunk.request_id]
+                    out.token_ids += chunk.token_ids
+                    out.text += chunk.text
+                    if out.logprobs is not None and chunk.logprobs:
+                        out.logprobs += chunk.logprobs
+                    out.num_cached_tokens = chunk.num_cached_tokens
+                    if chunk.finished:
+                        out.finish_reason, out.stop_reason = chunk.finish_reason, chunk.stop_reason
+                        out.error = chunk.error
+                        bar.update(1)
+        return [outputs[rid] for rid in order]
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+    ) -> list[GenerationOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.apply_chat_template(c) for c in conversations]  # type: ignore[arg-type]
+        return self.generate(prompts, params)
+
+    def apply_chat_template(self, messages: list[Message]) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template")
+        ids = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True
+        )
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+    def _encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            return list(self.tokenizer.encode(prompt))
+        return list(prompt)
+
+
+def _as_prompt_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if prompts and isinstance(prompts[0], int):
+        return [list(prompts)]  # type: ignore[arg-type]
+    return list(prompts)  # type: ignore[arg-type]

@@ -1,0 +1,177 @@
+"""Tensor-parallel building blocks: column/row-parallel linears, vocab-parallel embedding.
+
+Each parameter carries a `weight_loader(param, full_weight, shard_id)` that copies this rank's
+slice of a full (unsharded) checkpoint tensor into it, so weights load straight into the shard
+layout and no rank ever holds another rank's slice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.tp import TPGroup
+
+WeightLoader = Callable[[nn.Parameter, torch.Tensor, "int | str | None"], None]
+
+
+def _param(shape: tuple[int, ...], loader: WeightLoader) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(shape), requires_grad=False)
+    p.weight_loader = loader  # type: ignore[attr-defined]
+    return p
+
+
+def _copy(param: nn.Parameter, weight: torch.Tensor) -> None:
+    if param.shape != weight.shape:
+        raise ValueError(
+            f"checkpoint shape {tuple(weight.shape)} != parameter {tuple(param.shape)}"
+        )
+    param.data.copy_(weight)
+
+
+def replicated_loader(param: nn.Parameter, weight: torch.Tensor, shard_id: object = None) -> None:
+    _copy(param, weight)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = _param((dim,), replicated_loader)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T with W split by output rows: each rank produces its slice of y.
+
+    `output_sizes` lists the logical sub-matrices stacked in W (e.g. gate and up); each is split
+    across ranks on its own, so rank r holds [gate_r; up_r].
+    """
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool, tp: TPGroup) -> None:
+        super().__init__()
+        self.tp = tp
+        self.shard_sizes = [tp.shard(n, "output features") for n in output_sizes]
+        out = sum(self.shard_sizes)
+        self.weight = _param((out, in_features), self._load)
+        self.bias = _param((out,), self._load) if bias else None
+
+    def _offset(self, shard_id: int) -> int:
+        return sum(self.shard_sizes[:shard_id])
+
+    def _load(self, param: nn.Parameter, weight: torch.Tensor, shard_id: object = None) -> None:
+        idx = 0 if shard_id is None else int(shard_id)  # type: ignore[call-overload]
+        size = self.shard_sizes[idx]
+        part = weight.narrow(0, self.tp.rank * size, size)
+        _copy_into(param.data.narrow(0, self._offset(idx), size), part)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(
+            f"checkpoint shard {tuple(src.shape)} != parameter slice {tuple(dst.shape)}"
+        )
+    dst.copy_(src)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q/k/v projection. KV heads are split across ranks, or replicated when there are
+    fewer KV heads than ranks (each rank then holds the one KV head its query heads use)."""
+
+    def __init__(
+        self,
+        hidden: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool,
+        tp: TPGroup,
+    ) -> None:
+        self.num_heads = tp.shard(num_heads, "num_attention_heads")
+        self.kv_replicas = max(1, tp.size // num_kv_heads)
+        if tp.size > num_kv_heads and tp.size % num_kv_heads:
+            raise ValueError(
+                f"tensor_parallel_size={tp.size} must divide or be a multiple of "
+                f"num_key_value_heads={num_kv_heads}"
+            )
+        self.num_kv_heads = max(1, num_kv_heads // tp.size)
+        self.head_dim = head_dim
+        nn.Module.__init__(self)
+        self.tp = tp
+        self.shard_sizes = [self.num_heads * head_dim] + [self.num_kv_heads * head_dim] * 2
+        self.weight = _param((sum(self.shard_sizes), hidden), self._load)
+        self.bias = _param((sum(self.shard_sizes),), self._load) if bias else None
+
+    @property
+    def kv_head_offset(self) -> int:
+        """First global KV head this rank holds."""
+        return (self.tp.rank // self.kv_replicas) * self.num_kv_heads
+
+    def _load(self, param: nn.Parameter, weight: torch.Tensor, shard_id: object = None) -> None:
+        idx = {"q": 0, "k": 1, "v": 2}[str(shard_id)]
+        size = self.shard_sizes[idx]
+        start = self.tp.rank * size if idx == 0 else self.kv_head_offset * self.head_dim
+        _copy_into(param.data.narrow(0, self._offset(idx), size), weight.narrow(0, start, size))
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T with W split by input columns; the partial sums are all-reduced."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:
+        super().__init__()
+        self.tp = tp
+        self.in_shard = tp.shard(in_features, "input features")
+        self.weight = _param((out_features, self.in_shard), self._load)
+        self.bias = _param((out_features,), replicated_loader) if bias else None
+
+    def _load(self, param: nn.Parameter, weight: torch.Tensor, shard_id: object = None) -> None:
+        _copy(param, weight.narrow(1, self.tp.rank * self.in_shard, self.in_shard))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding rows split by vocabulary range; ranks zero what they don't own, then all-reduce.
+    The vocabulary is padded up to a multiple of the TP size."""
+
+    def __init__(self, vocab_size: int, dim: int, tp: TPGroup) -> None:
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.shard = -(-vocab_size // tp.size)
+        self.start = tp.rank * self.shard
+        self.weight = _param((self.shard, dim), self._load)
+
+    def _load(self, param: nn.Parameter, weight: torch.Tensor, shard_id: object = None) -> None:
+        part = weight[self.start : self.start + self.shard]
+        param.data.zero_()
+        _copy_into(param.data[: part.shape[0]], part)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.shard)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(out.masked_fill(outside[:, None], 0.0))
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Logits over the vocabulary: each rank computes its vocab slice, then all-gather."""
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        local = F.linear(hidden, self.weight)
+        return self.tp.all_gather_last_dim(local)[..., : self.vocab_size]

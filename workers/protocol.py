@@ -1,0 +1,144 @@
+"""Types that cross the workers' door: requests, sampling parameters, outputs, KV handles.
+
+Pydantic at the boundary (validated once, when a request enters); the hot loops copy what they
+need into plain dataclasses (`workers/sequence.py`).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+MAX_LOGPROBS = 20
+
+
+class SamplingParams(BaseModel):
+    """Per-request sampling and stopping rules, as vLLM names them."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_tokens: int = Field(16, ge=1, description="new tokens at most")
+    min_tokens: int = Field(0, ge=0, description="EOS and stop tokens are ignored before this")
+    temperature: float = Field(1.0, ge=0.0, description="0 means greedy")
+    top_k: int = Field(0, ge=-1, description="0 or -1: off")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS, description="top-N logprobs per token"
+    )
+    skip_special_tokens: bool = True
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_tuple(cls, v: object) -> object:
+        if isinstance(v, str):
+            return (v,)
+        return () if v is None else v
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if any(s == "" for s in v):
+            raise ValueError("stop strings must not be empty")
+        return v
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class GenerateRequest(BaseModel):
+    """One prompt, already tokenized, with its sampling rules."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams = SamplingParams()
+
+    @field_validator("prompt_token_ids")
+    @classmethod
+    def _non_empty(cls, v: tuple[int, ...]) -> tuple[int, ...]:
+        if not v:
+            raise ValueError("prompt is empty: at least one token is needed")
+        if min(v) < 0:
+            raise ValueError("prompt token ids must be non-negative")
+        return v
+
+
+class TokenLogprob(BaseModel):
+    token_id: int
+    logprob: float
+    top: dict[int, float] = {}
+
+
+class RequestOutput(BaseModel):
+    """A chunk of a request's stream: the tokens that are new since the last chunk.
+
+    The last chunk of a request has `finish_reason` set; `stop_reason` holds the matched stop
+    string or stop token id (None for EOS), as vLLM reports it.
+    """
+
+    request_id: str
+    token_ids: list[int] = []
+    text: str = ""
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class KVLayout(BaseModel):
+    """Shape of one KV page on one rank: [num_layers, 2, page_size, num_kv_heads, head_dim]."""
+
+    model_config = ConfigDict(frozen=True)
+
+    num_layers: int
+    page_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    kv_head_offset: int = Field(0, description="first global KV head this rank holds")
+
+    @property
+    def page_bytes(self) -> int:
+        elems = self.num_layers * 2 * self.page_size * self.num_kv_heads * self.head_dim
+        return elems * getattr(torch, self.dtype).itemsize
+
+
+class KVHandle(BaseModel):
+    """Where a prompt's KV pages lie on a prefill replica, one agent per TP rank."""
+
+    model_config = ConfigDict(frozen=True)
+
+    agent_names: list[str]
+    page_ids: list[int]
+    num_tokens: int
+    layout: list[KVLayout]
+    lease_id: str
+    lease_expiry: float = Field(description="unix time after which the pages may be reused")
+    page_generations: list[int] = Field(
+        default_factory=list, description="generation of each page when it was pinned"
+    )
+
+
+class PrefillResult(BaseModel):
+    request_id: str
+    first_token: RequestOutput
+    num_cached_tokens: int
+    kv: KVHandle | None = Field(None, description="None when the request already finished")

@@ -1,0 +1,96 @@
+"""Step scheduling: chunked prefill under a token budget, continuous batching, preemption.
+
+Each step takes, in order: every running sequence (one token if it is decoding, the next chunk
+of its prompt if it is still prefilling), then waiting sequences from the head of the queue,
+while the step's token budget and the running-seat limit last. A long prompt is split across
+steps; many prompts share one step. When a running sequence needs a page and none can be
+freed, the newest running sequence is preempted: its computed pages go to the prefix cache,
+it returns to the head of the queue, and it is recomputed later. Nothing is ever dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+from workers.engine import StepInput
+from workers.kvcache.manager import KVManager
+from workers.sequence import SeqStatus, Sequence
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(self, kv: KVManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.budget = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order: the newest is last
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, seq: Sequence, cache: bool = True) -> None:
+        """Take `seq` out (finished or aborted) and release its pages."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.kv.release(seq, cache=cache)
+
+    def schedule(self) -> StepInput | None:
+        step = StepInput(seqs=[], num_new_tokens=[])
+        budget = self.budget
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(seq.num_uncomputed_tokens, budget)
+            if not self._reserve_or_preempt(seq, n, step):
+                continue
+            step.seqs.append(seq)
+            step.num_new_tokens.append(n)
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            self.kv.match_prefix(seq)
+            n = min(seq.num_uncomputed_tokens, budget)
+            if not self.kv.reserve(seq, seq.num_computed_tokens + n):
+                self.kv.release(seq, cache=False)
+                break  # no room: keep FIFO order, retry next step
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            step.seqs.append(seq)
+            step.num_new_tokens.append(n)
+            budget -= n
+        return step if step.seqs else None
+
+    def _reserve_or_preempt(self, seq: Sequence, n: int, step: StepInput) -> bool:
+        """Reserve pages for `seq`'s next `n` tokens, preempting newer sequences to make room."""
+        while not self.kv.reserve(seq, seq.num_computed_tokens + n):
+            victim = next((s for s in reversed(self.running) if s not in step.seqs), None)
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence | None) -> None:
+        if seq is None:  # only sequences already in this step hold pages: cannot happen when
+            raise RuntimeError("KV pool too small for a single sequence")  # admission checks
+        logger.info("preempting %s (%d tokens) for recomputation", seq.request_id, seq.num_tokens)
+        self.running.remove(seq)
+        self.kv.release(seq, cache=True)
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finished_step(self, step: StepInput) -> None:
+        for seq, n in zip(step.seqs, step.num_new_tokens):
+            seq.num_computed_tokens += n

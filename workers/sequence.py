@@ -1,0 +1,62 @@
+"""A request's state inside an engine: its tokens, its KV pages and how far they are computed."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from workers.detokenizer import IncrementalDetokenizer
+from workers.protocol import FinishReason, SamplingParams, TokenLogprob
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"  # queued for (re)computation of its tokens
+    RUNNING = "running"  # holds pages; prefilled in chunks, then decoded one token a step
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    token_ids: list[int]  # the prompt, then every generated token
+    num_prompt_tokens: int
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer | None
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: SeqStatus = SeqStatus.WAITING
+    pages: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose KV sits in `pages`
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    prefix_node: Any = None  # radix node locked on behalf of this sequence
+    num_tree_pages: int = 0  # leading `pages` that belong to the radix tree (held by the lock)
+    generator: torch.Generator | None = None  # made by the runner, on its device, if seeded
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    error: str | None = None
+    num_emitted_tokens: int = 0  # output tokens already streamed out
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    first_token_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
