@@ -37,9 +37,17 @@ class EngineStats(BaseModel):
     kv_pages_total: int
     kv_pages_used: int
     kv_pages_pinned: int
+    kv_pages_cached: int = 0  # in the radix tree (used, but evictable unless pinned)
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    num_handoffs_pending: int = 0  # prefill: pinned prompts awaiting a reader; decode: reads
+    nixl_bytes_transferred: int = 0  # decode: KV bytes read from prefill replicas
+    nixl_transfers: int = 0
+    nixl_xfer_time_s: float = 0.0
+    kv_pages_read: int = 0  # decode: prompt pages read over NIXL ...
+    kv_pages_reused: int = 0  # ... and found in this replica's prefix cache instead
+    num_recomputed: int = 0  # decode: hand-offs that failed and were prefilled here
     prompt_tokens_computed: int
     generation_tokens: int
 
@@ -63,6 +71,12 @@ class Engine:
 
     # ---- requests in -------------------------------------------------------------------------
     def add_request(self, req: GenerateRequest) -> Sequence:
+        seq = self._new_sequence(req)
+        self.scheduler.add(seq)
+        return seq
+
+    def _new_sequence(self, req: GenerateRequest) -> Sequence:
+        """Check that `req` can be served at all, then track it (not yet scheduled)."""
         if req.request_id in self.seqs:
             raise RequestRejectedError(f"request id {req.request_id!r} is already running")
         n = len(req.prompt_token_ids)
@@ -93,7 +107,6 @@ class Engine:
             ),
         )
         self.seqs[req.request_id] = seq
-        self.scheduler.add(seq)
         return seq
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -131,11 +144,31 @@ class Engine:
             seq = step.seqs[i]
             assert result is not None
             self._append_token(seq, result, row)
-            outputs.append(self._output(seq))
-            if seq.finished:
-                self.seqs.pop(seq.request_id, None)
-                self.scheduler.remove(seq)
+            outputs.append(self._after_token(seq))
         return outputs
+
+    def _after_token(self, seq: Sequence) -> RequestOutput:
+        """The chunk for `seq`'s new token; a finished sequence leaves and frees its pages."""
+        out = self._output(seq)
+        if seq.finished:
+            self.seqs.pop(seq.request_id, None)
+            self.scheduler.remove(seq)
+        return out
+
+    def _pinned_own_pages(self) -> int:
+        """Pages outside the radix tree that are held for a hand-off (none here)."""
+        return 0
+
+    def _num_handoffs_pending(self) -> int:
+        return 0
+
+    def idle_wait_s(self) -> float:
+        """How long the loop may sleep when there is nothing to step."""
+        return 0.05
+
+    def poll(self) -> list[RequestOutput]:
+        """Background work between steps (KV hand-off notifications, transfers); none here."""
+        return []
 
     def _append_token(self, seq: Sequence, result: SampleResult, row: int) -> None:
         token = result.token_ids[row]
@@ -193,10 +226,12 @@ class Engine:
             num_waiting=len(self.scheduler.waiting),
             kv_pages_total=self.allocator.num_usable,
             kv_pages_used=self.kv.num_used_pages,
-            kv_pages_pinned=self.kv.num_pinned_pages,
+            kv_pages_pinned=self.kv.num_pinned_pages + self._pinned_own_pages(),
+            kv_pages_cached=0 if self.kv.radix is None else self.kv.radix.num_cached_pages,
             prefix_cache_queries=self.kv.prefix_queries,
             prefix_cache_hits=self.kv.prefix_hits,
             num_preemptions=self.scheduler.num_preemptions,
+            num_handoffs_pending=self._num_handoffs_pending(),
             prompt_tokens_computed=self.prompt_tokens_computed,
             generation_tokens=self.generation_tokens,
         )

@@ -12,14 +12,14 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from workers.engine_core import Engine, EngineStats
 from workers.protocol import GenerateRequest, RequestOutput
 
 logger = logging.getLogger(__name__)
 
-IDLE_WAIT_S = 0.05
+T = TypeVar("T")
 
 
 class AsyncEngine:
@@ -34,24 +34,31 @@ class AsyncEngine:
         self._thread.start()
 
     # ---- asyncio side ----------------------------------------------------------------------
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
+    def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
         """Stream `req`'s chunks; raises what `Engine.add_request` raised for a bad request."""
+        return self.stream(req.request_id, lambda: self.engine.add_request(req))
+
+    async def stream(
+        self, request_id: str, admit: Callable[[], object]
+    ) -> AsyncIterator[RequestOutput]:
+        """Run `admit` (which adds `request_id` to the engine) on the loop thread, then stream
+        the request's chunks until it finishes. An exception from `admit` is raised here."""
         loop = asyncio.get_running_loop()
         chunks: asyncio.Queue[Any] = asyncio.Queue()
-        self._streams[req.request_id] = (loop, chunks)
-        self.call(lambda: self._add(req))
+        self._streams[request_id] = (loop, chunks)
+        self.call(lambda: self._admit(request_id, admit))
         finished = False
         try:
             while not finished:
                 item = await chunks.get()
                 if isinstance(item, BaseException):
                     raise item
-                finished = item.finished
+                finished = item.finished or item.kv is not None  # handed off: not ours
                 yield item
         finally:
-            self._streams.pop(req.request_id, None)
+            self._streams.pop(request_id, None)
             if not finished:
-                self.abort(req.request_id)
+                self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
         self.call(lambda: self.engine.abort(request_id))
@@ -64,17 +71,37 @@ class AsyncEngine:
         self._inbox.put(fn)
         self._wake.set()
 
+    async def run(self, fn: Callable[[], T]) -> T:
+        """Run `fn` on the loop thread (engine state is only touched there) and await its result."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[T] = loop.create_future()
+
+        def call() -> None:
+            try:
+                result = fn()
+            except BaseException as e:  # noqa: BLE001 - handed to the awaiting caller
+                loop.call_soon_threadsafe(done.set_exception, e)
+            else:
+                loop.call_soon_threadsafe(done.set_result, result)
+
+        self.call(call)
+        return await done
+
+    def check_alive(self) -> None:
+        if not self._thread.is_alive():
+            raise RuntimeError("the engine loop thread has died")
+
     def shutdown(self) -> None:
         self._stop = True
         self._wake.set()
         self._thread.join(timeout=10)
 
     # ---- loop thread ------------------------------------------------------------------------
-    def _add(self, req: GenerateRequest) -> None:
+    def _admit(self, request_id: str, admit: Callable[[], object]) -> None:
         try:
-            self.engine.add_request(req)
+            admit()
         except Exception as e:  # noqa: BLE001 - hand the rejection to the caller
-            self._deliver(req.request_id, e)
+            self._deliver(request_id, e)
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         stream = self._streams.get(request_id)
@@ -89,9 +116,11 @@ class AsyncEngine:
                     self._inbox.get()()
                 except Exception:  # noqa: BLE001 - a bad command must not stop the loop
                     logger.exception("engine command failed")
+            for out in self.engine.poll():
+                self._deliver(out.request_id, out)
             if not self.engine.has_work():
                 self._stats = self.engine.stats()
-                self._wake.wait(IDLE_WAIT_S)
+                self._wake.wait(self.engine.idle_wait_s())
                 self._wake.clear()
                 continue
             try:

@@ -81,28 +81,6 @@ class TokenLogprob(BaseModel):
     top: dict[int, float] = {}
 
 
-class RequestOutput(BaseModel):
-    """A chunk of a request's stream: the tokens that are new since the last chunk.
-
-    The last chunk of a request has `finish_reason` set; `stop_reason` holds the matched stop
-    string or stop token id (None for EOS), as vLLM reports it.
-    """
-
-    request_id: str
-    token_ids: list[int] = []
-    text: str = ""
-    logprobs: list[TokenLogprob] | None = None
-    finish_reason: FinishReason | None = None
-    stop_reason: str | int | None = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    error: str | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
 class KVLayout(BaseModel):
     """Shape of one KV page on one rank: [num_layers, 2, page_size, num_kv_heads, head_dim]."""
 
@@ -137,8 +115,26 @@ class KVHandle(BaseModel):
     )
 
 
-class PrefillResult(BaseModel):
+class RequestOutput(BaseModel):
+    """A chunk of a request's stream: the tokens that are new since the last chunk.
+
+    The last chunk of a request has `finish_reason` set; `stop_reason` holds the matched stop
+    string or stop token id (None for EOS), as vLLM reports it.
+    """
+
     request_id: str
-    first_token: RequestOutput
-    num_cached_tokens: int
-    kv: KVHandle | None = Field(None, description="None when the request already finished")
+    token_ids: list[int] = []
+    text: str = ""
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None
+    kv: KVHandle | None = Field(
+        None, description="prefill role: where the prompt's KV waits for the decode worker"
+    )
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

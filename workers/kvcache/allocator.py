@@ -12,6 +12,8 @@ Invariants:
 
 from __future__ import annotations
 
+import torch
+
 
 class OutOfPagesError(RuntimeError):
     pass
@@ -23,7 +25,8 @@ class PageAllocator:
         self._free: list[int] = list(range(num_pages - 1, 0, -1))  # pop() gives 1, 2, 3, ...
         self._is_free = [True] * num_pages
         self._is_free[0] = False
-        self.generation = [0] * num_pages
+        # A tensor, so a NIXL agent can register it and peers can read it (stale-read check).
+        self.generation = torch.zeros(num_pages, dtype=torch.int64)
 
     @property
     def num_free(self) -> int:

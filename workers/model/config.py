@@ -40,6 +40,18 @@ class ModelConfig(BaseModel):
     sliding_window: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
+    def context_limit(self, requested: int | None = None) -> int:
+        """Longest sequence served: the model's, capped by a sliding window we don't implement
+        and by `requested` (which may not exceed it)."""
+        limit = self.max_position_embeddings
+        if self.sliding_window is not None and self.sliding_window < limit:
+            limit = self.sliding_window  # sliding-window attention is not implemented
+        if requested is not None:
+            if requested > limit:
+                raise ValueError(f"max_model_len={requested} exceeds the model's {limit}")
+            limit = requested
+        return limit
+
     @classmethod
     def from_hf(cls, hf: Any) -> ModelConfig:
         archs = getattr(hf, "architectures", None) or []

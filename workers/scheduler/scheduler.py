@@ -43,6 +43,15 @@ class Scheduler:
             self.waiting.remove(seq)
         self.kv.release(seq, cache=cache)
 
+    def detach(self, seq: Sequence) -> None:
+        """Take running `seq` out of the batch, keeping its pages (a prefill hand-off)."""
+        self.running.remove(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """Join `seq`, whose KV is already in its pages, to the running batch (decode)."""
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+
     def schedule(self) -> StepInput | None:
         step = StepInput(seqs=[], num_new_tokens=[])
         budget = self.budget

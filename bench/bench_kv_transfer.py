@@ -1,0 +1,210 @@
+"""NIXL READ bandwidth between two Ray actors, against a local torch copy of the same bytes.
+
+Two actors (prefill, decode) each hold a KV pool shaped like SmolLM2-135M (30 layers, 3 KV
+heads, head_dim 64, page 16; float32 on CPU, bfloat16 with --device cuda). For each prompt
+length the decode actor reads the prompt's pages from the prefill actor:
+- `runs`: pages consecutive on both sides (what a fresh allocator hands out): one descriptor;
+- `scattered`: remote pages shuffled, so every page is its own descriptor (the worst case).
+Both transfer modes of `KVTransferAgent` are measured (`prepped` dlists, `merged` run
+descriptors through `initialize_xfer`). The reference is a torch copy of the same runs between
+two tensors inside the decode actor, in the same run. Every configuration is checked for
+equal bytes once.
+
+    python bench/bench_kv_transfer.py                       # CPU, DRAM
+    python bench/bench_kv_transfer.py --device cuda         # GPU, VRAM (num_gpus 0.5 each)
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = str(Path(__file__).resolve().parents[1])
+sys.path.insert(0, REPO)
+
+import numpy as np  # noqa: E402
+import ray  # noqa: E402
+import torch  # noqa: E402
+
+from workers.kvcache.pool import KVPool  # noqa: E402
+from workers.protocol import KVLayout  # noqa: E402
+from workers.transfer import KVTransferAgent, merge_page_runs  # noqa: E402
+
+MODES = ("prepped", "merged")
+
+
+class BenchWorker:
+    """One rank: a pool, one transfer agent per mode over it, and a scratch pool for the copy.
+
+    The prefill side runs `serve()`, a stand-in for its engine loop that polls notifications
+    every millisecond (it progresses UCX for peers' reads; see workers/transfer/agent.py).
+    """
+
+    def __init__(
+        self, role: str, layout: dict, num_pages: int, device: str, modes: list, pthread: bool
+    ) -> None:
+        self.device = torch.device(device)
+        self.pool = KVPool(KVLayout(**layout), num_pages, self.device)
+        self.agents = {
+            m: KVTransferAgent(self.pool, role, "bench", 0, xfer_mode=m, progress_thread=pthread)
+            for m in modes
+        }
+        self.scratch: torch.Tensor | None = None
+
+    def names(self) -> dict[str, str]:
+        return {m: a.name for m, a in self.agents.items()}
+
+    def serve(self) -> None:
+        while True:
+            for a in self.agents.values():
+                a.get_notifs()
+            time.sleep(0.001)
+
+    def fill(self, seed: int) -> None:
+        g = torch.Generator(device=self.device).manual_seed(seed)
+        p = self.pool.pages
+        p.copy_(torch.randn(p.shape, generator=g, device=self.device, dtype=torch.float32))
+
+    def digest(self, pages: list[int]) -> str:
+        data = self.pool.pages[pages].contiguous().view(torch.uint8).cpu().numpy()
+        return hashlib.blake2b(data.tobytes(), digest_size=16).hexdigest()
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def read(
+        self, mode: str, remote: str, rpages: list[int], lpages: list[int], iters: int
+    ) -> dict:
+        """`iters` timed READs after one untimed one (which may load the peer)."""
+        agent = self.agents[mode]
+        times, makes, posts, first = [], [], [], 0.0
+        for i in range(iters + 1):
+            self._sync()
+            t0 = time.perf_counter()
+            h = agent.read_pages(remote, rpages, lpages)
+            t1 = time.perf_counter()
+            while agent.poll(h) == "PROC":
+                pass
+            t2 = time.perf_counter()
+            agent.release(h)
+            if h.state != "DONE":
+                raise RuntimeError(f"READ ended {h.state}")
+            if i == 0:
+                first = t2 - t0
+                continue
+            times.append(t2 - t0)
+            makes.append(h.posted_at - t0)  # page checks, descriptors, NIXL request
+            posts.append(t1 - h.posted_at)  # transfer(): on cma it copies part of the bytes
+        med = statistics.median
+        return {"times": times, "make_s": med(makes), "post_s": med(posts), "first_s": first,
+                "descs": h.num_descriptors}
+
+    def torch_copy(self, rpages: list[int], lpages: list[int], iters: int) -> list[float]:
+        """The same runs copied between two tensors of this process (src: a scratch pool)."""
+        if self.scratch is None:
+            self.scratch = self.pool.pages.clone()
+        dst, src, times = self.pool.pages, self.scratch, []
+        runs = merge_page_runs(lpages, rpages)
+        for _ in range(iters + 1):
+            self._sync()
+            t0 = time.perf_counter()
+            for r in runs:
+                dst[r.local_start : r.local_start + r.length].copy_(
+                    src[r.remote_start : r.remote_start + r.length]
+                )
+            self._sync()
+            times.append(time.perf_counter() - t0)
+        return times[1:]
+
+
+def page_lists(n: int, pattern: str, rng: np.random.Generator) -> tuple[list[int], list[int]]:
+    """(remote pages, local pages) for an n-page prompt; page 0 is the scratch page."""
+    local = list(range(1, n + 1))
+    remote = list(range(1, n + 1))
+    if pattern == "scattered":
+        remote = (rng.permutation(n) + 1).tolist()
+    return remote, local
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--tokens", default="512,2048,8192")
+    ap.add_argument("--patterns", default="runs,scattered")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--num-gpus", type=float, default=0.5, help="per actor, with --device cuda")
+    ap.add_argument("--progress-thread", action="store_true", help="NIXL's (spinning) thread")
+    ap.add_argument("--json", action="store_true", help="also print one JSON line per row")
+    args = ap.parse_args()
+
+    tokens = [int(t) for t in args.tokens.split(",")]
+    layout = KVLayout(
+        num_layers=30, page_size=16, num_kv_heads=3, head_dim=64,
+        dtype="float32" if args.device == "cpu" else "bfloat16",
+    )
+    num_pages = max(tokens) // layout.page_size + 2
+    ray.init(
+        num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(
+            p for p in (REPO, os.environ.get("PYTHONPATH")) if p
+        )}},
+    )
+    gpus = args.num_gpus if args.device == "cuda" else 0
+    actor = ray.remote(num_cpus=0, num_gpus=gpus, max_concurrency=2)(BenchWorker)
+    pt = args.progress_thread
+    prefill = actor.remote("prefill", layout.model_dump(), num_pages, args.device, ["prepped"], pt)
+    decode = actor.remote("decode", layout.model_dump(), num_pages, args.device, list(MODES), pt)
+    prefill_name = ray.get(prefill.names.remote())["prepped"]
+    prefill.serve.remote()
+    ray.get([prefill.fill.remote(1), decode.fill.remote(2)])
+    print(f"layout {layout.model_dump()}  page_bytes {layout.page_bytes}  pool {num_pages} pages "
+          f"({num_pages * layout.page_bytes / 2**20:.0f} MiB) on {args.device}; "
+          f"median of {args.iters} reads; progress thread {'on' if pt else 'off'}")
+
+    rng = np.random.default_rng(0)
+    head = (f"{'tokens':>6} {'pattern':>9} {'mode':>7} {'MiB':>6} {'descs':>5} {'make_us':>7} "
+            f"{'post_ms':>7} {'first_ms':>8} {'nixl_GB/s':>9} {'best':>5} {'torch_GB/s':>10} "
+            f"{'ratio':>5}")
+    print(head)
+    print("-" * len(head))
+    for n_tok in tokens:
+        n = -(-n_tok // layout.page_size)
+        nbytes = n * layout.page_bytes
+        for pattern in args.patterns.split(","):
+            rpages, lpages = page_lists(n, pattern, rng)
+            copy_times = ray.get(decode.torch_copy.remote(rpages, lpages, args.iters))
+            torch_gbps = nbytes / statistics.median(copy_times) / 1e9
+            for mode in MODES:
+                ray.get(decode.fill.remote(3))  # overwrite, so the check sees this mode's read
+                r = ray.get(decode.read.remote(mode, prefill_name, rpages, lpages, args.iters))
+                same = ray.get(prefill.digest.remote(rpages)) == ray.get(
+                    decode.digest.remote(lpages)
+                )
+                if not same:
+                    raise SystemExit(f"bytes differ after READ: {n_tok} {pattern} {mode}")
+                gbps = nbytes / statistics.median(r["times"]) / 1e9
+                best = nbytes / min(r["times"]) / 1e9
+                row = {
+                    "tokens": n_tok, "pattern": pattern, "mode": mode, "pages": n,
+                    "MiB": nbytes / 2**20, "descs": r["descs"], "make_us": 1e6 * r["make_s"],
+                    "post_ms": 1e3 * r["post_s"],
+                    "first_ms": 1e3 * r["first_s"], "nixl_GBps": gbps, "best_GBps": best,
+                    "torch_GBps": torch_gbps, "ratio": gbps / torch_gbps,
+                }
+                print(f"{n_tok:>6} {pattern:>9} {mode:>7} {row['MiB']:>6.1f} {r['descs']:>5} "
+                      f"{row['make_us']:>7.0f} {row['post_ms']:>7.2f} {row['first_ms']:>8.1f} "
+                      f"{gbps:>9.2f} {best:>5.2f} {torch_gbps:>10.2f} {row['ratio']:>5.2f}")
+                if args.json:
+                    print("BENCH_KV_TRANSFER", json.dumps(row))
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""The application's one config schema: every knob of `serve run configs/X.yaml` lands here.
+
+`build_app(args)` validates the config file's `args` mapping into `AppConfig`; an unknown or
+mistyped field fails the deploy with pydantic's message naming it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from workers.config import EngineConfig
+from workers.handoff import KVTransferConfig
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class AutoscalingConfig(Strict):
+    min_replicas: int = Field(1, ge=0)
+    initial_replicas: int | None = Field(None, ge=0)
+    max_replicas: int = Field(1, ge=1)
+    target_ongoing_requests: float = Field(16, gt=0)
+    upscale_delay_s: float = Field(30, ge=0)
+    downscale_delay_s: float = Field(600, ge=0)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> AutoscalingConfig:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError("min_replicas must not exceed max_replicas")
+        return self
+
+
+class PoolConfig(Strict):
+    """One pool of workers (prefill or decode): replicas, their resources, engine overrides."""
+
+    num_replicas: int = Field(1, ge=1)
+    autoscaling: AutoscalingConfig | None = None
+    tensor_parallel_size: int = Field(1, ge=1)
+    num_gpus_per_rank: float = Field(0, ge=0, description="0 on CPU; 1 for a GPU per TP rank")
+    num_cpus_per_rank: float = Field(1, ge=0)
+    max_ongoing_requests: int = Field(256, ge=1)
+    max_num_seqs: int | None = Field(None, ge=1)
+    max_num_batched_tokens: int | None = Field(None, ge=1)
+    kv_cache_memory_gb: float | None = Field(None, gt=0)
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
+
+    def engine(self, base: EngineConfig) -> EngineConfig:
+        """The shared engine settings with this pool's overrides applied."""
+        overrides = {
+            k: v
+            for k, v in dict(
+                tensor_parallel_size=self.tensor_parallel_size,
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                kv_cache_memory_gb=self.kv_cache_memory_gb,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+            ).items()
+            if v is not None
+        }
+        return base.model_copy(update=overrides)
+
+
+class RouterConfig(Strict):
+    num_replicas: int = Field(1, ge=1)
+    num_cpus: float = Field(1, ge=0)
+    max_ongoing_requests: int = Field(1024, ge=1)
+    prefix_aware: bool = Field(
+        True,
+        description="send prompts to the prefill replica whose "
+        "cache holds their longest prefix, weighed against load",
+    )
+
+
+class AppConfig(Strict):
+    engine: EngineConfig = EngineConfig()
+    served_model_name: str | None = Field(None, description="name clients send; default: model")
+    mode: Literal["disaggregated", "colocated"] = "disaggregated"
+    prefill: PoolConfig = PoolConfig()
+    decode: PoolConfig = PoolConfig()
+    router: RouterConfig = RouterConfig()
+    kv_transfer: KVTransferConfig = KVTransferConfig()
+    api_key: str | None = Field(None, description="default: $PDSERVE_API_KEY; none = open")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.engine.model
+
+    def resolved_api_key(self) -> str | None:
+        return self.api_key or os.environ.get("PDSERVE_API_KEY") or None

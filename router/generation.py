@@ -1,0 +1,175 @@
+"""One OpenAI request in flight: its engine requests (prompts x n), each choice's state, usage.
+
+Choice `i` of prompt `p` has index `p * n + i` and engine request id `<id>-<index>` (just `<id>`
+when there is one choice); a seeded request gives choice `i` the seed `seed + i`.
+`merge_streams` interleaves the engine streams of all choices and always closes every one of
+them, which aborts whatever is still running (client gone, error in another choice).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from dataclasses import dataclass, field
+
+from router.errors import APIError, BadRequestError
+from router.metrics import Metrics, RequestTimer
+from router.params import sampling_params
+from router.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    PromptTokensDetails,
+    SamplingFields,
+    Usage,
+)
+from router.tokenizer import Prompts, RawPrompt
+from workers.protocol import GenerateRequest, RequestOutput, TokenLogprob
+
+
+@dataclass
+class ChoiceState:
+    index: int
+    prompt: int
+    timer: RequestTimer
+    text: str = ""
+    num_tokens: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    text_offset: int = 0  # completions logprobs: where the next token's text starts
+
+
+@dataclass
+class Job:
+    id: str
+    chat: bool
+    model: str
+    prompt_ids: list[list[int]]
+    requests: list[GenerateRequest]
+    choices: list[ChoiceState]
+    logprobs: int | None
+    echo: list[str] | None = None  # completions with echo: each prompt's text
+    include_usage: bool = False
+    continuous_usage: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def add(self, index: int, out: RequestOutput) -> ChoiceState:
+        """Fold one engine chunk into its choice."""
+        choice = self.choices[index]
+        choice.text += out.text
+        choice.num_tokens += len(out.token_ids)
+        choice.logprobs += out.logprobs or []
+        choice.num_cached_tokens = out.num_cached_tokens
+        choice.timer.on_tokens(len(out.token_ids))
+        if out.finished:
+            choice.finish_reason, choice.stop_reason = out.finish_reason, out.stop_reason
+            choice.timer.finish(out.finish_reason)
+        return choice
+
+    def close(self, reason: str = "abort") -> None:
+        """End the choices that never finished (client gone: "abort"; a failure: "error")."""
+        for choice in self.choices:
+            if choice.finish_reason is None:
+                choice.finish_reason = reason
+                choice.timer.finish(reason)
+
+    def usage(self, choices: list[ChoiceState] | None = None) -> Usage:
+        choices = self.choices if choices is None else choices
+        prompts = sorted({c.prompt for c in choices})
+        prompt_tokens = sum(len(self.prompt_ids[p]) for p in prompts)
+        cached = sum(max(c.num_cached_tokens for c in choices if c.prompt == p) for p in prompts)
+        completion = sum(c.num_tokens for c in choices)
+        return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion,
+                     total_tokens=prompt_tokens + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+
+def build_job(req: SamplingFields, prompt_ids: list[list[int]], prompts: Prompts, model: str,
+              metrics: Metrics, defaults: Mapping[str, float] | None = None) -> Job:
+    chat = isinstance(req, ChatCompletionRequest)
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    requested = req.max_tokens
+    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+        requested = req.max_completion_tokens
+    requests, choices = [], []
+    for p, ids in enumerate(prompt_ids):
+        max_tokens = prompts.resolve_max_tokens(len(ids), requested, chat)
+        for i in range(req.n):
+            index = p * req.n + i
+            params = sampling_params(req, max_tokens, seed_offset=i, defaults=defaults)
+            name = rid if len(prompt_ids) * req.n == 1 else f"{rid}-{index}"
+            requests.append(GenerateRequest(request_id=name, prompt_token_ids=tuple(ids),
+                                            params=params))
+            choices.append(ChoiceState(index=index, prompt=p, timer=metrics.request_timer()))
+    opts = req.stream_options
+    echo = None
+    if isinstance(req, CompletionRequest) and req.echo:
+        echo = _prompt_texts(req.prompt, prompt_ids, prompts)
+    return Job(id=rid, chat=chat, model=model, prompt_ids=prompt_ids, requests=requests,
+               choices=choices, logprobs=requests[0].params.logprobs, echo=echo,
+               include_usage=bool(opts and opts.include_usage),
+               continuous_usage=bool(opts and opts.include_usage and opts.continuous_usage_stats))
+
+
+def _prompt_texts(prompt: RawPrompt, prompt_ids: list[list[int]], prompts: Prompts) -> list[str]:
+    """Each prompt's text for echo: as the client sent it, or decoded from its token ids."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if all(isinstance(p, str) for p in prompt):
+        return [str(p) for p in prompt]
+    return [prompts.decode(ids, skip_special_tokens=False) for ids in prompt_ids]
+
+
+def as_api_error(exc: BaseException) -> APIError:
+    """What the client is told about a backend failure: rejections are the caller's (400).
+
+    A Ray task error is also an instance of its cause's class; its `cause` has the short message.
+    """
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ValueError):
+        cause = getattr(exc, "cause", None)
+        return BadRequestError(str(cause if isinstance(cause, ValueError) else exc))
+    return APIError(f"{type(exc).__name__}: {exc}")
+
+
+_END = object()
+Stream = AsyncIterator[RequestOutput]
+
+
+async def merge_streams(streams: list[Stream]) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+    """(choice index, chunk) from all streams as they come; backend failures as `APIError`."""
+    queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
+
+    async def pump(i: int, stream: Stream) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer
+            queue.put_nowait((i, e))
+        finally:
+            queue.put_nowait((i, _END))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        live = len(tasks)
+        while live:
+            i, item = await queue.get()
+            if item is _END:
+                live -= 1
+            elif isinstance(item, BaseException):
+                raise as_api_error(item) from item
+            else:
+                assert isinstance(item, RequestOutput)
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for stream in streams:
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                await aclose()

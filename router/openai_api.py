@@ -1,0 +1,201 @@
+"""The OpenAI-compatible HTTP app, independent of Ray Serve: `build_openai_app(...)`.
+
+The Serve ingress mounts the returned FastAPI app with `@serve.ingress`; anything that implements
+`GenerationBackend` (the colocated `LocalBackend`, a prefill -> decode backend) can sit behind it.
+
+    POST /v1/completions, /v1/chat/completions   SSE when stream=true, else one JSON body
+    GET  /v1/models                              the one served model
+    GET  /health                                 200 (empty) while the backend answers stats
+    GET  /metrics                                Prometheus text, `pdserve:` names
+    POST /tokenize, /detokenize                  vLLM's helpers
+
+With an API key configured, every /v1 path needs `Authorization: Bearer <key>` (401 otherwise);
+/health, /metrics and /tokenize stay open, as in vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import AsyncGenerator, Mapping
+from typing import Any
+
+from fastapi import APIRouter, FastAPI
+from fastapi.responses import Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from router.backend import GenerationBackend, LocalBackend, RoleStats
+from router.errors import (
+    APIError,
+    BadRequestError,
+    error_response,
+    install_error_handlers,
+    unknown_model,
+)
+from router.generation import Job, build_job, merge_streams
+from router.metrics import Metrics
+from router.params import check_supported
+from router.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    SamplingFields,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from router.responses import chat_response, completion_response
+from router.streaming import HEADERS, MEDIA_TYPE, stream_events
+from router.tokenizer import Prompts
+from workers.protocol import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["GenerationBackend", "LocalBackend", "Metrics", "RoleStats", "build_openai_app"]
+
+
+class APIKeyMiddleware:
+    """401 for a /v1 request without `Authorization: Bearer <api_key>` (pure ASGI: streams pass)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        path = path[len(scope.get("root_path", "")):] if scope.get("root_path") else path
+        if scope["type"] == "http" and path.startswith("/v1") and not self._allowed(scope):
+            response = error_response(401, "Unauthorized: a valid API key is needed "
+                                      "(Authorization: Bearer <key>)",
+                                      headers={"WWW-Authenticate": "Bearer"})
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _allowed(self, scope: Scope) -> bool:
+        header = dict(scope.get("headers", [])).get(b"authorization", b"")
+        scheme, _, token = header.partition(b" ")
+        return scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), self.expected)
+
+
+def build_openai_app(backend: GenerationBackend, tokenizer: Any, served_model_name: str,
+                     max_model_len: int, api_key: str | None = None,
+                     metrics: Metrics | None = None,
+                     sampling_defaults: Mapping[str, float] | None = None) -> FastAPI:
+    """The app for one served model; `tokenizer` is the model's transformers tokenizer.
+
+    `sampling_defaults` fills omitted temperature / top_p / top_k / min_p (vLLM reads them from
+    generation_config.json); `metrics` defaults to a fresh `Metrics` with its own registry.
+    """
+    prompts = Prompts(tokenizer, max_model_len)
+    metrics = metrics or Metrics(served_model_name)
+    app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
+    app.state.backend, app.state.metrics = backend, metrics
+    install_error_handlers(app)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != served_model_name:
+            raise unknown_model(name)
+
+    async def run(req: SamplingFields, prompt_ids: list[list[int]]) -> Response:
+        job = build_job(req, prompt_ids, prompts, served_model_name, metrics, sampling_defaults)
+        merged = merge_streams([backend.generate(r) for r in job.requests])
+        try:
+            first = await anext(merged, None)
+        except BaseException:
+            await merged.aclose()
+            raise
+        if first is None:
+            raise APIError("the backend ended the request without output")
+        if req.stream:
+            events = stream_events(job, first, merged, prompts)
+            return StreamingResponse(events, media_type=MEDIA_TYPE, headers=HEADERS)
+        await _collect(job, first, merged)
+        body = chat_response(job, prompts) if job.chat else completion_response(job, prompts)
+        return Response(body.model_dump_json(), media_type="application/json")
+
+    v1 = APIRouter(prefix="/v1")
+
+    @v1.post("/completions")
+    async def completions(req: CompletionRequest) -> Response:
+        check_model(req.model)
+        check_supported(req)
+        return await run(req, prompts.completion_prompts(req.prompt))
+
+    @v1.post("/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest) -> Response:
+        check_model(req.model)
+        check_supported(req)
+        ids = prompts.chat_prompt(req.messages, req.add_generation_prompt,
+                                  req.continue_final_message, req.chat_template_kwargs)
+        return await run(req, [ids])
+
+    @v1.get("/models")
+    async def models() -> ModelList:
+        card = ModelCard(id=served_model_name, root=served_model_name,
+                         max_model_len=max_model_len)
+        return ModelList(data=[card])
+
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            await backend.stats()
+        except Exception as e:  # noqa: BLE001 - any failure means "not healthy"
+            logger.warning("health check failed: %s", e)
+            return error_response(503, f"backend unavailable: {e}")
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics_text() -> Response:
+        snapshot: list[RoleStats] | None = None
+        try:
+            snapshot = await backend.stats()
+        except Exception:  # noqa: BLE001 - still serve the router's own metrics
+            logger.exception("backend stats failed")
+        return Response(metrics.render(snapshot), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> TokenizeResponse:
+        check_model(req.model)
+        if req.messages is not None:
+            ids = prompts.chat_prompt(req.messages, req.add_generation_prompt)
+        else:
+            ids = prompts.encode(req.prompt or "", req.add_special_tokens)
+        return TokenizeResponse(count=len(ids), max_model_len=max_model_len, tokens=ids)
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> DetokenizeResponse:
+        check_model(req.model)
+        try:
+            text = prompts.decode(req.tokens, skip_special_tokens=False)
+        except Exception as e:  # noqa: BLE001 - ids the tokenizer cannot decode
+            raise BadRequestError(f"cannot decode tokens: {e}", param="tokens") from e
+        return DetokenizeResponse(prompt=text)
+
+    return app
+
+
+async def _collect(job: Job, first: tuple[int, RequestOutput],
+                   rest: AsyncGenerator[tuple[int, RequestOutput], None]) -> None:
+    """Run a non-streaming job to its end; an engine error fails the whole request (500)."""
+    try:
+        item: tuple[int, RequestOutput] | None = first
+        while item is not None:
+            index, out = item
+            job.add(index, out)
+            if out.finish_reason == "error":
+                raise APIError(out.error or "generation failed")
+            item = await anext(rest, None)
+    except Exception:
+        job.close("error")
+        raise
+    finally:
+        job.close("abort")  # cancelled: the client went away
+        await rest.aclose()

@@ -1,0 +1,113 @@
+"""OpenAI request fields into the engine's `SamplingParams`, refusing what we cannot honour.
+
+A field that would change the output but that the engine does not implement is answered with 400
+"not supported" rather than ignored: penalties away from their neutral values, `logit_bias`,
+guided decoding, beam search, tools. Unknown fields that do not change the output are ignored.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import ValidationError
+
+from router.errors import BadRequestError
+from router.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from workers.protocol import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+SAMPLING_DEFAULTABLE = ("temperature", "top_p", "top_k", "min_p")
+NEUTRAL = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+
+# Unknown (extra) fields that change the output unless they hold their neutral value.
+UNSUPPORTED_EXTRAS: dict[str, tuple[Any, ...]] = {
+    "logit_bias": (None, {}),
+    "suffix": (None, ""),
+    "prompt_logprobs": (None,),
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1, 1.0),
+    "bad_words": (None, []),
+    "allowed_token_ids": (None,),
+    "truncate_prompt_tokens": (None,),
+    "logits_processors": (None, []),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "structured_outputs": (None,),
+    "tools": (None, []),
+    "functions": (None, []),
+}
+
+
+def check_supported(req: SamplingFields) -> None:
+    """400 for a field that would change the output in a way the engine cannot."""
+    for name, neutral in NEUTRAL.items():
+        value = getattr(req, name)
+        if value is not None and value != neutral:
+            raise BadRequestError(f"{name}={value} is not supported; only {neutral} is",
+                                  param=name)
+    extra = req.model_extra or {}
+    for name, allowed in UNSUPPORTED_EXTRAS.items():
+        if name in extra and not any(extra[name] == v for v in allowed):
+            raise BadRequestError(f"{name} is not supported", param=name)
+    fmt = extra.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise BadRequestError("response_format other than 'text' is not supported",
+                              param="response_format")
+    best_of = extra.get("best_of")
+    if best_of is not None and (not isinstance(best_of, int) or best_of > req.n):
+        raise BadRequestError("best_of greater than n is not supported", param="best_of")
+    if req.stream_options is not None and not req.stream:
+        raise BadRequestError("stream_options is only allowed when stream is true",
+                              param="stream_options")
+    if isinstance(req, CompletionRequest) and req.echo and req.logprobs is not None:
+        raise BadRequestError("echo with logprobs is not supported", param="echo")
+    if isinstance(req, ChatCompletionRequest):
+        if extra.get("echo"):
+            raise BadRequestError("echo is not supported for chat", param="echo")
+        if req.top_logprobs and not req.logprobs:
+            raise BadRequestError("top_logprobs needs logprobs set to true", param="top_logprobs")
+    ignored = sorted(set(extra) - set(UNSUPPORTED_EXTRAS))
+    if ignored:
+        logger.debug("request fields ignored: %s", ", ".join(ignored))
+
+
+def requested_logprobs(req: SamplingFields) -> int | None:
+    if isinstance(req, ChatCompletionRequest):
+        return (req.top_logprobs or 0) if req.logprobs else None
+    assert isinstance(req, CompletionRequest)
+    return req.logprobs
+
+
+def sampling_params(req: SamplingFields, max_tokens: int, seed_offset: int = 0,
+                    defaults: Mapping[str, float] | None = None) -> SamplingParams:
+    """The engine's parameters for one choice; `seed_offset` makes n seeded choices differ.
+
+    `defaults` stands in for omitted temperature / top_p / top_k / min_p, as vLLM takes them from
+    the model's generation_config.json.
+    """
+    fields: dict[str, Any] = dict(defaults or {})
+    for name in SAMPLING_DEFAULTABLE:
+        if getattr(req, name) is not None:
+            fields[name] = getattr(req, name)
+    fields |= {
+        "max_tokens": max_tokens,
+        "min_tokens": req.min_tokens,
+        "seed": None if req.seed is None else req.seed + seed_offset,
+        "stop": req.stop,
+        "stop_token_ids": tuple(req.stop_token_ids or ()),
+        "ignore_eos": req.ignore_eos,
+        "include_stop_str_in_output": req.include_stop_str_in_output,
+        "logprobs": requested_logprobs(req),
+        "skip_special_tokens": req.skip_special_tokens,
+    }
+    try:
+        return SamplingParams(**{k: v for k, v in fields.items() if v is not None})
+    except ValidationError as e:
+        err = e.errors()[0]
+        param = ".".join(str(p) for p in err.get("loc", ())) or None
+        raise BadRequestError(f"{param}: {err.get('msg')}", param=param) from e

@@ -1,0 +1,264 @@
+"""The OpenAI API's objects as vLLM serves them: requests, responses, stream chunks, errors.
+
+Requests accept unknown fields (benchmarks send `best_of`, `logprobs: null`, ...) and keep them in
+`model_extra`, where `router.validation` rejects the ones that would change the output. Field
+bounds live here, so a bad value fails FastAPI's validation and becomes a 400 in `router.errors`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_serializer,
+    field_validator,
+)
+
+from workers.protocol import MAX_LOGPROBS
+
+
+class OpenAIModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# ---- requests ---------------------------------------------------------------------------------
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class SamplingFields(BaseModel):
+    """The fields that completions and chat share; unknown ones are kept in `model_extra`."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    n: int = Field(1, ge=1, le=128)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    user: str | None = None
+
+    @field_validator("n", "stream", "ignore_eos", "min_tokens", "include_stop_str_in_output",
+                     "skip_special_tokens", "logprobs", "echo", "add_generation_prompt",
+                     "continue_final_message", mode="before", check_fields=False)
+    @classmethod
+    def _null_is_default(cls, value: Any, info: ValidationInfo) -> Any:
+        """`"n": null` and friends mean "the default", as clients and benchmarks send them."""
+        if value is None and info.field_name is not None:
+            return cls.model_fields[info.field_name].default
+        return value
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    tokens: list[int]
+
+
+# ---- responses --------------------------------------------------------------------------------
+class PromptTokensDetails(OpenAIModel):
+    cached_tokens: int = 0
+
+
+class Usage(OpenAIModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class CompletionLogprobs(OpenAIModel):
+    text_offset: list[int] = []
+    token_logprobs: list[float | None] = []
+    tokens: list[str] = []
+    top_logprobs: list[dict[str, float] | None] = []
+
+
+class TopLogprob(OpenAIModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChatLogprobs(OpenAIModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+class CompletionChoice(OpenAIModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(OpenAIModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class AssistantMessage(OpenAIModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(OpenAIModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(OpenAIModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class DeltaMessage(OpenAIModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(OpenAIModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @field_serializer("delta")
+    def _delta_without_nulls(self, delta: DeltaMessage) -> dict[str, Any]:
+        return delta.model_dump(exclude_none=True)
+
+
+class ChatCompletionChunk(OpenAIModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: Usage | None = None
+
+
+class CompletionChunk(OpenAIModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(OpenAIModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "pdserve"
+    root: str
+    parent: str | None = None
+    max_model_len: int
+
+
+class ModelList(OpenAIModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(OpenAIModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(OpenAIModel):
+    prompt: str
+
+
+class ErrorInfo(OpenAIModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | str | None = None
+
+
+class ErrorResponse(OpenAIModel):
+    error: ErrorInfo

@@ -1,0 +1,131 @@
+"""A job's state as OpenAI objects: full responses, stream chunks, and logprobs in both shapes.
+
+Completions logprobs name tokens by their text with a `{token: logprob}` map per position that
+includes the sampled token (as vLLM does); chat logprobs are a list per token with `bytes` and
+the `top_logprobs` best first. Logprobs are clamped to -9999 so JSON never meets -inf.
+"""
+
+from __future__ import annotations
+
+from router.generation import ChoiceState, Job
+from router.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatStreamChoice,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+    CompletionResponse,
+    DeltaMessage,
+    TopLogprob,
+)
+from router.tokenizer import Prompts
+from workers.protocol import RequestOutput, TokenLogprob
+
+MIN_LOGPROB = -9999.0
+
+
+def _lp(value: float) -> float:
+    return max(value, MIN_LOGPROB)
+
+
+def completion_logprobs(choice: ChoiceState, tokens: list[TokenLogprob],
+                        prompts: Prompts) -> CompletionLogprobs:
+    """Logprobs of `tokens`, the choice's newest; advances the choice's text offset."""
+    out = CompletionLogprobs()
+    for t in tokens:
+        text = prompts.token_text(t.token_id)
+        top = {prompts.token_text(i): _lp(lp) for i, lp in t.top.items()}
+        top[text] = _lp(t.logprob)
+        out.text_offset.append(choice.text_offset)
+        out.token_logprobs.append(_lp(t.logprob))
+        out.tokens.append(text)
+        out.top_logprobs.append(top)
+        choice.text_offset += len(text)
+    return out
+
+
+def chat_logprobs(tokens: list[TokenLogprob], prompts: Prompts, top_n: int) -> ChatLogprobs:
+    def entry(token_id: int, logprob: float) -> TopLogprob:
+        text = prompts.token_text(token_id)
+        return TopLogprob(token=text, logprob=_lp(logprob), bytes=list(text.encode()))
+
+    content = []
+    for t in tokens:
+        best = sorted(t.top.items(), key=lambda kv: -kv[1])[:top_n]
+        head = entry(t.token_id, t.logprob)
+        content.append(ChatTokenLogprob(**head.model_dump(),
+                                        top_logprobs=[entry(i, lp) for i, lp in best]))
+    return ChatLogprobs(content=content)
+
+
+# ---- whole responses --------------------------------------------------------------------------
+def completion_response(job: Job, prompts: Prompts) -> CompletionResponse:
+    choices = []
+    for c in job.choices:
+        text = (job.echo[c.prompt] if job.echo else "") + c.text
+        logprobs = None if job.logprobs is None else completion_logprobs(c, c.logprobs, prompts)
+        choices.append(CompletionChoice(index=c.index, text=text, logprobs=logprobs,
+                                        finish_reason=c.finish_reason,
+                                        stop_reason=c.stop_reason))
+    return CompletionResponse(id=job.id, created=job.created, model=job.model, choices=choices,
+                              usage=job.usage())
+
+
+def chat_response(job: Job, prompts: Prompts) -> ChatCompletionResponse:
+    choices = []
+    for c in job.choices:
+        logprobs = None
+        if job.logprobs is not None:
+            logprobs = chat_logprobs(c.logprobs, prompts, job.logprobs)
+        choices.append(ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
+                                  logprobs=logprobs, finish_reason=c.finish_reason,
+                                  stop_reason=c.stop_reason))
+    return ChatCompletionResponse(id=job.id, created=job.created, model=job.model,
+                                  choices=choices, usage=job.usage())
+
+
+# ---- stream chunks ----------------------------------------------------------------------------
+Chunk = ChatCompletionChunk | CompletionChunk
+
+
+def role_chunks(job: Job) -> list[ChatCompletionChunk]:
+    """The first chat chunks, one per choice (as vLLM sends them): `delta.role`, no content."""
+    return [ChatCompletionChunk(id=job.id, created=job.created, model=job.model, choices=[
+        ChatStreamChoice(index=c.index, delta=DeltaMessage(role="assistant", content=""))])
+        for c in job.choices]
+
+
+def content_chunk(job: Job, choice: ChoiceState, out: RequestOutput, first: bool,
+                  prompts: Prompts) -> Chunk | None:
+    """The chunk for one engine output of `choice`; None when it carries nothing to send."""
+    text = out.text
+    if first and job.echo:
+        text = job.echo[choice.prompt] + text
+    if not text and not out.finished and not out.logprobs:
+        return None
+    finish = choice.finish_reason if out.finished else None
+    stop = choice.stop_reason if out.finished else None
+    usage = job.usage([choice]) if job.continuous_usage else None
+    tokens = out.logprobs or []
+    if job.chat:
+        lp = chat_logprobs(tokens, prompts, job.logprobs) if job.logprobs is not None else None
+        delta = ChatStreamChoice(index=choice.index, delta=DeltaMessage(content=text),
+                                 logprobs=lp, finish_reason=finish, stop_reason=stop)
+        return ChatCompletionChunk(id=job.id, created=job.created, model=job.model,
+                                   choices=[delta], usage=usage)
+    clp = completion_logprobs(choice, tokens, prompts) if job.logprobs is not None else None
+    item = CompletionChoice(index=choice.index, text=text, logprobs=clp, finish_reason=finish,
+                            stop_reason=stop)
+    return CompletionChunk(id=job.id, created=job.created, model=job.model, choices=[item],
+                           usage=usage)
+
+
+def usage_chunk(job: Job) -> Chunk:
+    """The last chunk with `include_usage`: no choices, the whole request's usage."""
+    cls = ChatCompletionChunk if job.chat else CompletionChunk
+    return cls(id=job.id, created=job.created, model=job.model, choices=[], usage=job.usage())

@@ -1,0 +1,202 @@
+"""Prefill and decode in separate Ray actors, KV pages handed over by real NIXL (UCX, DRAM)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("nixl")
+
+from workers import LLM  # noqa: E402
+from workers.decode_worker import DecodeWorker  # noqa: E402
+from workers.prefill_worker import PrefillWorker  # noqa: E402
+from workers.protocol import GenerateRequest, RequestOutput, SamplingParams  # noqa: E402
+
+pytestmark = pytest.mark.e2e
+
+REPO = str(Path(__file__).resolve().parents[2])
+ENGINE = {"page_size": 16, "kv_cache_memory_gb": 0.25}
+SYSTEM = "You are a careful assistant who answers in one short sentence. " * 10
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+DEADLINE_S = 30.0
+
+
+class Prefill(PrefillWorker):
+    async def stale(self, lease_id: str) -> None:
+        """Free a handed-off prompt's pages and scribble over them, as reuse would."""
+
+        def reuse() -> None:
+            lease = self.engine.leases.pop(lease_id)
+            assert lease is not None
+            pages = list(lease.seq.pages)
+            self.engine.kv.release(lease.seq, cache=False)
+            assert self.engine.kv.radix is not None
+            self.engine.kv.radix.evict(self.engine.allocator.num_usable)
+            self.engine.runner.pool.pages[pages] = 7.0
+
+        await self.loop.run(reuse)
+
+
+class Decode(DecodeWorker):
+    async def run(self, req: GenerateRequest, first: RequestOutput) -> list[RequestOutput]:
+        return [chunk async for chunk in self.generate(req, first)]
+
+    async def abort_after(self, req: GenerateRequest, first: RequestOutput, n: int) -> int:
+        got = 0
+        stream = self.generate(req, first)
+        async for chunk in stream:
+            got += len(chunk.token_ids)
+            if got >= n:
+                break
+        await stream.aclose()
+        return got
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
+    ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
+    yield
+    ray.shutdown()
+
+
+def start(cls, **transfer):  # noqa: ANN001, ANN201
+    actor = ray.remote(num_cpus=1)(cls).remote(ENGINE, {"lease_s": 30.0, **transfer})
+    ray.get(actor.__ray_ready__.remote())
+    return actor
+
+
+@pytest.fixture(scope="module")
+def prefill(cluster):
+    return start(Prefill)
+
+
+@pytest.fixture(scope="module")
+def decode(cluster):
+    return start(Decode)
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(**ENGINE)
+
+
+def request(llm: LLM, rid: str, text: str, params: SamplingParams = GREEDY) -> GenerateRequest:
+    ids = llm.tokenizer.encode(text)
+    return GenerateRequest(request_id=rid, prompt_token_ids=ids, params=params)
+
+
+def wait_for(cond, what: str) -> None:  # noqa: ANN001
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < DEADLINE_S, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def tokens(first: RequestOutput, rest: list[RequestOutput]) -> list[int]:
+    return first.token_ids + [t for c in rest for t in c.token_ids]
+
+
+def test_split_prefill_and_decode_equal_the_single_process_engine(llm, prefill, decode) -> None:
+    reqs = [
+        request(llm, f"eq{i}", f"Question {i}: name a colour that starts with {c}.")
+        for i, c in enumerate("BGRY")
+    ]
+    expected = [o.token_ids for o in llm.generate([list(r.prompt_token_ids) for r in reqs], GREEDY)]
+    firsts = ray.get([prefill.prefill.remote(r) for r in reqs])
+    assert all(f.kv is not None and len(f.token_ids) == 1 for f in firsts)
+    rests = ray.get([decode.run.remote(r, f) for r, f in zip(reqs, firsts)])
+    assert [tokens(f, r) for f, r in zip(firsts, rests)] == expected
+    assert rests[0][-1].finish_reason == "length"
+    wait_for(lambda: ray.get(prefill.stats.remote()).kv_pages_pinned == 0, "prefill unpin")
+    stats = ray.get(decode.stats.remote())
+    assert stats.kv_pages_pinned == 0 and stats.num_recomputed == 0
+    assert stats.nixl_bytes_transferred > 0
+
+
+def test_second_request_with_shared_prefix_reads_only_new_pages(llm, prefill, decode) -> None:
+    before = ray.get(decode.stats.remote())
+    page_bytes = None
+    reads = []
+    for i in range(2):
+        req = request(llm, f"shared{i}", SYSTEM + f"Question {i}: what is {i} + {i}?")
+        first = ray.get(prefill.prefill.remote(req))
+        page_bytes = first.kv.layout[0].page_bytes
+        ray.get(decode.run.remote(req, first))
+        after = ray.get(decode.stats.remote())
+        reads.append(
+            (
+                after.kv_pages_read - before.kv_pages_read,
+                after.nixl_bytes_transferred - before.nixl_bytes_transferred,
+            )
+        )
+        before = after
+    shared_pages = len(llm.tokenizer.encode(SYSTEM)) // 16
+    assert reads[0][0] >= shared_pages
+    assert reads[1][0] <= reads[0][0] - shared_pages + 1
+    assert reads[1][1] == reads[1][0] * page_bytes  # bytes counted match pages read
+
+
+def test_abort_on_decode_unpins_prefill_and_frees_decode_pages(llm, prefill, decode) -> None:
+    req = request(
+        llm,
+        "aborted",
+        "Tell me a long story about the sea.",
+        SamplingParams(max_tokens=500, ignore_eos=True),
+    )
+    first = ray.get(prefill.prefill.remote(req))
+    assert ray.get(decode.abort_after.remote(req, first, 3)) >= 3
+    wait_for(lambda: ray.get(decode.stats.remote()).num_running == 0, "decode abort")
+    d = ray.get(decode.stats.remote())
+    assert d.kv_pages_pinned == 0 and d.kv_pages_used == d.kv_pages_cached
+    wait_for(lambda: ray.get(prefill.stats.remote()).kv_pages_pinned == 0, "prefill unpin")
+
+
+def test_unread_pages_are_unpinned_when_the_lease_expires(llm, cluster) -> None:
+    short = start(Prefill, lease_s=1.0)
+    first = ray.get(short.prefill.remote(request(llm, "unread", SYSTEM + "Hello?")))
+    assert ray.get(short.stats.remote()).kv_pages_pinned > 0
+    wait_for(lambda: ray.get(short.stats.remote()).kv_pages_pinned == 0, "lease expiry")
+    assert first.kv is not None and first.kv.lease_expiry < time.time()
+    ray.kill(short)
+
+
+def test_prefill_killed_before_the_read_recomputes_within_bound(llm, cluster, decode) -> None:
+    doomed = start(Prefill)
+    req = request(llm, "orphan", "Question: what colour is the sky on a clear day?")
+    [expected] = llm.generate([list(req.prompt_token_ids)], GREEDY)
+    first = ray.get(doomed.prefill.remote(req))
+    ray.kill(doomed)
+    t0 = time.monotonic()
+    rest = ray.get(decode.run.remote(req, first), timeout=DEADLINE_S)
+    assert time.monotonic() - t0 < DEADLINE_S
+    assert tokens(first, rest) == expected.token_ids
+    d = ray.get(decode.stats.remote())
+    assert d.num_recomputed >= 1 and d.kv_pages_pinned == 0 and d.num_handoffs_pending == 0
+
+
+def test_failure_policy_fail_ends_the_request_with_an_error(llm, cluster) -> None:
+    doomed = start(Prefill)
+    strict = start(Decode, failure_policy="fail")
+    req = request(llm, "strict", "Question: what is two plus two?")
+    first = ray.get(doomed.prefill.remote(req))
+    ray.kill(doomed)
+    rest = ray.get(strict.run.remote(req, first), timeout=DEADLINE_S)
+    assert rest[-1].finish_reason == "error" and "KV read" in (rest[-1].error or "")
+    assert ray.get(strict.stats.remote()).kv_pages_pinned == 0
+    ray.kill(strict)
+
+
+def test_stale_pages_are_detected_and_never_served(llm, prefill, decode) -> None:
+    req = request(llm, "stale", SYSTEM + "Question: what is the capital of Italy?")
+    [expected] = llm.generate([list(req.prompt_token_ids)], GREEDY)
+    before = ray.get(decode.stats.remote()).num_recomputed
+    first = ray.get(prefill.prefill.remote(req))
+    ray.get(prefill.stale.remote(first.kv.lease_id))
+    rest = ray.get(decode.run.remote(req, first), timeout=DEADLINE_S)
+    assert tokens(first, rest) == expected.token_ids  # recomputed, not read from garbage
+    assert ray.get(decode.stats.remote()).num_recomputed == before + 1

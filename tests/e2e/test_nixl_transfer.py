@@ -1,0 +1,218 @@
+"""Real NIXL (UCX over DRAM) between two Ray actors, each with a KV pool and a transfer agent.
+
+Peers find each other only through the metadata published in Ray's internal KV store.
+Every wait has a deadline, so a transport that hangs fails the test instead of stalling it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("nixl")
+
+from workers.kvcache.pool import KVPool  # noqa: E402
+from workers.protocol import KVLayout  # noqa: E402
+from workers.transfer import (  # noqa: E402
+    KVLayoutMismatchError,
+    KVTransferAgent,
+    TransferError,
+)
+
+pytestmark = pytest.mark.e2e
+
+LAYOUT = KVLayout(num_layers=2, page_size=4, num_kv_heads=2, head_dim=8, dtype="float32")
+NUM_PAGES = 64
+DEADLINE_S = 10.0
+REPO = str(Path(__file__).resolve().parents[2])
+
+
+class KVWorker:
+    """A stand-in for one worker rank: a KV pool and its transfer agent.
+
+    A prefill worker runs `serve()`, the stand-in for its engine loop: from then on that loop is
+    the only thread that calls the agent, and it calls `get_notifs()` every millisecond, which
+    also progresses the reads peers make of its pages (no NIXL progress thread by default).
+    """
+
+    def __init__(self, role: str, tag: str, **agent_kw: Any) -> None:
+        self.pool = KVPool(LAYOUT, NUM_PAGES, "cpu")
+        self.agent = KVTransferAgent(self.pool, role, tag, rank=0, **agent_kw)
+        self.generation = torch.arange(NUM_PAGES, dtype=torch.int64) * 10
+        self.agent.track_generations(self.generation)
+        self.notifs: list[tuple[str, bytes]] = []
+
+    def name(self) -> str:
+        return self.agent.name
+
+    def serve(self) -> None:
+        while True:
+            for name, msgs in self.agent.get_notifs().items():
+                self.notifs.extend((name, m) for m in msgs)
+            time.sleep(0.001)
+
+    def fill(self, offset: float) -> None:
+        pages = self.pool.pages
+        pages.copy_(offset + torch.arange(pages.numel()).view_as(pages))
+
+    def page_bytes(self, pages: list[int]) -> list[bytes]:
+        return [self.pool.pages[p].numpy().tobytes() for p in pages]
+
+    def read(
+        self, remote: str, remote_pages: list[int], local_pages: list[int], msg: bytes
+    ) -> dict[str, Any]:
+        """Post a READ and poll it to the end or the deadline; report what happened."""
+        t0 = time.monotonic()
+        try:
+            handle = self.agent.read_pages(remote, remote_pages, local_pages, msg)
+        except TransferError as e:  # includes PeerUnavailableError
+            return {"state": "raised", "error": str(e), "seconds": time.monotonic() - t0}
+        while self.agent.poll(handle) == "PROC" and time.monotonic() - t0 < DEADLINE_S:
+            time.sleep(0.001)
+        self.agent.release(handle)
+        return {
+            "state": handle.state,
+            "num_descriptors": handle.num_descriptors,
+            "num_bytes": handle.num_bytes,
+            "seconds": time.monotonic() - t0,
+        }
+
+    def free_page(self, page: int) -> None:
+        self.generation[page] += 1  # what PageAllocator.free does
+
+    def read_generations(self, remote: str, page_lists: list[list[int]]) -> dict[str, Any]:
+        """Post one generation READ per list, all in flight at once, then poll each to the end."""
+        handles = [self.agent.read_generations(remote, pages) for pages in page_lists]
+        t0 = time.monotonic()
+        for h in handles:
+            while self.agent.poll(h) == "PROC" and time.monotonic() - t0 < DEADLINE_S:
+                time.sleep(0.001)
+            self.agent.release(h)
+        return {"states": [h.state for h in handles], "values": [h.generations for h in handles]}
+
+    def send_notif(self, remote: str, msg: bytes) -> None:
+        self.agent.send_notif(remote, msg)
+
+    def wait_notifs(self, count: int) -> dict[str, list[bytes]]:
+        """The notifications `serve()` collected, once `count` are there or at the deadline."""
+        t0 = time.monotonic()
+        while len(self.notifs) < count and time.monotonic() - t0 < DEADLINE_S:
+            time.sleep(0.001)
+        got: dict[str, list[bytes]] = {}
+        for name, msg in self.notifs:
+            got.setdefault(name, []).append(msg)
+        self.notifs.clear()
+        return got
+
+    def forget(self, remote: str) -> None:
+        self.agent.forget_peer(remote)
+
+    def stats(self) -> dict[str, Any]:
+        return vars(self.agent.stats())
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    if ray.is_initialized():  # another module's cluster: reuse it, leave it running
+        yield
+        return
+    path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
+    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
+    yield
+    ray.shutdown()
+
+
+def start(role: str, tag: str, **agent_kw: Any) -> Any:
+    return ray.remote(num_cpus=0, max_concurrency=2)(KVWorker).remote(role, tag, **agent_kw)
+
+
+@dataclass
+class Workers:
+    prefill: Any
+    decode: dict[str, Any]  # by xfer mode
+    doomed: Any  # a prefill worker that one test kills
+    prefill_name: str
+    decode_name: dict[str, str]
+    doomed_name: str
+
+
+@pytest.fixture(scope="module")
+def workers(ray_local: None) -> Workers:
+    modes = ["prepped", "merged"]
+    decode = {m: start("decode", f"r{i}", xfer_mode=m) for i, m in enumerate(modes)}
+    prefill = start("prefill", "r0")
+    doomed = start("prefill", "doomed", progress_thread=True)  # needs no serving loop
+    actors = [prefill, doomed, *decode.values()]
+    names = ray.get([a.name.remote() for a in actors])  # they all start in parallel
+    prefill.serve.remote()  # runs until the actor dies
+    decode_names = dict(zip(modes, names[2:], strict=True))
+    return Workers(prefill, decode, doomed, names[0], decode_names, names[1])
+
+
+@pytest.mark.parametrize("mode", ["prepped", "merged"])
+def test_decode_reads_prefill_pages_and_prefill_is_notified(workers: Workers, mode: str) -> None:
+    w, decode = workers, workers.decode[mode]
+    ray.get([w.prefill.fill.remote(1.0), decode.fill.remote(-1e6)])
+
+    out = ray.get(decode.read.remote(w.prefill_name, [5, 6, 7, 20], [10, 11, 12, 3], b"lease-42"))
+
+    assert out["state"] == "DONE", out
+    assert out["num_descriptors"] == 2  # runs 5-7 -> 10-12 and 20 -> 3
+    assert out["num_bytes"] == 4 * LAYOUT.page_bytes
+    want = ray.get(w.prefill.page_bytes.remote([5, 6, 7, 20]))
+    assert ray.get(decode.page_bytes.remote([10, 11, 12, 3])) == want
+    assert ray.get(decode.page_bytes.remote([4]))[0] != want[0]  # other pages are untouched
+    assert ray.get(w.prefill.wait_notifs.remote(1)) == {w.decode_name[mode]: [b"lease-42"]}
+    stats = ray.get(decode.stats.remote())
+    assert stats["bytes_transferred"] == 4 * LAYOUT.page_bytes and stats["num_descriptors"] == 2
+
+
+def test_generation_reads_see_pages_freed_after_the_handle(workers: Workers) -> None:
+    w, decode = workers, workers.decode["prepped"]
+    before = ray.get(decode.read_generations.remote(w.prefill_name, [[5, 6, 7, 20], [1, 3]]))
+    assert before["states"] == ["DONE", "DONE"]
+    assert before["values"] == [[50, 60, 70, 200], [10, 30]]  # each READ has its own slot
+
+    ray.get(w.prefill.free_page.remote(6))
+    after = ray.get(decode.read_generations.remote(w.prefill_name, [[5, 6, 7, 20]]))
+    assert after["values"] == [[50, 61, 70, 200]]
+
+
+def test_standalone_notification_reaches_prefill(workers: Workers) -> None:
+    w = workers
+    ray.get(w.decode["prepped"].send_notif.remote(w.prefill_name, b"abort:lease-7"))
+    got = ray.get(w.prefill.wait_notifs.remote(1))
+    assert got == {w.decode_name["prepped"]: [b"abort:lease-7"]}
+
+
+def test_read_is_refused_when_layouts_differ(workers: Workers) -> None:
+    other = LAYOUT.model_copy(update={"page_size": 8})
+    local = KVTransferAgent(KVPool(other, 8, "cpu"), "decode", "driver", rank=0)
+    try:
+        with pytest.raises(KVLayoutMismatchError, match="page_size"):
+            local.read_pages(workers.prefill_name, [1], [1])
+    finally:
+        local.close()
+
+
+def test_reading_from_a_dead_prefill_fails_within_a_deadline(workers: Workers) -> None:
+    w, decode = workers, workers.decode["prepped"]
+    assert ray.get(decode.read.remote(w.doomed_name, [1, 2], [30, 31], b""))["state"] == "DONE"
+
+    ray.kill(w.doomed, no_restart=True)
+    time.sleep(0.5)  # let the process exit
+    cached = ray.get(decode.read.remote(w.doomed_name, [1, 2], [30, 31], b""))
+    ray.get(decode.forget.remote(w.doomed_name))  # a reader that meets the dead agent afresh
+    fresh = ray.get(decode.read.remote(w.doomed_name, [1, 2], [30, 31], b""))
+
+    for out in (cached, fresh):
+        assert out["state"] in ("ERR", "raised"), out
+        assert out["seconds"] < DEADLINE_S
+    assert ray.get(decode.stats.remote())["num_failed_transfers"] >= 2

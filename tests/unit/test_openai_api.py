@@ -1,0 +1,383 @@
+"""The OpenAI app on the real colocated engine (SmolLM2, CPU), via httpx and the `openai` client.
+
+Generation is slow on a shared CPU, so the requests that generate run concurrently in two
+module fixtures (one engine batch each) and the tests assert on their results.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import pytest_asyncio
+import uvicorn
+
+from router.openai_api import LocalBackend, build_openai_app
+from workers.config import EngineConfig
+from workers.engine_core import Engine
+from workers.engine_loop import AsyncEngine
+from workers.protocol import GenerateRequest, RequestOutput
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+MODEL = "smollm2-135m-instruct"
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+PARIS = "The capital of France is Paris."
+PROMPT = "Once upon a time"
+
+
+@pytest.fixture(scope="module")
+def engine():
+    eng = AsyncEngine(Engine(EngineConfig()))
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def app(engine: AsyncEngine):
+    return build_openai_app(LocalBackend(engine), engine.engine.tokenizer, MODEL,
+                            engine.engine.max_model_len)
+
+
+def http(app: Any) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://test")
+
+
+def client(app: Any, key: str = "EMPTY") -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url="http://test/v1", api_key=key, max_retries=0,
+                              http_client=httpx.AsyncClient(transport=httpx.ASGITransport(app)))
+
+
+def events(body: str) -> list[Any]:
+    """An SSE body as its decoded events; asserts the framing is exactly `data: ...\\n\\n`."""
+    assert body.endswith("\n\n") and not body.startswith("\n")
+    raw = body[:-2].split("\n\n")
+    assert all(e.startswith("data: ") for e in raw)
+    return [e[6:] if e == "data: [DONE]" else json.loads(e[6:]) for e in raw]
+
+
+async def sse(app: Any, path: str, body: dict[str, Any]) -> list[Any]:
+    async with http(app) as c:
+        r = await c.post(path, json=body)
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"].startswith("text/event-stream")
+    return events(r.text)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def chat_runs(app: Any) -> dict[str, Any]:
+    oc = client(app)
+    greedy = {"model": MODEL, "messages": FRANCE, "temperature": 0, "max_tokens": 12}
+    nulls = {"n": None, "logprobs": None, "stream": None, "best_of": None, "echo": None}
+    runs = await asyncio.gather(
+        oc.chat.completions.create(**greedy, extra_body=nulls),  # null means the default
+        oc.chat.completions.create(**greedy, stream=True, stream_options={"include_usage": True}),
+        sse(app, "/v1/chat/completions", {**greedy, "stream": True, "n": 2,
+                                           "stream_options": {"include_usage": True}}),
+        oc.chat.completions.create(**{**greedy, "max_tokens": 3}, logprobs=True, top_logprobs=3),
+    )
+    stream_chunks = [c async for c in runs[1]]
+    return dict(plain=runs[0], stream=stream_chunks, raw=runs[2], logprobs=runs[3])
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def completion_runs(app: Any) -> dict[str, Any]:
+    oc = client(app)
+    base = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+    seeded = {**base, "temperature": 1.0, "seed": 7, "n": 2}
+    runs = await asyncio.gather(
+        oc.completions.create(**base, logprobs=2,
+                              extra_body={"best_of": 1, "no_such_field": [1], "top_k": 0}),
+        oc.completions.create(**base, stream=True),
+        oc.completions.create(**seeded),
+        oc.completions.create(**seeded),
+        sse(app, "/v1/completions", {**base, "prompt": [PROMPT, "The sky is"], "stream": True,
+                                     "stream_options": {"include_usage": True}}),
+    )
+    return dict(plain=runs[0], stream=[c async for c in runs[1]], seeded=runs[2:4], raw=runs[4])
+
+
+# ---- chat --------------------------------------------------------------------------------------
+async def test_greedy_chat_answers_paris_with_right_usage(chat_runs, engine) -> None:
+    r = chat_runs["plain"]
+    assert r.id.startswith("chatcmpl-") and r.object == "chat.completion" and r.model == MODEL
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == PARIS
+    assert r.choices[0].finish_reason == "stop"
+    prompt_len = len(engine.engine.tokenizer.apply_chat_template(
+        FRANCE, add_generation_prompt=True, tokenize=True)["input_ids"])
+    assert r.usage.prompt_tokens == prompt_len
+    assert r.usage.completion_tokens == 8  # "The capital of France is Paris." + <|im_end|>
+    assert r.usage.total_tokens == prompt_len + 8
+    assert r.usage.prompt_tokens_details.cached_tokens >= 0
+
+
+async def test_chat_stream_concatenates_to_the_non_stream_text(chat_runs) -> None:
+    chunks = chat_runs["stream"]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == PARIS
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "stop" and all(f is None for f in finishes[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+
+
+async def test_chat_sse_is_role_first_then_content_then_usage_then_done(chat_runs) -> None:
+    ev = chat_runs["raw"]
+    assert ev[-1] == "[DONE]"
+    roles, content, usage = ev[:2], ev[2:-2], ev[-2]
+    assert [r["choices"][0]["index"] for r in roles] == [0, 1]
+    assert all(r["choices"][0]["delta"] == {"role": "assistant", "content": ""} for r in roles)
+    assert all(e["object"] == "chat.completion.chunk" and "usage" not in e for e in content)
+    assert len({e["id"] for e in ev[:-1]}) == 1
+    for i in (0, 1):
+        mine = [e["choices"][0] for e in content if e["choices"][0]["index"] == i]
+        assert "role" not in mine[0]["delta"]
+        assert "".join(c["delta"]["content"] for c in mine) == PARIS
+        assert [c["finish_reason"] for c in mine][-1] == "stop"
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 16
+
+
+async def test_chat_logprobs_have_top_logprobs_best_first(chat_runs) -> None:
+    lp = chat_runs["logprobs"].choices[0].logprobs.content
+    assert [t.token for t in lp] == ["The", " capital", " of"]
+    for t in lp:
+        assert len(t.top_logprobs) == 3 and t.top_logprobs[0].token == t.token
+        assert [x.logprob for x in t.top_logprobs] == sorted(
+            (x.logprob for x in t.top_logprobs), reverse=True)
+        assert bytes(t.bytes).decode() == t.token and t.logprob <= 0
+
+
+# ---- completions -------------------------------------------------------------------------------
+async def test_completion_with_logprobs_and_ignored_unknown_fields(completion_runs, engine) -> None:
+    r = completion_runs["plain"]
+    assert r.id.startswith("cmpl-") and r.object == "text_completion"
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 4
+    assert r.usage.prompt_tokens == len(engine.engine.tokenizer.encode(PROMPT))
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(4)]
+    for token, top in zip(lp.tokens, lp.top_logprobs):
+        assert token in top and 2 <= len(top) <= 3
+
+
+async def test_completion_stream_concatenates_to_the_non_stream_text(completion_runs) -> None:
+    chunks = completion_runs["stream"]
+    assert "".join(c.choices[0].text for c in chunks) == completion_runs["plain"].choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+async def test_n_seeded_choices_are_indexed_and_reproducible(completion_runs) -> None:
+    a, b = completion_runs["seeded"]
+    assert [c.index for c in a.choices] == [0, 1]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert a.usage.completion_tokens == 8 and a.usage.prompt_tokens == 4  # prompt counted once
+
+
+async def test_completion_sse_for_a_batch_of_prompts(completion_runs) -> None:
+    ev = completion_runs["raw"]
+    assert ev[-1] == "[DONE]"
+    *content, usage = ev[:-1]
+    assert {e["choices"][0]["index"] for e in content} == {0, 1}
+    assert all(e["object"] == "text_completion" for e in content)
+    assert usage["usage"]["prompt_tokens"] == 4 + 3
+    assert usage["usage"]["completion_tokens"] == 8
+    texts = ["".join(e["choices"][0]["text"] for e in content if e["choices"][0]["index"] == i)
+             for i in (0, 1)]
+    assert texts[0] == completion_runs["plain"].choices[0].text
+
+
+# ---- bad input ---------------------------------------------------------------------------------
+CHAT = {"model": MODEL, "messages": FRANCE, "max_tokens": 1}
+BAD_CHAT = [
+    ({**CHAT, "messages": "hello"}, "messages"),
+    ({**CHAT, "messages": []}, "messages"),
+    ({**CHAT, "max_tokens": -1}, "max_tokens"),
+    ({**CHAT, "max_tokens": "ten"}, "max_tokens"),
+    ({**CHAT, "max_completion_tokens": 0}, "max_completion_tokens"),
+    ({**CHAT, "temperature": -0.5}, "temperature"),
+    ({**CHAT, "top_p": 0}, "top_p"),
+    ({**CHAT, "n": 0}, "n"),
+    ({**CHAT, "stop": 3}, "stop"),
+    ({**CHAT, "stop": [""]}, "stop"),
+    ({**CHAT, "top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+    ({**CHAT, "top_logprobs": 2}, "top_logprobs"),
+    ({**CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
+    ({**CHAT, "presence_penalty": 0.5}, "presence_penalty"),
+    ({**CHAT, "repetition_penalty": 1.2}, "repetition_penalty"),
+    ({**CHAT, "logit_bias": {"5": 10}}, "logit_bias"),
+    ({**CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+    ({**CHAT, "max_tokens": 9000}, "max_tokens"),
+    ({**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "messages.0.content"),
+]
+
+
+@pytest.mark.parametrize("body,param", BAD_CHAT, ids=[p for _, p in BAD_CHAT])
+async def test_bad_chat_request_is_400_naming_the_field(app, body, param) -> None:
+    async with http(app) as c:
+        r = await c.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == "BadRequestError" and err["code"] == 400
+    assert err["param"].startswith(param) and err["message"]
+
+
+async def test_bad_completion_requests_are_400(app) -> None:
+    base = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1}
+    async with http(app) as c:
+        for body in ({**base, "prompt": 5}, {**base, "prompt": []}, {**base, "prompt": [-1]},
+                     {**base, "logprobs": -1}, {**base, "echo": True, "logprobs": 1},
+                     {**base, "max_tokens": 0}, {**base, "suffix": "x"},
+                     {**base, "prompt": [60000]}, {**base, "prompt": [60000], "stream": True}):
+            r = await c.post("/v1/completions", json=body)
+            assert r.status_code == 400 and "error" in r.json(), body
+        r = await c.post("/v1/completions", content=b"{not json", headers={
+            "content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequestError"
+
+
+async def test_too_long_prompt_says_maximum_context_length(app, engine) -> None:
+    oc = client(app)
+    long_prompt = "hello " * (engine.engine.max_model_len + 10)
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        await oc.completions.create(model=MODEL, prompt=long_prompt, max_tokens=1)
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        await oc.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": long_prompt}])
+    with pytest.raises(openai.BadRequestError, match="maximum context length") as e:
+        await oc.completions.create(model=MODEL, prompt=PROMPT, max_tokens=9000)
+    assert "too large" in str(e.value)
+
+
+async def test_unknown_model_is_404_and_the_server_keeps_serving(app) -> None:
+    oc = client(app)
+    with pytest.raises(openai.NotFoundError) as e:
+        await oc.chat.completions.create(model="gpt-9", messages=FRANCE, max_tokens=1)
+    assert e.value.status_code == 404
+    assert e.value.body["message"] == "The model `gpt-9` does not exist."
+    async with http(app) as c:
+        r = await c.post("/v1/no/such/path", json={})
+    assert r.status_code == 404 and "error" in r.json()
+    ok = await oc.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0)
+    assert ok.choices[0].finish_reason == "length" and ok.usage.completion_tokens == 1
+
+
+async def test_api_key_guards_v1_only(engine) -> None:
+    keyed = build_openai_app(LocalBackend(engine), engine.engine.tokenizer, MODEL,
+                             engine.engine.max_model_len, api_key="sekret")
+    for key in ("EMPTY", "sekret2"):
+        with pytest.raises(openai.AuthenticationError):
+            await client(keyed, key).models.list()
+    async with http(keyed) as c:
+        r = await c.post("/v1/chat/completions", json={"messages": "not even valid"})
+        assert r.status_code == 401 and r.json()["error"]["code"] == 401
+        assert (await c.get("/health")).status_code == 200
+        assert (await c.get("/metrics")).status_code == 200
+    models = await client(keyed, "sekret").models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+# ---- the other endpoints -----------------------------------------------------------------------
+async def test_models_health_tokenize(app, engine) -> None:
+    async with http(app) as c:
+        models = (await c.get("/v1/models")).json()
+        health = await c.get("/health")
+        tok = (await c.post("/tokenize", json={"model": MODEL, "prompt": PROMPT})).json()
+        detok = (await c.post("/detokenize", json={"tokens": tok["tokens"]})).json()
+    assert models["object"] == "list" and len(models["data"]) == 1
+    card = models["data"][0]
+    assert card["id"] == MODEL and card["object"] == "model" and card["owned_by"]
+    assert card["max_model_len"] == engine.engine.max_model_len
+    assert health.status_code == 200 and health.content == b""
+    assert tok["tokens"] == engine.engine.tokenizer.encode(PROMPT) and tok["count"] == 4
+    assert detok == {"prompt": PROMPT}
+
+
+async def test_metrics_expose_pdserve_names(app, chat_runs) -> None:
+    async with http(app) as c:
+        r = await c.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    text = r.text
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+                 "kv_pages_pinned", "prefix_cache_queries_total", "prefix_cache_hits_total",
+                 "prompt_tokens_total", "generation_tokens_total",
+                 "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket",
+                 "e2e_request_latency_seconds_bucket", "request_success_total"):
+        assert f"pdserve:{name}{{" in text, name
+    assert 'role="colocated"' in text and f'model_name="{MODEL}"' in text
+    assert f'pdserve:request_success_total{{finished_reason="stop",model_name="{MODEL}"}}' in text
+
+
+# ---- streams that end early --------------------------------------------------------------------
+async def wait_idle(engine: AsyncEngine) -> Any:
+    for _ in range(200):
+        stats = engine.stats()
+        if stats.num_running == 0 and stats.num_waiting == 0 and stats.kv_pages_pinned == 0:
+            break
+        await asyncio.sleep(0.05)
+    return stats
+
+
+class FailsAfterOneChunk(LocalBackend):
+    """The real engine behind a backend whose connection breaks after the first chunk."""
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        stream = self.engine.generate(req)
+        try:
+            yield await anext(stream)
+            raise ConnectionError("decode replica lost")
+        finally:
+            await stream.aclose()
+
+
+async def test_mid_stream_failure_is_an_error_event_then_done(engine) -> None:
+    broken = build_openai_app(FailsAfterOneChunk(engine), engine.engine.tokenizer, MODEL,
+                              engine.engine.max_model_len)
+    ev = await sse(broken, "/v1/completions", {"prompt": PROMPT, "max_tokens": 50,
+                                                "ignore_eos": True, "stream": True})
+    assert ev[-1] == "[DONE]" and "choices" in ev[0]
+    assert ev[-2]["error"]["code"] == 500 and "decode replica lost" in ev[-2]["error"]["message"]
+    with pytest.raises(openai.APIError, match="decode replica lost"):
+        async for _ in await client(broken).completions.create(
+                model=MODEL, prompt=PROMPT, max_tokens=50, stream=True):
+            pass
+    with pytest.raises(openai.InternalServerError, match="decode replica lost"):
+        await client(broken).completions.create(model=MODEL, prompt=PROMPT, max_tokens=50)
+    stats = await wait_idle(engine)
+    assert stats.num_running == 0 and stats.kv_pages_pinned == 0
+
+
+async def test_client_disconnect_mid_stream_aborts_the_request(app, engine) -> None:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            await asyncio.sleep(0.02)
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1/completions"
+        body = {"prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        async with httpx.AsyncClient() as c, c.stream("POST", url, json=body) as r:
+            assert r.status_code == 200
+            lines = r.aiter_lines()
+            while not (await anext(lines)).startswith("data: "):
+                pass
+            assert engine.stats().num_running == 1
+        stats = await wait_idle(engine)
+        assert stats.num_running == 0 and stats.kv_pages_pinned == 0
+        async with http(app) as h:
+            text = (await h.get("/metrics")).text
+        assert f'request_success_total{{finished_reason="abort",model_name="{MODEL}"}} 1.0' in text
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)

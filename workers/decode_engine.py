@@ -1,0 +1,204 @@
+"""The decode side of the hand-off: pull a prompt's KV pages, then decode in the running batch.
+
+A request arrives with its first token and the prefill side's `KVHandle`. Its life here:
+  pending (waiting for local pages) -> reading (KV READ posted) -> checking (generation numbers
+  READ after the data) -> running (joined the batch), or on failure -> recompute (prefilled here
+  from scratch, the default) / failed (error chunk), per `KVTransferConfig.failure_policy`.
+Pages already in this replica's prefix cache are not read again (delta transfer). An aborted
+request keeps its pages until its in-flight read ends, since NIXL may still be writing them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+from workers.config import EngineConfig
+from workers.engine_core import Engine, EngineStats, RequestRejectedError
+from workers.handoff import KVTransferConfig
+from workers.protocol import GenerateRequest, KVHandle, RequestOutput
+from workers.sequence import SeqStatus, Sequence
+from workers.tp import SINGLE, TPGroup
+from workers.transfer import KVTransferAgent, TransferError, TransferHandle
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class PendingRead:
+    seq: Sequence
+    kv: KVHandle
+    deadline: float
+    xfer: TransferHandle | None = None  # the KV pages' READ, then the generations' READ
+    checking: bool = False
+    aborted: bool = False
+
+
+class DecodeEngine(Engine):
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        transfer: KVTransferConfig,
+        replica_tag: str | None = None,
+        tp: TPGroup = SINGLE,
+    ) -> None:
+        super().__init__(cfg, tp)
+        self.transfer = transfer
+        tag = replica_tag or uuid.uuid4().hex[:8]
+        self.agent = KVTransferAgent(self.runner.pool, "decode", tag, tp.rank)
+        self.pending: list[PendingRead] = []
+        self.pages_read = 0
+        self.pages_reused = 0  # prompt pages found in this replica's prefix cache
+        self.num_recomputed = 0
+
+    def add_remote(self, req: GenerateRequest, first: RequestOutput) -> Sequence:
+        """Admit a request prefilled elsewhere: `first` is the prefill side's first chunk."""
+        if first.kv is None or len(first.token_ids) != 1:
+            raise RequestRejectedError("a decode request needs the first token and a KV handle")
+        if first.kv.num_tokens != len(req.prompt_token_ids):
+            raise RequestRejectedError("the KV handle does not cover the prompt")
+        seq = self._new_sequence(req)
+        token = first.token_ids[0]
+        seq.token_ids.append(token)
+        seq.num_emitted_tokens = 1
+        seq.num_cached_tokens = first.num_cached_tokens
+        assert seq.detokenizer is not None
+        seq.detokenizer.add_token(token)
+        seq.detokenizer.emitted = len(first.text)  # text the prefill side held back comes next
+        self._check_finish_limits(seq)
+        deadline = time.monotonic() + self.transfer.transfer_timeout_s
+        self.pending.append(PendingRead(seq, first.kv, deadline))
+        return seq
+
+    def _check_finish_limits(self, seq: Sequence) -> None:
+        if seq.num_tokens >= self.max_model_len:
+            raise RequestRejectedError("the prompt and first token already fill the context")
+
+    def stats(self) -> EngineStats:
+        t = self.agent.stats()
+        return (
+            super()
+            .stats()
+            .model_copy(
+                update={
+                    "nixl_bytes_transferred": t.bytes_transferred,
+                    "nixl_transfers": t.num_transfers,
+                    "nixl_xfer_time_s": t.xfer_time_s,
+                    "kv_pages_read": self.pages_read,
+                    "kv_pages_reused": self.pages_reused,
+                    "num_recomputed": self.num_recomputed,
+                }
+            )
+        )
+
+    def has_work(self) -> bool:
+        return super().has_work() or bool(self.pending)
+
+    def _num_handoffs_pending(self) -> int:
+        return len(self.pending)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        for p in self.pending:
+            if p.seq.request_id == request_id and not p.aborted:
+                p.aborted = True
+                self.seqs.pop(request_id, None)
+                p.seq.status, p.seq.finish_reason = SeqStatus.FINISHED, "abort"
+                if p.xfer is None:
+                    self._drop(p)
+                return self._output(p.seq)
+        return super().abort(request_id)
+
+    # ---- the loop thread's polling ---------------------------------------------------------
+    def poll(self) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        for p in list(self.pending):
+            if p.xfer is None:
+                self._start_read(p, outputs)
+                continue
+            state = self.agent.poll(p.xfer)
+            if state == "PROC" and time.monotonic() < p.deadline:
+                continue
+            generations = p.xfer.generations
+            self.agent.release(p.xfer)
+            p.xfer = None
+            if p.aborted:
+                self._drop(p)
+            elif state != "DONE":
+                self._failed(p, f"KV read {'timed out' if state == 'PROC' else 'failed'}", outputs)
+            elif not p.checking:
+                self._start_check(p, outputs)
+            else:
+                self._finish_check(p, generations, outputs)
+        return outputs
+
+    def _start_read(self, p: PendingRead, outputs: list[RequestOutput]) -> None:
+        seq, n = p.seq, p.kv.num_tokens
+        self.kv.match_prefix(seq)
+        seq.num_computed_tokens = min(seq.num_computed_tokens, n)
+        if not self.kv.reserve(seq, n):
+            self.kv.release(seq, cache=False)  # no room yet: retry at the next poll
+            if time.monotonic() >= p.deadline:
+                self._failed(p, "no KV pages free for the transfer", outputs)
+            return
+        first = seq.num_tree_pages
+        last = -(-n // self.cfg.page_size)
+        self.pages_reused += first
+        try:
+            p.xfer = self.agent.read_pages(
+                p.kv.agent_names[0],
+                p.kv.page_ids[first:last],
+                seq.pages[first:last],
+                remote_layout=p.kv.layout[0],
+            )
+            self.pages_read += last - first
+        except (TransferError, ValueError) as e:
+            self._failed(p, f"KV read could not start: {e}", outputs)
+
+    def _start_check(self, p: PendingRead, outputs: list[RequestOutput]) -> None:
+        """The data is here; read the pages' generations to prove they were not reused."""
+        p.checking = True
+        try:
+            p.xfer = self.agent.read_generations(p.kv.agent_names[0], p.kv.page_ids)
+        except TransferError as e:
+            self._failed(p, f"generation check could not start: {e}", outputs)
+
+    def _finish_check(
+        self, p: PendingRead, generations: list[int] | None, outputs: list[RequestOutput]
+    ) -> None:
+        if generations != list(p.kv.page_generations):
+            self._failed(p, "stale KV: prefill pages were reused before the read", outputs)
+            return
+        self.pending.remove(p)
+        self._notify(p)
+        seq = p.seq
+        seq.num_computed_tokens = p.kv.num_tokens
+        self.kv.cache_computed(seq)
+        self.scheduler.add_running(seq)
+
+    def _failed(self, p: PendingRead, why: str, outputs: list[RequestOutput]) -> None:
+        if p in self.pending:
+            self.pending.remove(p)
+        seq = p.seq
+        self.kv.release(seq, cache=False)
+        self._notify(p)
+        if self.transfer.failure_policy == "recompute":
+            logger.warning("%s: %s; recomputing the prompt here", seq.request_id, why)
+            self.num_recomputed += 1
+            self.scheduler.add(seq)
+            return
+        logger.warning("%s: %s; failing the request", seq.request_id, why)
+        outputs.append(self._fail(seq, why))
+
+    def _notify(self, p: PendingRead) -> None:
+        """Tell the prefill agent it may unpin (best effort: a lease also expires by itself)."""
+        try:
+            self.agent.send_notif(p.kv.agent_names[0], p.kv.lease_id.encode())
+        except TransferError as e:
+            logger.warning("could not notify %s: %s", p.kv.agent_names[0], e)
+
+    def _drop(self, p: PendingRead) -> None:
+        if p in self.pending:
+            self.pending.remove(p)
+        self.kv.release(p.seq, cache=False)

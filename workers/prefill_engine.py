@@ -1,0 +1,96 @@
+"""The prefill side of the hand-off: compute prompts, sample their first token, pin their KV.
+
+After a sequence's first token it leaves the batch but keeps its pages: whole computed pages go
+into the radix tree (locked by the sequence), the partial last page stays the sequence's own. A
+lease holds it until the decode worker's read notification, `release_lease()`, or expiry.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+from workers.config import EngineConfig
+from workers.engine_core import Engine
+from workers.handoff import KVTransferConfig, Lease, LeaseTable
+from workers.protocol import KVHandle, RequestOutput
+from workers.sequence import Sequence
+from workers.tp import SINGLE, TPGroup
+from workers.transfer import KVTransferAgent
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillEngine(Engine):
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        transfer: KVTransferConfig,
+        replica_tag: str | None = None,
+        tp: TPGroup = SINGLE,
+    ) -> None:
+        super().__init__(cfg, tp)
+        self.transfer = transfer
+        tag = replica_tag or uuid.uuid4().hex[:8]
+        self.agent = KVTransferAgent(self.runner.pool, "prefill", tag, tp.rank)
+        self.agent.track_generations(self.allocator.generation)
+        self.leases = LeaseTable()
+
+    def _after_token(self, seq: Sequence) -> RequestOutput:
+        if seq.finished:
+            return super()._after_token(seq)
+        self.scheduler.detach(seq)
+        self.kv.cache_computed(seq)
+        self.seqs.pop(seq.request_id, None)
+        lease = Lease.new(seq, self.transfer.lease_s)
+        self.leases.add(lease)
+        out = self._output(seq)
+        out.kv = self._handle(seq, lease)
+        return out
+
+    def _handle(self, seq: Sequence, lease: Lease) -> KVHandle:
+        n = seq.num_prompt_tokens
+        pages = seq.pages[: -(-n // self.cfg.page_size)]
+        return KVHandle(
+            agent_names=[self.agent.name],
+            page_ids=pages,
+            num_tokens=n,
+            layout=[self.runner.kv_layout],
+            lease_id=lease.lease_id,
+            lease_expiry=lease.expiry,
+            page_generations=[int(self.allocator.generation[p]) for p in pages],
+        )
+
+    def release_lease(self, lease_id: str) -> bool:
+        """Unpin a handed-off prompt (its full pages stay cached, unlocked)."""
+        lease = self.leases.pop(lease_id)
+        if lease is None:
+            return False
+        self.kv.release(lease.seq, cache=True)
+        return True
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        lease = self.leases.pop_request(request_id)
+        if lease is not None:
+            self.kv.release(lease.seq, cache=True)
+            return None
+        return super().abort(request_id)
+
+    def poll(self) -> list[RequestOutput]:
+        for msgs in self.agent.get_notifs().values():
+            for msg in msgs:
+                self.release_lease(msg.decode())
+        for lease in self.leases.pop_expired():
+            logger.warning("lease of %s expired unread: unpinning", lease.seq.request_id)
+            self.kv.release(lease.seq, cache=True)
+        return []
+
+    def _pinned_own_pages(self) -> int:
+        return sum(len(lease.seq.pages) - lease.seq.num_tree_pages for lease in self.leases)
+
+    def _num_handoffs_pending(self) -> int:
+        return len(self.leases)
+
+    def idle_wait_s(self) -> float:
+        # With NIXL's progress thread off, a peer's READ advances only when this agent polls.
+        return 0.001 if len(self.leases) else super().idle_wait_s()

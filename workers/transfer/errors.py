@@ -1,0 +1,19 @@
+"""Errors of the KV transport. Each says what failed and why; none is retried silently."""
+
+from __future__ import annotations
+
+
+class TransportUnavailableError(RuntimeError):
+    """NIXL cannot be imported, or its agent / UCX backend cannot be created. Raised at start."""
+
+
+class KVLayoutMismatchError(ValueError):
+    """The remote KV layout differs from the local one (heterogeneous TP is not supported)."""
+
+
+class TransferError(RuntimeError):
+    """A READ or notification could not be posted (e.g. the peer's process is gone)."""
+
+
+class PeerUnavailableError(TransferError):
+    """A peer cannot be loaded: no metadata under its name, or its agent is unreachable."""
