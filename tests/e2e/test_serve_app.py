@@ -1,0 +1,252 @@
+"""The real thing: `serve run` in a subprocess, HTTP on localhost, the official openai client.
+
+One application for the whole module (Serve takes ~20 s to start here): 1 prefill + 1 decode
+replica of SmolLM2 on CPU, KV handed over by NIXL, an API key configured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+from openai import AsyncOpenAI, AuthenticationError, BadRequestError, NotFoundError, OpenAI
+from prometheus_client.parser import text_string_to_metric_families
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[2]
+KEY = "test-key"
+MODEL = "smollm2-135m-instruct"
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+START_DEADLINE_S = 240
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    config = yaml.safe_load((REPO / "configs" / "local.yaml").read_text())
+    port = free_port()
+    config["http_options"]["port"] = port
+    args = config["applications"][0]["args"]
+    args["api_key"] = KEY
+    args["engine"]["max_model_len"] = 512
+    for pool in ("prefill", "decode"):
+        args[pool]["num_cpus_per_rank"] = 0.5
+    path = tmp_path_factory.mktemp("serve") / "app.yaml"
+    path.write_text(yaml.safe_dump(config))
+    log = open(path.with_suffix(".log"), "w")  # noqa: SIM115 - closed at teardown
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.Popen(
+        ["serve", "run", str(path)],
+        cwd=REPO,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    t0 = time.monotonic()
+    while True:
+        assert proc.poll() is None, (
+            f"serve run exited: {path.with_suffix('.log').read_text()[-3000:]}"
+        )
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() - t0 < START_DEADLINE_S, "the application did not come up"
+        time.sleep(1)
+    yield base
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+    subprocess.run(["ray", "stop", "--force"], capture_output=True, timeout=60)
+    log.close()
+
+
+def client(base: str) -> OpenAI:
+    return OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0)
+
+
+def metrics(base: str) -> dict[tuple[str, str], float]:
+    text = httpx.get(f"{base}/metrics", timeout=10).text
+    out: dict[tuple[str, str], float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, s.labels.get("role", ""))] = s.value
+    return out
+
+
+def wait_idle(base: str) -> dict[tuple[str, str], float]:
+    t0 = time.monotonic()
+    while True:
+        m = metrics(base)
+        busy = sum(
+            m.get((f"pdserve:{k}", r), 0)
+            for k in ("num_requests_running", "kv_pages_pinned")
+            for r in ("prefill", "decode")
+        )
+        if busy == 0:
+            return m
+        assert time.monotonic() - t0 < 60, f"workers still busy: {m}"
+        time.sleep(0.5)
+
+
+def test_chat_answers_like_hf_transformers(server: str, hf_smollm2, smollm2_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    ids = tok.apply_chat_template(CHAT, add_generation_prompt=True, return_tensors="pt")
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    hf = hf_smollm2.generate(ids, max_new_tokens=30, do_sample=False)
+    expected = tok.decode(hf[0, ids.shape[1] :], skip_special_tokens=True)
+    r = client(server).chat.completions.create(
+        model=MODEL, messages=CHAT, temperature=0, max_tokens=30
+    )
+    assert r.choices[0].message.content == expected == "The capital of France is Paris."
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage.prompt_tokens == ids.shape[1]
+    assert r.usage.completion_tokens == hf.shape[1] - ids.shape[1]
+
+
+def test_stream_concatenation_equals_non_stream(server: str) -> None:
+    c = client(server)
+    prompt = "The three primary colors are"
+    full = c.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=24)
+    chunks = list(
+        c.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            temperature=0,
+            max_tokens=24,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    assert text == full.choices[0].text and len(text) > 0
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens == 24
+    chat = list(
+        c.chat.completions.create(
+            model=MODEL, messages=CHAT, temperature=0, max_tokens=30, stream=True
+        )
+    )
+    assert (
+        "".join(ch.choices[0].delta.content or "" for ch in chat)
+        == "The capital of France is Paris."
+    )
+
+
+def test_32_concurrent_streams_complete_and_leave_nothing_pinned(server: str) -> None:
+    async def one(c: AsyncOpenAI, i: int) -> int:
+        n = 0
+        stream = await c.completions.create(
+            model=MODEL,
+            prompt=f"Count to {i + 3}:",
+            max_tokens=8,
+            temperature=0.8,
+            seed=i,
+            stream=True,
+        )
+        async for ch in stream:
+            n += len(ch.choices[0].text) if ch.choices else 0
+        return n
+
+    async def all_of_them() -> list[int]:
+        async with AsyncOpenAI(
+            base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=300
+        ) as c:
+            return await asyncio.gather(*(one(c, i) for i in range(32)))
+
+    assert all(n > 0 for n in asyncio.run(all_of_them()))
+    m = wait_idle(server)
+    assert m[("pdserve:prompt_tokens_total", "prefill")] > 0
+    assert m[("pdserve:generation_tokens_total", "decode")] >= 32 * 7
+    assert m[("pdserve:nixl_bytes_transferred_total", "decode")] > 0
+    assert (
+        m[("pdserve:kv_pages_pinned", "prefill")] == m[("pdserve:kv_pages_pinned", "decode")] == 0
+    )
+
+
+@pytest.mark.parametrize(
+    "body,status,param",
+    [
+        ({"messages": "not a list"}, 400, "messages"),
+        ({"messages": CHAT, "max_tokens": -1}, 400, "max_tokens"),
+        ({"messages": CHAT, "temperature": -0.5}, 400, "temperature"),
+        ({"messages": [{"role": "user", "content": "hi " * 600}]}, 400, None),
+        ({"messages": CHAT, "model": "no-such-model"}, 404, None),
+    ],
+)
+def test_bad_requests_get_openai_errors_and_serving_goes_on(server, body, status, param) -> None:
+    r = httpx.post(
+        f"{server}/v1/chat/completions",
+        json={"model": MODEL, **body},
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=30,
+    )
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert {"message", "type", "param", "code"} <= set(error)
+    if param:
+        assert param in (error["param"] or "") + error["message"]
+    if "hi hi" in str(body):
+        assert "maximum context length" in error["message"]
+    ok = client(server).completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+    assert ok.choices[0].finish_reason == "length"
+
+
+def test_bad_key_is_401_and_typed_errors_reach_the_client(server: str) -> None:
+    bad = OpenAI(base_url=f"{server}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(AuthenticationError):
+        bad.models.list()
+    with pytest.raises(NotFoundError):
+        client(server).completions.create(model="nope", prompt="x", max_tokens=1)
+    with pytest.raises(BadRequestError):
+        client(server).completions.create(model=MODEL, prompt="x", max_tokens=0)
+    assert [m.id for m in client(server).models.list().data] == [MODEL]
+
+
+def test_client_disconnect_mid_stream_frees_pages_on_both_roles(server: str) -> None:
+    body = {
+        "model": MODEL,
+        "prompt": "Write a very long story:",
+        "max_tokens": 480,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    before = wait_idle(server)[("pdserve:generation_tokens_total", "decode")]
+    with httpx.stream(
+        "POST",
+        f"{server}/v1/completions",
+        json=body,
+        timeout=60,
+        headers={"Authorization": f"Bearer {KEY}"},
+    ) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]
+    assert any(line.startswith("data: ") for line in got)
+    m = wait_idle(server)
+    assert m[("pdserve:kv_pages_pinned", "decode")] == 0
+    # Aborted: far fewer than the 480 tokens asked for were generated.
+    assert m[("pdserve:generation_tokens_total", "decode")] - before < 240
