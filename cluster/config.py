@@ -42,6 +42,9 @@ class PoolConfig(Strict):
     tensor_parallel_size: int = Field(1, ge=1)
     num_gpus_per_rank: float = Field(0, ge=0, description="0 on CPU; 1 for a GPU per TP rank")
     num_cpus_per_rank: float = Field(1, ge=0)
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="custom Ray resources, e.g. to pin a pool to a node type"
+    )
     max_ongoing_requests: int = Field(256, ge=1)
     max_num_seqs: int | None = Field(None, ge=1)
     max_num_batched_tokens: int | None = Field(None, ge=1)
