@@ -1,13 +1,17 @@
 """Pure-torch paged attention: the correctness oracle, and the CPU backend.
 
-Per step, `plan` maps every key position t < max(kv_lens) of every sequence to its (page, slot),
-so each layer gathers its K and V with one index each into `[batch, max_kv, heads, dim]`, and runs
-one batched SDPA. Grouped-query heads are folded into the query length (`[batch, kv_heads,
-q_len * group, dim]`), so K and V are never repeated per query head. The mask is causal within
-the new tokens and ends at `kv_lens`.
+`plan` splits a step's sequences into decode rows (one new token) and prefill chunks, so that a
+mixed batch never pads sixty one-token queries to the length of one long chunk. For each group
+it maps every key position t < max(kv_lens) to its (page, slot); each layer then gathers that
+group's K and V with one index each into `[batch, max_kv, heads, dim]` and runs one SDPA.
+Grouped-query heads are folded into the query length (`[batch, kv_heads, q_len * group,
+dim]`), so K and V are never repeated per query head. Masks are causal within the new tokens
+and end at `kv_lens`.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -15,52 +19,90 @@ import torch.nn.functional as F
 from workers.attention.base import AttentionBackend, AttentionBatch
 
 
+@dataclass
+class _Group:
+    """Attention plan for a subset of the step's sequences."""
+
+    rows: torch.Tensor  # [n] packed query rows of the step that belong to this group
+    key_page: torch.Tensor  # [B, max_kv] page of each key position
+    key_slot: torch.Tensor  # [B, max_kv] slot inside that page
+    mask: torch.Tensor  # [B, 1, max_q * group, max_kv], rows ordered (query, head in group)
+    padded_rows: torch.Tensor | None  # rows -> seq * max_q + i, when max_q > 1
+    num_seqs: int
+    max_q: int
+
+
 class TorchAttention(AttentionBackend):
     def plan(self, batch: AttentionBatch) -> None:
+        starts = [0]
+        for q in batch.q_lens:
+            starts.append(starts[-1] + q)
+        decode = [i for i, q in enumerate(batch.q_lens) if q == 1]
+        prefill = [i for i, q in enumerate(batch.q_lens) if q > 1]
+        self._groups = [self._plan_group(batch, seqs, starts) for seqs in (decode, prefill) if seqs]
+        self._batch = batch
+
+    def _plan_group(self, batch: AttentionBatch, seqs: list[int], starts: list[int]) -> _Group:
         device = batch.page_table.device
         page_size = self.pool.page_size
-        num_seqs = len(batch.q_lens)
-        max_q, max_kv = max(batch.q_lens), max(batch.kv_lens)
-        q_lens = torch.tensor(batch.q_lens, device=device)
-        kv_lens = torch.tensor(batch.kv_lens, device=device)
+        q_list = [batch.q_lens[i] for i in seqs]
+        kv_list = [batch.kv_lens[i] for i in seqs]
+        max_q, max_kv = max(q_list), max(kv_list)
+        q_lens = torch.tensor(q_list, device=device)
+        kv_lens = torch.tensor(kv_list, device=device)
+        rows = torch.cat([torch.arange(starts[i], starts[i + 1], device=device) for i in seqs])
         key_pos = torch.arange(max_kv, device=device)
-        self._key_page = batch.page_table.long()[:, key_pos // page_size]  # [B, max_kv]
-        self._key_slot = (key_pos % page_size).expand(num_seqs, max_kv)
-        self._padded_rows: torch.Tensor | None = None
-        if max_q > 1:  # packed query rows -> (seq, i) at flat index seq * max_q + i
-            seq_of_row = torch.repeat_interleave(torch.arange(num_seqs, device=device), q_lens)
-            starts = torch.cumsum(q_lens, 0) - q_lens
-            row_in_seq = torch.arange(batch.num_tokens, device=device) - starts[seq_of_row]
-            self._padded_rows = seq_of_row * max_q + row_in_seq
+        table = batch.page_table[torch.tensor(seqs, device=device)].long()
+        padded_rows = None
+        if max_q > 1:  # group rows -> (seq, i) at flat index seq * max_q + i
+            seq_of_row = torch.repeat_interleave(torch.arange(len(seqs), device=device), q_lens)
+            first = torch.cumsum(q_lens, 0) - q_lens
+            padded_rows = (
+                seq_of_row * max_q + torch.arange(len(rows), device=device) - first[seq_of_row]
+            )
         # Query i of a sequence sits at position kv_len - q_len + i and sees keys up to it.
         q_pos = (kv_lens - q_lens)[:, None] + torch.arange(max_q, device=device)[None, :]
         mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & (
             key_pos[None, None, :] < kv_lens[:, None, None]
         )  # [B, max_q, max_kv]
         group = self.num_q_heads // self.pool.layout.num_kv_heads
-        self._mask = mask.repeat_interleave(group, dim=1)[:, None]  # rows ordered (i, head)
-        self._shape = (num_seqs, max_q, group)
-        self._batch = batch
+        return _Group(
+            rows=rows,
+            key_page=table[:, key_pos // page_size],
+            key_slot=(key_pos % page_size).expand(len(seqs), max_kv),
+            mask=mask.repeat_interleave(group, dim=1)[:, None],
+            padded_rows=padded_rows,
+            num_seqs=len(seqs),
+            max_q=max_q,
+        )
 
     def forward(
         self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         self.store_kv(layer_id, k, v, self._batch)
+        if len(self._groups) == 1 and len(self._groups[0].rows) == q.shape[0]:
+            return self._attend(layer_id, q, self._groups[0])
+        out = torch.empty_like(q)
+        for g in self._groups:
+            out[g.rows] = self._attend(layer_id, q[g.rows], g)
+        return out
+
+    def _attend(self, layer_id: int, q: torch.Tensor, g: _Group) -> torch.Tensor:
         layer = self.pool.layer(layer_id)
-        keys = layer[:, 0][self._key_page, self._key_slot].transpose(1, 2)  # [B, Hkv, T, D]
-        values = layer[:, 1][self._key_page, self._key_slot].transpose(1, 2)
-        num_seqs, max_q, group = self._shape
+        keys = layer[:, 0][g.key_page, g.key_slot].transpose(1, 2)  # [B, Hkv, T, D]
+        values = layer[:, 1][g.key_page, g.key_slot].transpose(1, 2)
         num_kv_heads, head_dim = keys.shape[1], keys.shape[3]
-        if self._padded_rows is not None:
-            padded = q.new_zeros(num_seqs * max_q, q.shape[1], head_dim)
-            padded[self._padded_rows] = q
+        group = q.shape[1] // num_kv_heads
+        if g.padded_rows is not None:
+            padded = q.new_zeros(g.num_seqs * g.max_q, q.shape[1], head_dim)
+            padded[g.padded_rows] = q
             q = padded
         # [B * max_q, Hq, D] -> [B, Hkv, max_q * group, D]: query head h uses KV head h // group.
-        q = q.view(num_seqs, max_q, num_kv_heads, group, head_dim).permute(0, 2, 1, 3, 4)
-        q = q.reshape(num_seqs, num_kv_heads, max_q * group, head_dim)
+        q = q.view(g.num_seqs, g.max_q, num_kv_heads, group, head_dim).permute(0, 2, 1, 3, 4)
+        q = q.reshape(g.num_seqs, num_kv_heads, g.max_q * group, head_dim)
         out = F.scaled_dot_product_attention(
-            q, keys.to(q.dtype), values.to(q.dtype), attn_mask=self._mask, scale=self.scale
+            q, keys.to(q.dtype), values.to(q.dtype), attn_mask=g.mask, scale=self.scale
         )
-        out = out.view(num_seqs, num_kv_heads, max_q, group, head_dim).permute(0, 2, 1, 3, 4)
-        out = out.reshape(num_seqs * max_q, num_kv_heads * group, head_dim)
-        return out if self._padded_rows is None else out[self._padded_rows]
+        out = out.view(g.num_seqs, num_kv_heads, g.max_q, group, head_dim).permute(0, 2, 1, 3, 4)
+        out = out.reshape(g.num_seqs * g.max_q, num_kv_heads * group, head_dim)
+        return out if g.padded_rows is None else out[g.padded_rows]
