@@ -29,7 +29,18 @@ class EngineConfig(BaseModel):
     max_num_seqs: int = Field(256, ge=1, description="running sequences at most")
     max_num_batched_tokens: int = Field(2048, ge=1, description="token budget of one step")
     enable_prefix_caching: bool = True
-    attention_backend: Literal["auto", "torch", "flashinfer"] = "auto"
+    attention_backend: Literal["auto", "torch", "flashinfer"] = Field(
+        "auto", description="auto: flashinfer on CUDA in bf16/fp16 when importable, else torch"
+    )
+    enforce_eager: bool = Field(False, description="never capture or replay CUDA graphs")
+    cuda_graph_batch_sizes: tuple[int, ...] | None = Field(
+        None,
+        description="decode batch sizes to capture; None: 1, 2, 4, 8, then steps of 16 "
+        "(32 past 128) up to max_num_seqs. Larger decode batches run eagerly",
+    )
+    load_format: Literal["auto", "dummy"] = Field(
+        "auto", description="dummy: random weights from config.json alone (benchmarks)"
+    )
     tensor_parallel_size: int = Field(1, ge=1)
     seed: int = 0
 
@@ -45,8 +56,23 @@ class EngineConfig(BaseModel):
             return torch.float32 if device.type == "cpu" else torch.bfloat16
         return getattr(torch, self.dtype)
 
-    def resolved_backend(self, device: torch.device) -> str:
+    def resolved_backend(self, device: torch.device, dtype: torch.dtype | None = None) -> str:
+        """FlashInfer needs CUDA and a 16-bit KV dtype; `auto` falls back to torch otherwise."""
         if self.attention_backend == "auto":
             has_flashinfer = importlib.util.find_spec("flashinfer") is not None
-            return "flashinfer" if device.type == "cuda" and has_flashinfer else "torch"
+            half = dtype in (None, torch.bfloat16, torch.float16)
+            return "flashinfer" if device.type == "cuda" and has_flashinfer and half else "torch"
         return self.attention_backend
+
+    def resolved_graph_batch_sizes(self) -> tuple[int, ...]:
+        """Decode batch sizes to capture (empty when graphs are off), ascending."""
+        if self.enforce_eager:
+            return ()
+        if self.cuda_graph_batch_sizes is not None:
+            return tuple(sorted({b for b in self.cuda_graph_batch_sizes if b >= 1}))
+        sizes = [b for b in (1, 2, 4, 8) if b < self.max_num_seqs]
+        b = 16
+        while b < self.max_num_seqs:
+            sizes.append(b)
+            b += 16 if b < 128 else 32
+        return (*sizes, self.max_num_seqs)

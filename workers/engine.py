@@ -9,17 +9,24 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from workers.attention import AttentionBatch, create_backend
 from workers.config import EngineConfig
 from workers.kvcache.pool import KVPool
+from workers.model.dummy import build_dummy_model
 from workers.model.loader import load_model, load_model_config, resolve_model
 from workers.protocol import KVLayout
 from workers.sampler import SampleResult, SamplingBatch, sample
 from workers.sequence import Sequence
 from workers.tp import SINGLE, TPGroup
+
+if TYPE_CHECKING:
+    from workers.cuda_graph import DecodeCudaGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -45,9 +52,12 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device.index or 0)
         self.dtype = cfg.resolved_dtype(self.device)
-        self.model_dir = resolve_model(cfg.model)
+        self.model_dir = _model_dir(cfg)
         self.model_config = load_model_config(self.model_dir)
-        self.model = load_model(self.model_dir, self.model_config, self.dtype, self.device, tp)
+        if cfg.load_format == "dummy":
+            self.model = build_dummy_model(self.model_config, self.dtype, self.device, tp, cfg.seed)
+        else:
+            self.model = load_model(self.model_dir, self.model_config, self.dtype, self.device, tp)
         attn = self.model.attention
         self.kv_layout = KVLayout(
             num_layers=self.model_config.num_layers,
@@ -58,10 +68,20 @@ class ModelRunner:
             kv_head_offset=attn.qkv_proj.kv_head_offset,
         )
         self.pool = KVPool(self.kv_layout, self._num_pages(), self.device)
-        self.attn = create_backend(
-            cfg.resolved_backend(self.device), self.pool, attn.num_heads, attn.head_dim**-0.5
-        )
+        backend = cfg.resolved_backend(self.device, self.dtype)
+        scale = attn.head_dim**-0.5
+        self.attn = create_backend(backend, self.pool, attn.num_heads, scale)
         self.max_model_len = self._max_model_len()
+        self._pin = self.device.type == "cuda"
+        self.graphs: DecodeCudaGraphs | None = None
+        graph_sizes = cfg.resolved_graph_batch_sizes()
+        if graph_sizes and backend == "flashinfer" and self.device.type == "cuda":
+            from workers.cuda_graph import DecodeCudaGraphs  # CUDA only
+
+            max_pages = -(-self.max_model_len // cfg.page_size)
+            self.graphs = DecodeCudaGraphs(
+                self.model, self.pool, attn.num_heads, scale, graph_sizes, max_pages
+            )
 
     def _num_pages(self) -> int:
         if self.cfg.num_kv_pages is not None:
@@ -97,46 +117,91 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> SampleResult | None:
-        """Run one step; returns one sampled row per sequence for which `step.samples(i)`."""
-        input_ids, positions, batch = self._prepare(step)
-        self.attn.plan(batch)
-        hidden = self.model(input_ids, positions, self.attn)
+        """Run one step; returns one sampled row per sequence for which `step.samples(i)`.
+
+        Inputs travel in two pinned, non-blocking copies; an all-greedy step then waits on the
+        GPU once, to read the sampled ids (`sample()`'s top-k/top-p/min-p checks add a few more
+        waits for other steps). Pure-decode steps replay a CUDA graph when one of a large
+        enough batch size is captured.
+        """
+        pad_to = self._graph_size(step)
+        input_ids, positions, batch = self._prepare(step, pad_to)
+        if pad_to is not None:
+            assert self.graphs is not None
+            hidden = self.graphs.run(input_ids, positions, batch)
+        else:
+            self.attn.plan(batch)
+            hidden = self.model(input_ids, positions, self.attn)
         rows = [i for i in range(len(step.seqs)) if step.samples(i)]
         if not rows:
             return None
-        ends = torch.tensor(batch.q_lens, device=self.device).cumsum(0) - 1
-        logits = self.model.compute_logits(hidden[ends[rows]])
-        return sample(logits, self._sampling_batch([step.seqs[i] for i in rows]))
+        ends = np.cumsum(batch.q_lens)[rows] - 1
+        if ends[-1] == len(ends) - 1:  # rows 0..k-1, one token each: no gather needed
+            last = hidden[: len(ends)]
+        else:
+            last = hidden[self._to_device(ends.astype(np.int64))]
+        logits = self.model.compute_logits(last)
+        seqs = [step.seqs[i] for i in rows]
+        if all(s.params.temperature == 0 and s.params.logprobs is None for s in seqs):
+            return SampleResult(token_ids=logits.argmax(dim=-1).tolist())
+        return sample(logits, self._sampling_batch(seqs))
 
-    def _prepare(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
+    def _graph_size(self, step: StepInput) -> int | None:
+        if self.graphs is None or any(n != 1 for n in step.num_new_tokens):
+            return None
+        ps = self.cfg.page_size
+        max_pages = max(-(-(s.num_computed_tokens + 1) // ps) for s in step.seqs)
+        return self.graphs.padded_size(len(step.seqs), max_pages)
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(array)
+        if self._pin:
+            t = t.pin_memory()
+        return t.to(self.device, non_blocking=True)
+
+    def _prepare(
+        self, step: StepInput, pad_to: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
+        """Packed inputs of `step`, padded to `pad_to` decode rows for a CUDA graph.
+
+        A padding row is token 0 at position 0 with one KV token in slot 0 of scratch page 0.
+        """
         page_size = self.cfg.page_size
+        num_seqs = len(step.seqs)
+        num_rows = num_seqs if pad_to is None else pad_to
         ids: list[int] = []
-        positions: list[int] = []
+        kv_lens: list[int] = []
         for seq, n in zip(step.seqs, step.num_new_tokens):
             start = seq.num_computed_tokens
             ids += seq.token_ids[start : start + n]
-            positions += range(start, start + n)
-        kv_lens = [s.num_computed_tokens + n for s, n in zip(step.seqs, step.num_new_tokens)]
-        max_pages = max(-(-kv // page_size) for kv in kv_lens)
-        table = torch.zeros((len(step.seqs), max_pages), dtype=torch.int32)
-        for row, (seq, kv) in enumerate(zip(step.seqs, kv_lens)):
-            used = -(-kv // page_size)
-            table[row, :used] = torch.tensor(seq.pages[:used], dtype=torch.int32)
-        pos = torch.tensor(positions, dtype=torch.int64)
-        seq_of_token = torch.repeat_interleave(
-            torch.arange(len(step.seqs)), torch.tensor(step.num_new_tokens)
-        )
-        slot_pages = table[seq_of_token, pos // page_size].long()
-        dev = self.device
+            kv_lens.append(start + n)
+        q_lens = list(step.num_new_tokens) + [1] * (num_rows - num_seqs)
+        kv_lens += [1] * (num_rows - num_seqs)
+        ids += [0] * (num_rows - num_seqs)
+        kv = np.asarray(kv_lens, dtype=np.int64)
+        q = np.asarray(q_lens, dtype=np.int64)
+        used = -(-kv // page_size)
+        table = np.zeros((num_rows, int(used.max())), dtype=np.int32)
+        for row, seq in enumerate(step.seqs):
+            table[row, : used[row]] = seq.pages[: used[row]]
+        # Token t of row r sits at position kv_len - q_len + (t - first token of r).
+        row_of_token = np.repeat(np.arange(num_rows), q)
+        first = np.cumsum(q) - q
+        pos = (kv - q)[row_of_token] + np.arange(len(ids)) - first[row_of_token]
+        packed = np.empty((4, len(ids)), dtype=np.int64)
+        packed[0] = ids
+        packed[1] = pos
+        packed[2] = table[row_of_token, pos // page_size]
+        packed[3] = pos % page_size
+        packed_dev = self._to_device(packed)
         batch = AttentionBatch(
-            q_lens=list(step.num_new_tokens),
+            q_lens=q_lens,
             kv_lens=kv_lens,
-            page_table=table.to(dev, non_blocking=True),
-            slot_pages=slot_pages.to(dev, non_blocking=True),
-            slot_offsets=(pos % page_size).to(dev, non_blocking=True),
+            page_table=self._to_device(table),
+            slot_pages=packed_dev[2],
+            slot_offsets=packed_dev[3],
         )
-        input_ids = torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True)
-        return input_ids, pos.to(dev, non_blocking=True), batch
+        return packed_dev[0], packed_dev[1], batch
 
     def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
         for seq in seqs:
@@ -144,12 +209,23 @@ class ModelRunner:
                 seq.generator = torch.Generator(self.device).manual_seed(seq.params.seed % 2**64)
         params = [s.params for s in seqs]
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
-        dev = self.device
+        rules = np.array(
+            [[p.temperature, p.top_k, p.top_p, p.min_p] for p in params], dtype=np.float64
+        ).T  # one copy for all four; top_k < 2**53 is exact in float64
+        temperatures, top_k, top_p, min_p = self._to_device(np.ascontiguousarray(rules))
         return SamplingBatch(
-            temperatures=torch.tensor([p.temperature for p in params], device=dev),
-            top_k=torch.tensor([p.top_k for p in params], device=dev),
-            top_p=torch.tensor([p.top_p for p in params], device=dev),
-            min_p=torch.tensor([p.min_p for p in params], device=dev),
+            temperatures=temperatures.float(),
+            top_k=top_k.long(),
+            top_p=top_p.float(),
+            min_p=min_p.float(),
             generators=[s.generator for s in seqs],
             num_logprobs=max(logprobs) if logprobs else -1,
         )
+
+
+def _model_dir(cfg: EngineConfig) -> Path:
+    """Where config.json and the tokenizer live; a dummy model needs no weight files."""
+    path = Path(cfg.model).expanduser()
+    if cfg.load_format == "dummy" and (path / "config.json").is_file():
+        return path
+    return resolve_model(cfg.model)

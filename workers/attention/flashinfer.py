@@ -1,0 +1,211 @@
+"""FlashInfer paged attention (CUDA, bf16/fp16): prefill with cached prefixes, and decode.
+
+FlashInfer reads a page table in CSR form: sequence i's pages are
+`kv_indices[kv_indptr[i]:kv_indptr[i+1]]`, the last one holding `last_page_len[i]` tokens.
+`paged_metadata` derives that form from an `AttentionBatch`: the small per-sequence arrays on the
+host (pinned; FlashInfer's planner reads them there), the page ids gathered on the device from the
+batch's page table, so planning never waits on the GPU.
+
+Two backends share the per-layer work (write the new K/V into the pool, then attend):
+- `FlashInferAttention` plans whatever step comes: a decode wrapper when every sequence adds one
+  token, else a causal prefill wrapper whose queries are the last `q_len` of `kv_len` positions.
+- `GraphDecodeAttention` serves decode steps of exactly one batch size from fixed buffers, so a
+  CUDA graph captured over the model can be replayed after each re-plan (`workers/cuda_graph.py`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TypeAlias
+
+import flashinfer
+import numpy as np
+import torch
+
+from workers.attention.base import AttentionBackend, AttentionBatch
+from workers.kvcache.pool import KVPool
+
+WORKSPACE_BYTES = 256 * 2**20  # FlashInfer's split-KV scratch; 128 MiB is its recommended floor
+# Decode on tensor cores (FlashInfer's fa2 prefill kernels, each GQA group packed as query rows)
+# or on its CUDA-core decode kernel. `auto` takes tensor cores for groups of 4 or more query heads
+# per KV head: on an H200 with Llama-3-8B shapes (group 4) they cut a CUDA-graph decode step by
+# 4% at batch 1 and by 24% at 64 x 2048 (bench/bench_decode.py). Smaller groups keep the
+# CUDA-core kernel (not measured against the other). `1` / `0` force either.
+DECODE_TENSOR_CORES = os.environ.get("PDSERVE_FLASHINFER_DECODE_TC", "auto")
+MIN_TENSOR_CORE_GROUP = 4
+
+
+def decode_on_tensor_cores(num_q_heads: int, num_kv_heads: int) -> bool:
+    if DECODE_TENSOR_CORES in ("0", "1"):
+        return DECODE_TENSOR_CORES == "1"
+    return num_q_heads // num_kv_heads >= MIN_TENSOR_CORE_GROUP
+
+
+_FLOAT16 = (torch.bfloat16, torch.float16)
+_Wrapper: TypeAlias = (
+    flashinfer.BatchDecodeWithPagedKVCacheWrapper | flashinfer.BatchPrefillWithPagedKVCacheWrapper
+)
+
+
+def new_workspace(device: torch.device) -> torch.Tensor:
+    return torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+
+
+def _pinned(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host tensor holding `array`, page-locked when the step runs on a GPU."""
+    t = torch.from_numpy(array)
+    return t.pin_memory() if device.type == "cuda" else t
+
+
+@dataclass
+class PagedMetadata:
+    qo_indptr: torch.Tensor  # [B+1] int32, host
+    kv_indptr: torch.Tensor  # [B+1] int32, host
+    last_page_len: torch.Tensor  # [B] int32, host, in [1, page_size]
+    kv_indices: torch.Tensor  # [kv_indptr[-1]] int32, on the pool's device
+
+
+def paged_metadata(batch: AttentionBatch, page_size: int) -> PagedMetadata:
+    """CSR page table of `batch`. Invariant: sequence i's pages are its first
+    `ceil(kv_lens[i] / page_size)` page-table entries, in order."""
+    kv_lens = np.asarray(batch.kv_lens, dtype=np.int64)
+    q_lens = np.asarray(batch.q_lens, dtype=np.int64)
+    num_pages = -(-kv_lens // page_size)
+    kv_indptr = np.zeros(len(kv_lens) + 1, dtype=np.int64)
+    np.cumsum(num_pages, out=kv_indptr[1:])
+    qo_indptr = np.zeros(len(q_lens) + 1, dtype=np.int64)
+    np.cumsum(q_lens, out=qo_indptr[1:])
+    width = batch.page_table.shape[1]
+    # Flat index of (row, j) for j < num_pages[row], rows in order.
+    rows = np.repeat(np.arange(len(kv_lens)), num_pages)
+    flat = rows * width + (np.arange(int(kv_indptr[-1])) - kv_indptr[rows])
+    device = batch.page_table.device
+    gather = _pinned(flat, device).to(device, non_blocking=True)
+    return PagedMetadata(
+        qo_indptr=_pinned(qo_indptr.astype(np.int32), device),
+        kv_indptr=_pinned(kv_indptr.astype(np.int32), device),
+        last_page_len=_pinned((kv_lens - (num_pages - 1) * page_size).astype(np.int32), device),
+        kv_indices=batch.page_table.reshape(-1)[gather],
+    )
+
+
+class _PagedFlashInfer(AttentionBackend):
+    """Shared per-layer work. Invariant: `plan` sets `_wrapper`, `_slot_pages` and
+    `_slot_offsets` before any `forward` of the step."""
+
+    def __init__(self, pool: KVPool, num_q_heads: int, scale: float) -> None:
+        super().__init__(pool, num_q_heads, scale)
+        if pool.pages.device.type != "cuda" or pool.pages.dtype not in _FLOAT16:
+            raise ValueError(
+                "the flashinfer backend needs a CUDA KV pool in bfloat16 or float16, got "
+                f"{pool.pages.dtype} on {pool.pages.device}; use attention_backend='torch'"
+            )
+        layout = pool.layout
+        self._heads = (num_q_heads, layout.num_kv_heads, layout.head_dim, layout.page_size)
+        self._tensor_cores = decode_on_tensor_cores(num_q_heads, layout.num_kv_heads)
+        self._plan_dtypes = dict(q_data_type=pool.pages.dtype, kv_data_type=pool.pages.dtype)
+        self._wrapper: _Wrapper | None = None
+        self._slot_pages = self._slot_offsets = torch.empty(0)
+
+    def _plan_decode(
+        self, wrapper: flashinfer.BatchDecodeWithPagedKVCacheWrapper, meta: PagedMetadata
+    ) -> None:
+        wrapper.plan(
+            meta.kv_indptr,
+            meta.kv_indices,
+            meta.last_page_len,
+            *self._heads,
+            sm_scale=self.scale,
+            **self._plan_dtypes,
+        )
+
+    def forward(
+        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        kv = self.pool.layer(layer_id)  # [pages, 2, page_size, Hkv, D], NHD
+        kv[self._slot_pages, 0, self._slot_offsets] = k.to(kv.dtype)
+        kv[self._slot_pages, 1, self._slot_offsets] = v.to(kv.dtype)
+        assert self._wrapper is not None, "plan() first"
+        return self._wrapper.run(q.to(kv.dtype), kv)
+
+
+class FlashInferAttention(_PagedFlashInfer):
+    """Any step: decode kernels for all-decode steps, causal prefill kernels otherwise."""
+
+    def __init__(
+        self,
+        pool: KVPool,
+        num_q_heads: int,
+        scale: float,
+        workspace: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__(pool, num_q_heads, scale)
+        self.workspace = new_workspace(pool.pages.device) if workspace is None else workspace
+        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=self._tensor_cores
+        )
+        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+
+    def plan(self, batch: AttentionBatch) -> None:
+        meta = paged_metadata(batch, self.pool.page_size)
+        self._slot_pages, self._slot_offsets = batch.slot_pages, batch.slot_offsets
+        if batch.is_decode:
+            self._plan_decode(self._decode, meta)
+            self._wrapper = self._decode
+            return
+        self._prefill.plan(
+            meta.qo_indptr,
+            meta.kv_indptr,
+            meta.kv_indices,
+            meta.last_page_len,
+            *self._heads,
+            causal=True,  # bottom-right aligned: query i of q_len sits at kv_len - q_len + i
+            sm_scale=self.scale,
+            **self._plan_dtypes,
+        )
+        self._wrapper = self._prefill
+
+
+class GraphDecodeAttention(_PagedFlashInfer):
+    """Decode for exactly `batch_size` sequences, from buffers whose addresses never change.
+
+    Invariants: `plan` copies the step's metadata into the buffers it was built with and never
+    reallocates them, so kernels captured in a CUDA graph after a first `plan` read the current
+    step's values on replay. `indices_buffer` must hold the step's total page count; padding rows
+    attend to one token in scratch page 0 and write their K/V there.
+    """
+
+    def __init__(
+        self,
+        pool: KVPool,
+        num_q_heads: int,
+        scale: float,
+        batch_size: int,
+        workspace: torch.Tensor,
+        indices_buffer: torch.Tensor,
+    ) -> None:
+        super().__init__(pool, num_q_heads, scale)
+        device = pool.pages.device
+        self.batch_size = batch_size
+        self.slot_pages = torch.zeros(batch_size, dtype=torch.int64, device=device)
+        self.slot_offsets = torch.zeros(batch_size, dtype=torch.int64, device=device)
+        self._slot_pages, self._slot_offsets = self.slot_pages, self.slot_offsets
+        self._wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            workspace,
+            "NHD",
+            use_cuda_graph=True,
+            use_tensor_cores=self._tensor_cores,
+            paged_kv_indptr_buffer=torch.zeros(batch_size + 1, dtype=torch.int32, device=device),
+            paged_kv_indices_buffer=indices_buffer,
+            paged_kv_last_page_len_buffer=torch.ones(batch_size, dtype=torch.int32, device=device),
+        )
+        self.max_pages = indices_buffer.numel()
+
+    def plan(self, batch: AttentionBatch) -> None:
+        if len(batch.q_lens) != self.batch_size or not batch.is_decode:
+            raise ValueError(f"a graph for {self.batch_size} decode rows got {batch.q_lens}")
+        self.slot_pages.copy_(batch.slot_pages, non_blocking=True)
+        self.slot_offsets.copy_(batch.slot_offsets, non_blocking=True)
+        assert self._wrapper is not None
+        self._plan_decode(self._wrapper, paged_metadata(batch, self.pool.page_size))

@@ -1,0 +1,111 @@
+"""CUDA graphs for decode steps: one captured model forward per batch size, replayed per step.
+
+A decode step of n sequences runs the graph of the smallest captured size b >= n. The runner pads
+the step to b rows before it gets here (`ModelRunner._prepare(pad_to=b)`): padding rows hold
+token 0 at position 0, write their K/V into slot 0 of scratch page 0 and attend to that one
+token, so they touch no sequence's pages. Their outputs are ignored.
+
+Invariants a replay relies on:
+- inputs live in static buffers (`input_ids`, `positions`, each size's slot buffers and FlashInfer
+  metadata buffers) that are filled in place before `replay()`, never reallocated;
+- the model's parameters and the KV pool keep their addresses for the runner's lifetime;
+- all sizes share one memory pool and run on one stream, one at a time, so their intermediate
+  tensors and FlashInfer's workspace may alias.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from typing import Any
+
+import torch
+
+from workers.attention.base import AttentionBatch
+from workers.attention.flashinfer import GraphDecodeAttention, new_workspace
+from workers.kvcache.pool import KVPool
+from workers.model.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+
+class DecodeCudaGraphs:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        pool: KVPool,
+        num_q_heads: int,
+        scale: float,
+        batch_sizes: tuple[int, ...],
+        max_pages_per_seq: int,
+    ) -> None:
+        if not batch_sizes:
+            raise ValueError("no batch sizes to capture")
+        self.model = model
+        self.batch_sizes = sorted(set(batch_sizes))
+        self.max_pages_per_seq = max_pages_per_seq
+        device = pool.pages.device
+        max_bs = self.batch_sizes[-1]
+        self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(max_bs, dtype=torch.int64, device=device)
+        workspace = new_workspace(device)
+        indices = torch.zeros(max_bs * max_pages_per_seq, dtype=torch.int32, device=device)
+        self.attn: dict[int, GraphDecodeAttention] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        mem_pool = torch.cuda.graph_pool_handle()
+        start, free_before = time.perf_counter(), torch.cuda.mem_get_info(device)[0]
+        for bs in reversed(self.batch_sizes):  # largest first: smaller ones reuse its memory
+            attn = GraphDecodeAttention(pool, num_q_heads, scale, bs, workspace, indices)
+            self.attn[bs] = attn
+            self._capture(bs, attn, mem_pool)
+        torch.cuda.synchronize(device)
+        logger.info(
+            "captured decode CUDA graphs for batch sizes %s in %.1f s (%.0f MiB)",
+            self.batch_sizes,
+            time.perf_counter() - start,
+            (free_before - torch.cuda.mem_get_info(device)[0]) / 2**20,
+        )
+
+    def padded_size(self, num_seqs: int, max_pages: int) -> int | None:
+        """The captured size a decode step of `num_seqs` runs at, or None to run eagerly."""
+        if max_pages > self.max_pages_per_seq:
+            return None
+        i = bisect.bisect_left(self.batch_sizes, num_seqs)
+        return self.batch_sizes[i] if i < len(self.batch_sizes) else None
+
+    def _dummy_batch(self, bs: int) -> AttentionBatch:
+        device = self.input_ids.device
+        zeros = torch.zeros(bs, dtype=torch.int64, device=device)
+        return AttentionBatch(
+            q_lens=[1] * bs,
+            kv_lens=[1] * bs,
+            page_table=torch.zeros((bs, 1), dtype=torch.int32, device=device),
+            slot_pages=zeros,
+            slot_offsets=zeros,
+        )
+
+    @torch.inference_mode()
+    def _capture(self, bs: int, attn: GraphDecodeAttention, mem_pool: Any) -> None:
+        attn.plan(self._dummy_batch(bs))
+        ids, pos = self.input_ids[:bs], self.positions[:bs]
+        for _ in range(2):  # warm-up: lazy initialisation and library handles stay out of the graph
+            self.model(ids, pos, attn)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=mem_pool):
+            self.outputs[bs] = self.model(ids, pos, attn)
+        self.graphs[bs] = graph
+
+    def run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch
+    ) -> torch.Tensor:
+        """Replay the graph of `len(batch.q_lens)` rows (a captured size); returns its hidden
+        states `[rows, hidden]`, a static buffer valid until the next replay."""
+        bs = len(batch.q_lens)
+        self.input_ids[:bs].copy_(input_ids, non_blocking=True)
+        self.positions[:bs].copy_(positions, non_blocking=True)
+        self.attn[bs].plan(batch)
+        self.graphs[bs].replay()
+        return self.outputs[bs]
