@@ -12,16 +12,14 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from dataclasses import dataclass
+from typing import Any
 
-from workers.config import EngineConfig
-from workers.engine_core import Engine, EngineStats, RequestRejectedError
-from workers.handoff import KVTransferConfig
+from workers.engine_core import EngineStats, RequestRejectedError
+from workers.handoff import HandoffEngine
 from workers.protocol import GenerateRequest, KVHandle, RequestOutput
 from workers.sequence import SeqStatus, Sequence
-from workers.tp import SINGLE, TPGroup
-from workers.transfer import KVTransferAgent, TransferError, TransferHandle
+from workers.transfer import TransferError, TransferHandle
 
 logger = logging.getLogger(__name__)
 
@@ -36,18 +34,11 @@ class PendingRead:
     aborted: bool = False
 
 
-class DecodeEngine(Engine):
-    def __init__(
-        self,
-        cfg: EngineConfig,
-        transfer: KVTransferConfig,
-        replica_tag: str | None = None,
-        tp: TPGroup = SINGLE,
-    ) -> None:
-        super().__init__(cfg, tp)
-        self.transfer = transfer
-        tag = replica_tag or uuid.uuid4().hex[:8]
-        self.agent = KVTransferAgent(self.runner.pool, "decode", tag, tp.rank)
+class DecodeEngine(HandoffEngine):
+    role = "decode"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.pending: list[PendingRead] = []
         self.pages_read = 0
         self.pages_reused = 0  # prompt pages found in this replica's prefix cache

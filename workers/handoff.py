@@ -20,7 +20,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from workers.config import EngineConfig
+from workers.engine_core import Engine
 from workers.sequence import Sequence
+from workers.tp import SINGLE, TPGroup
+from workers.transfer import KVTransferAgent
 
 
 class KVTransferConfig(BaseModel):
@@ -76,3 +80,21 @@ class LeaseTable:
             if lease.seq.request_id == request_id:
                 return self._leases.pop(lease.lease_id)
         return None
+
+
+class HandoffEngine(Engine):
+    """An engine with a NIXL agent over its KV pool: the common part of both sides."""
+
+    role: str
+
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        transfer: KVTransferConfig,
+        replica_tag: str | None = None,
+        tp: TPGroup = SINGLE,
+    ) -> None:
+        super().__init__(cfg, tp)
+        self.transfer = transfer
+        tag = replica_tag or uuid.uuid4().hex[:8]
+        self.agent = KVTransferAgent(self.runner.pool, self.role, tag, tp.rank)

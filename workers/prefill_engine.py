@@ -8,31 +8,20 @@ lease holds it until the decode worker's read notification, `release_lease()`, o
 from __future__ import annotations
 
 import logging
-import uuid
+from typing import Any
 
-from workers.config import EngineConfig
-from workers.engine_core import Engine
-from workers.handoff import KVTransferConfig, Lease, LeaseTable
+from workers.handoff import HandoffEngine, Lease, LeaseTable
 from workers.protocol import KVHandle, RequestOutput
 from workers.sequence import Sequence
-from workers.tp import SINGLE, TPGroup
-from workers.transfer import KVTransferAgent
 
 logger = logging.getLogger(__name__)
 
 
-class PrefillEngine(Engine):
-    def __init__(
-        self,
-        cfg: EngineConfig,
-        transfer: KVTransferConfig,
-        replica_tag: str | None = None,
-        tp: TPGroup = SINGLE,
-    ) -> None:
-        super().__init__(cfg, tp)
-        self.transfer = transfer
-        tag = replica_tag or uuid.uuid4().hex[:8]
-        self.agent = KVTransferAgent(self.runner.pool, "prefill", tag, tp.rank)
+class PrefillEngine(HandoffEngine):
+    role = "prefill"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.agent.track_generations(self.allocator.generation)
         self.leases = LeaseTable()
 

@@ -1,0 +1,42 @@
+"""What both pools' Serve deployments share: an engine of one role on its own loop thread.
+
+Plain classes; `cluster/app.py` wraps them with `serve.deployment` and each pool's resources.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from workers.config import EngineConfig
+from workers.engine_core import EngineStats
+from workers.engine_loop import AsyncEngine
+from workers.handoff import HandoffEngine, KVTransferConfig
+
+
+def replica_tag() -> str | None:
+    """This Serve replica's id, to name NIXL agents after (None outside Serve)."""
+    try:
+        from ray import serve
+
+        return str(serve.get_replica_context().replica_id.unique_id)
+    except Exception:  # noqa: BLE001 - not inside a Serve replica
+        return None
+
+
+class EngineWorker:
+    engine_class: ClassVar[type[HandoffEngine]]
+
+    def __init__(self, engine: dict[str, Any], kv_transfer: dict[str, Any]) -> None:
+        self.engine = self.engine_class(
+            EngineConfig.model_validate(engine),
+            KVTransferConfig.model_validate(kv_transfer),
+            replica_tag(),
+        )
+        self.loop = AsyncEngine(self.engine)
+
+    async def stats(self) -> EngineStats:
+        return self.loop.stats()
+
+    def check_health(self) -> None:
+        """Polled by Serve: a dead loop thread marks the replica unhealthy."""
+        self.loop.check_alive()
