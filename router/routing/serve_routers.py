@@ -1,0 +1,141 @@
+"""Ray Serve request routers (alpha API, Ray >= 2.49) that apply `router.routing.policy`.
+
+`cluster/app.py` names them in a pool's `request_router_config`; every DeploymentHandle to that
+pool (the ingress replicas hold them) then builds one router per process, and Serve calls:
+- `choose_replicas()` per attempt to route a request: we answer singleton ranks, best first, and
+  Serve takes the first whose queue is below `max_ongoing_requests` (probing when unsure);
+- `on_request_routed()` when a replica accepted it, `on_request_completed()` when it finished
+  (also for an accepted-then-failed request, and without a prior `on_request_routed()` when the
+  replica rejected it);
+- `update_replicas()` when the pool's membership changes and `on_replica_actor_died()` when a
+  call found a replica dead: both make the policy forget what it knew of the replicas gone.
+Calls other than `prefill` / `generate` (stats, release) carry no prompt: all replicas form one
+rank and Serve picks the one with the shortest queue.
+
+Limits: the policy learns of a request when a replica accepts it, so requests routed at the same
+moment all see the same state (a burst of one prefix lands on one replica, up to its
+`max_ongoing_requests`); and a caller can see its result before `on_request_completed()` runs, so
+a follow-up sent at once may still count its predecessor as pending work on that replica.
+
+Serve pickles this module by value into each process that holds a handle; the policies it imports
+are imported there by name, so `router` must be importable wherever the ingress runs.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from router.routing.policy import DecodeLoadPolicy, PrefixAwarePolicy
+
+logger = logging.getLogger(__name__)
+
+
+def _request_of(pending: PendingRequest | None) -> Any | None:
+    """The `GenerateRequest` a `prefill(req)` / `generate(req, first)` call carries, else None."""
+    if pending is None or not pending.args:
+        return None
+    req = pending.args[0]
+    return req if hasattr(req, "prompt_token_ids") else None
+
+
+class PrefillRouter(RequestRouter):
+    """Prefill pool: longest cached prefix weighed against pending prefill work."""
+
+    def initialize_state(
+        self,
+        page_size: int = 16,
+        load_weight: float = 1.0,
+        imbalance_threshold: int = 8,
+        pages_per_replica: int = 1 << 16,
+    ) -> None:
+        self.policy = PrefixAwarePolicy(
+            page_size,
+            load_weight=load_weight,
+            imbalance_threshold=imbalance_threshold,
+            pages_per_replica=pages_per_replica,
+        )
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        if pending_request is not None:
+            pending_request.routing_context.should_backoff = True  # back off when all are full
+        req = _request_of(pending_request)
+        if req is None:
+            return [candidate_replicas]
+        by_id = {r.replica_id: r for r in candidate_replicas}
+        cache = self.replica_queue_len_cache
+        queue_lens = {rid: cache.get(rid) or 0 for rid in by_id}
+        ranked = self.policy.rank(list(by_id), req.prompt_token_ids, queue_lens)
+        return [[by_id[rid]] for rid in ranked]
+
+    def on_request_routed(
+        self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
+    ) -> None:
+        req = _request_of(pending_request)
+        if req is not None:
+            request = pending_request.metadata.internal_request_id
+            self.policy.routed(replica_id, request, req.prompt_token_ids)
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self.policy.completed(internal_request_id)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        self.policy.retain(r.replica_id for r in replicas)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self.policy.forget(replica_id)
+        logger.info("prefix router: forgot dead replica %s", replica_id)
+
+
+class DecodeRouter(RequestRouter):
+    """Decode pool: fewest running requests, then most free KV pages."""
+
+    def initialize_state(self, page_size: int = 16) -> None:
+        self.policy = DecodeLoadPolicy(page_size)
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        if pending_request is not None:
+            pending_request.routing_context.should_backoff = True
+        req = _request_of(pending_request)
+        if req is None:
+            return [candidate_replicas]
+        by_id = {r.replica_id: r for r in candidate_replicas}
+        cache = self.replica_queue_len_cache
+        queue_lens = {rid: cache.get(rid) or 0 for rid in by_id}
+        stats = {rid: r.routing_stats or {} for rid, r in by_id.items()}
+        num_tokens = len(req.prompt_token_ids) + req.params.max_tokens
+        ranked = self.policy.rank(list(by_id), num_tokens, stats, queue_lens)
+        return [[by_id[rid]] for rid in ranked]
+
+    def on_request_routed(
+        self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
+    ) -> None:
+        if _request_of(pending_request) is not None:
+            self.policy.routed(replica_id, pending_request.metadata.internal_request_id)
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self.policy.completed(internal_request_id)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        self.policy.retain(r.replica_id for r in replicas)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self.policy.retain(self._replicas)

@@ -1,0 +1,227 @@
+"""The routing policies in plain Python: prefix affinity, load against affinity, replicas that
+come and go, the index's bound; then the Serve routers' hooks on fake replicas (no cluster)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from router.routing import DecodeLoadPolicy, PrefixAwarePolicy, PrefixIndex, page_hashes
+
+PS = 4
+REPLICAS = ["r0", "r1", "r2", "r3"]
+
+
+def system_prompt(tenant: int, pages: int = 32) -> list[int]:
+    return [1000 * (tenant + 1) + i for i in range(pages * PS)]
+
+
+def question(i: int, n: int = 10) -> list[int]:
+    return [50_000 + 100 * i + j for j in range(n)]
+
+
+def route(policy: PrefixAwarePolicy, prompt: list[int], request: str, **kw: Any) -> str:
+    """Rank, send to the best, and let it finish at once (an idle pool)."""
+    best = policy.rank(REPLICAS, prompt, **kw)[0]
+    policy.routed(best, request, prompt)
+    policy.completed(request)
+    return best
+
+
+def test_page_hashes_name_a_page_by_everything_before_it() -> None:
+    a = page_hashes([1, 2, 3, 4, 5, 6, 7, 8, 9], PS)
+    b = page_hashes([0, 0, 0, 0, 5, 6, 7, 8], PS)
+    assert len(a) == 2  # the partial third page is not named
+    assert a[1] != b[1]  # same tokens, different prefix
+    assert page_hashes([1, 2, 3, 4, 5, 6, 7, 8], PS) == a
+
+
+def test_same_prefix_prompts_go_to_the_same_replica() -> None:
+    policy = PrefixAwarePolicy(PS)
+    chosen = {
+        tenant: {route(policy, system_prompt(tenant) + question(i), f"{tenant}-{i}")
+                 for i in range(10)}
+        for tenant in range(4)
+    }  # fmt: skip
+    assert all(len(replicas) == 1 for replicas in chosen.values())
+
+
+def test_new_prefixes_spread_over_idle_replicas() -> None:
+    policy = PrefixAwarePolicy(PS)
+    firsts = {route(policy, system_prompt(t), f"t{t}") for t in range(40)}
+    assert len(firsts) == len(REPLICAS)
+
+
+def test_two_routers_send_a_new_prefix_to_the_same_replica() -> None:
+    prompt = system_prompt(7) + question(0)
+    assert PrefixAwarePolicy(PS).rank(REPLICAS, prompt) == PrefixAwarePolicy(PS).rank(
+        list(reversed(REPLICAS)), prompt
+    )
+
+
+def test_longest_cached_prefix_wins() -> None:
+    policy = PrefixAwarePolicy(PS)
+    base = system_prompt(0)
+    policy.routed("r1", "short", base[: 8 * PS])
+    policy.routed("r2", "long", base[: 24 * PS])
+    policy.completed("short"), policy.completed("long")
+    assert policy.rank(REPLICAS, base + question(1))[0] == "r2"
+
+
+def test_pending_prefill_work_outweighs_a_short_cached_prefix() -> None:
+    policy = PrefixAwarePolicy(PS)
+    prompt = system_prompt(0, pages=4) + question(0, n=400)  # 16 cached tokens of 416
+    policy.routed("r1", "warm", prompt[: 4 * PS])
+    policy.completed("warm")
+    assert policy.rank(REPLICAS, prompt)[0] == "r1"
+    policy.routed("r1", "busy", question(9, n=200))  # 200 tokens still to prefill on r1
+    assert policy.rank(REPLICAS, prompt)[0] != "r1"
+    policy.completed("busy")
+    assert policy.rank(REPLICAS, prompt)[0] == "r1"
+
+
+def test_load_imbalance_overrides_affinity() -> None:
+    policy = PrefixAwarePolicy(PS, imbalance_threshold=4, load_weight=0.0)
+    prompt = system_prompt(0) + question(0)
+    home = route(policy, prompt, "warm")
+    queue = {r: (5 if r == home else 0) for r in REPLICAS}
+    assert policy.rank(REPLICAS, prompt, queue_lens=queue)[0] != home  # 5 - 0 > 4
+    queue[home] = 4
+    assert policy.rank(REPLICAS, prompt, queue_lens=queue)[0] == home  # within the threshold
+
+
+def test_requests_in_flight_count_as_load_until_they_complete() -> None:
+    policy = PrefixAwarePolicy(PS, imbalance_threshold=2, load_weight=0.0)
+    prompt = system_prompt(0) + question(0)
+    home = route(policy, prompt, "warm")
+    for i in range(3):
+        policy.routed(home, f"q{i}", prompt)
+    policy.routed(home, "q0", prompt)  # a retry of q0 is counted once
+    assert policy.in_flight.count(home) == 3
+    assert policy.rank(REPLICAS, prompt)[0] != home
+    policy.completed("q0")
+    policy.completed("never-routed")  # a rejected request completes without being routed
+    assert policy.rank(REPLICAS, prompt)[0] == home
+
+
+def test_a_dead_replica_is_forgotten() -> None:
+    policy = PrefixAwarePolicy(PS)
+    prompt = system_prompt(0) + question(0)
+    home = route(policy, prompt, "warm")
+    policy.routed(home, "running", prompt)
+    policy.forget(home)
+    assert policy.index.num_pages(home) == 0 and policy.in_flight.count(home) == 0
+    policy.index.check_invariants()
+    alive = [r for r in REPLICAS if r != home]
+    assert policy.rank(alive, prompt)[0] in alive
+    policy.completed("running")  # its answer may still come back: harmless
+
+
+def test_replicas_that_left_the_pool_are_forgotten_and_new_ones_rank_as_uncached() -> None:
+    policy = PrefixAwarePolicy(PS)
+    prompt = system_prompt(0) + question(0)
+    home = route(policy, prompt, "warm")
+    policy.retain(["new0", "new1"])
+    assert policy.index.replicas == set() and policy.in_flight.replicas == set()
+    assert set(policy.rank(["new0", "new1"], prompt)) == {"new0", "new1"}
+    assert policy.index.match(page_hashes(prompt, PS), [home, "new0"]) == {home: 0, "new0": 0}
+
+
+def test_index_is_bounded_per_replica() -> None:
+    policy = PrefixAwarePolicy(PS, pages_per_replica=100)
+    for t in range(50):
+        route(policy, system_prompt(t) + question(t), f"t{t}")
+    assert all(policy.index.num_pages(r) <= 100 for r in REPLICAS)
+    assert len(policy.index) <= 100 * len(REPLICAS)
+    policy.index.check_invariants()
+
+
+def test_eviction_takes_the_deepest_pages_of_the_oldest_prompt_first() -> None:
+    index = PrefixIndex(pages_per_replica=40)
+    old, new = page_hashes(system_prompt(0), PS), page_hashes(system_prompt(1, pages=16), PS)
+    index.insert("r0", old)  # 32 pages
+    index.insert("r0", new)  # 16 more: 8 of the old prompt's pages must go
+    assert index.match(old, ["r0"]) == {"r0": 24}
+    assert index.match(new, ["r0"]) == {"r0": 16}
+    index.check_invariants()
+
+
+def test_decode_prefers_fewest_running_then_most_free_pages() -> None:
+    policy = DecodeLoadPolicy(PS, rng=random.Random(0))
+    stats = {
+        "r0": {"num_running": 3, "kv_free_pages": 900},
+        "r1": {"num_running": 1, "kv_free_pages": 100},
+        "r2": {"num_running": 1, "kv_free_pages": 500},
+        "r3": {"num_running": 0, "kv_free_pages": 10},  # idle but cannot hold 200 tokens
+    }
+    assert policy.rank(REPLICAS, 200, stats) == ["r2", "r1", "r0", "r3"]
+    policy.routed("r2", "a")
+    policy.routed("r2", "b")  # our own sends count before the stats catch up
+    assert policy.rank(REPLICAS, 200, stats)[0] == "r1"
+    policy.completed("a"), policy.completed("b")
+    assert policy.rank(REPLICAS, 200, stats, queue_lens={"r2": 5})[0] == "r1"
+
+
+# ---- the Serve routers' hooks, on fake replicas ----
+
+
+@dataclass(frozen=True)
+class FakeMetadata:
+    internal_request_id: str
+
+
+@dataclass
+class FakeRequest:
+    prompt_token_ids: tuple[int, ...]
+    params: Any = None
+
+
+@dataclass
+class FakePending:
+    args: list[Any]
+    metadata: FakeMetadata
+    routing_context: Any = field(default_factory=lambda: type("Ctx", (), {})())
+
+
+@dataclass(eq=False)
+class FakeReplica:
+    replica_id: str
+    max_ongoing_requests: int = 8
+    routing_stats: dict[str, float] = field(default_factory=dict)
+
+
+def test_serve_prefill_router_learns_from_routed_requests_and_forgets_dead_replicas() -> None:
+    pytest.importorskip("ray.serve")
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+
+    from router.routing.serve_routers import PrefillRouter
+
+    async def run() -> None:
+        router = PrefillRouter(
+            deployment_id=DeploymentID(name="prefill", app_name="test"),
+            handle_source=DeploymentHandleSource.UNKNOWN,
+        )
+        router.initialize_state(page_size=PS)
+        replicas = [FakeReplica(r) for r in REPLICAS]
+        prompt = tuple(system_prompt(0) + question(0))
+
+        def pending(rid: str) -> FakePending:
+            return FakePending([FakeRequest(prompt)], FakeMetadata(rid))
+
+        ranks = await router.choose_replicas(replicas, pending("a"))
+        assert sorted(r[0].replica_id for r in ranks) == REPLICAS
+        home = ranks[1][0].replica_id  # send it to the second choice, as after a rejection
+        router.on_request_routed(pending("a"), home, None)  # type: ignore[arg-type]
+        router.on_request_completed(home, "a")  # type: ignore[arg-type]
+        assert (await router.choose_replicas(replicas, pending("b")))[0][0].replica_id == home
+        assert await router.choose_replicas(replicas, FakePending([], FakeMetadata("s"))) == [
+            replicas
+        ]  # a stats call: one rank, Serve picks by queue length
+        router.on_replica_actor_died(home)  # type: ignore[arg-type]
+        assert router.policy.index.num_pages(home) == 0
+
+    asyncio.run(run())
