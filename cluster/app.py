@@ -13,7 +13,7 @@ from typing import Any
 from ray import serve
 from ray.serve import Application
 
-from cluster.config import AppConfig, PoolConfig
+from cluster.config import AppConfig, PoolConfig, RouterConfig
 from router.backend import GenerationBackend
 from router.openai_api import build_openai_app
 from router.pd_backend import DisaggregatedBackend
@@ -47,7 +47,9 @@ class OpenAIIngress:
         )
 
 
-def _deployment_options(name: str, pool: PoolConfig) -> dict[str, Any]:
+def _deployment_options(
+    name: str, pool: PoolConfig, request_router: dict[str, Any] | None = None
+) -> dict[str, Any]:
     if pool.tensor_parallel_size > 1:
         raise ValueError(f"{name}.tensor_parallel_size > 1 is not implemented yet")
     options: dict[str, Any] = {
@@ -63,20 +65,51 @@ def _deployment_options(name: str, pool: PoolConfig) -> dict[str, Any]:
         options["autoscaling_config"] = pool.autoscaling.model_dump(exclude_none=True)
     else:
         options["num_replicas"] = pool.num_replicas
+    if request_router is not None:
+        options["request_router_config"] = request_router
     return options
+
+
+def _request_routers(cfg: AppConfig) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """`request_router_config` of the prefill and the decode pool (None: Serve's default,
+    power of two choices on queue length). In colocated mode the decode pool also prefills,
+    so it gets the prefix-aware router."""
+    r: RouterConfig = cfg.router
+    page_size = cfg.engine.page_size
+    prefix = {
+        "request_router_class": "router.routing.serve_routers:PrefillRouter",
+        "request_router_kwargs": {
+            "page_size": page_size,
+            "load_weight": r.prefix_load_weight,
+            "imbalance_threshold": r.prefix_imbalance_threshold,
+            "pages_per_replica": r.prefix_index_pages,
+        },
+        "request_routing_stats_period_s": r.routing_stats_period_s,
+    }
+    load = {
+        "request_router_class": "router.routing.serve_routers:DecodeRouter",
+        "request_router_kwargs": {"page_size": page_size},
+        "request_routing_stats_period_s": r.routing_stats_period_s,
+    }
+    prefill_router = prefix if r.prefix_aware else None
+    decode_router = load if r.decode_load_aware else None
+    if cfg.mode == "colocated":
+        return None, prefill_router or decode_router
+    return prefill_router, decode_router
 
 
 def build_app(args: dict[str, Any] | AppConfig) -> Application:
     """Validate the config file's `args` and bind the router and both pools."""
     cfg = AppConfig.model_validate(args)
     transfer = cfg.kv_transfer.model_dump()
-    decode = serve.deployment(DecodeWorker, **_deployment_options("decode", cfg.decode)).bind(
-        cfg.decode.engine(cfg.engine).model_dump(), transfer
-    )
+    prefill_router, decode_router = _request_routers(cfg)
+    decode = serve.deployment(
+        DecodeWorker, **_deployment_options("decode", cfg.decode, decode_router)
+    ).bind(cfg.decode.engine(cfg.engine).model_dump(), transfer)
     prefill = None
     if cfg.mode == "disaggregated":
         prefill = serve.deployment(
-            PrefillWorker, **_deployment_options("prefill", cfg.prefill)
+            PrefillWorker, **_deployment_options("prefill", cfg.prefill, prefill_router)
         ).bind(cfg.prefill.engine(cfg.engine).model_dump(), transfer)
     router = serve.deployment(
         OpenAIIngress,

@@ -76,6 +76,21 @@ class RouterConfig(Strict):
         description="send prompts to the prefill replica whose "
         "cache holds their longest prefix, weighed against load",
     )
+    prefix_load_weight: float = Field(
+        1.0, ge=0, description="cost of a pending prefill token against an uncached one"
+    )
+    prefix_imbalance_threshold: int = Field(
+        8, ge=0, description="request-count spread above which the least-loaded replica wins"
+    )
+    prefix_index_pages: int = Field(
+        1 << 16, ge=1, description="prefix pages remembered per replica (about its KV pool)"
+    )
+    decode_load_aware: bool = Field(
+        True, description="send decodes to the fewest running requests, then most free pages"
+    )
+    routing_stats_period_s: float = Field(
+        2.0, gt=0, description="how often Serve polls replicas' record_routing_stats()"
+    )
 
 
 class AppConfig(Strict):
