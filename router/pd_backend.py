@@ -46,7 +46,7 @@ class DisaggregatedBackend:
                 yield chunk
         finally:
             if not decoding:  # the decode side never took the pages: unpin them now
-                release = self.prefill.release.remote(kv.lease_id)
+                release = self.prefill.release.remote(kv.agent_names[0], kv.lease_id)
                 await asyncio.shield(asyncio.ensure_future(_quietly(release)))
 
     async def stats(self) -> list[RoleStats]:

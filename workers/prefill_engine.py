@@ -58,6 +58,14 @@ class PrefillEngine(HandoffEngine):
         self.kv.release(lease.seq, cache=True)
         return True
 
+    def release_lease_of(self, agent_name: str, lease_id: str) -> None:
+        """Unpin a lease held by `agent_name`: here, or by notifying that agent over NIXL (a
+        caller cannot choose which prefill replica handles its call)."""
+        if agent_name == self.agent.name:
+            self.release_lease(lease_id)
+        else:
+            self.agent.send_notif(agent_name, lease_id.encode())
+
     def abort(self, request_id: str) -> RequestOutput | None:
         lease = self.leases.pop_request(request_id)
         if lease is not None:

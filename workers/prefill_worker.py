@@ -19,9 +19,10 @@ class PrefillWorker(EngineWorker):
         finally:
             await stream.aclose()  # after a hand-off this aborts nothing (see AsyncEngine)
 
-    async def release(self, lease_id: str) -> None:
-        """Unpin a prompt whose decode side will never read it (the client went away)."""
-        await self.loop.run(lambda: self.engine.release_lease(lease_id))
+    async def release(self, agent_name: str, lease_id: str) -> None:
+        """Unpin a prompt whose decode side will never read it (the client went away); the
+        lease may be held by another replica of the pool (`agent_name` says which)."""
+        await self.loop.run(lambda: self.engine.release_lease_of(agent_name, lease_id))
 
     def record_routing_stats(self) -> dict[str, float]:
         """Polled by Serve for request routers: this replica's load."""

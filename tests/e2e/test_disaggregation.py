@@ -90,10 +90,10 @@ def request(llm: LLM, rid: str, text: str, params: SamplingParams = GREEDY) -> G
     return GenerateRequest(request_id=rid, prompt_token_ids=ids, params=params)
 
 
-def wait_for(cond, what: str) -> None:  # noqa: ANN001
+def wait_for(cond, what: str, deadline_s: float = DEADLINE_S) -> None:  # noqa: ANN001
     t0 = time.monotonic()
     while not cond():
-        assert time.monotonic() - t0 < DEADLINE_S, f"timed out waiting for {what}"
+        assert time.monotonic() - t0 < deadline_s, f"timed out waiting for {what}"
         time.sleep(0.05)
 
 
@@ -163,6 +163,16 @@ def test_unread_pages_are_unpinned_when_the_lease_expires(llm, cluster) -> None:
     wait_for(lambda: ray.get(short.stats.remote()).kv_pages_pinned == 0, "lease expiry")
     assert first.kv is not None and first.kv.lease_expiry < time.time()
     ray.kill(short)
+
+
+def test_any_prefill_replica_can_release_another_ones_lease(llm, prefill, cluster) -> None:
+    other = start(Prefill)
+    first = ray.get(prefill.prefill.remote(request(llm, "released", SYSTEM + "Bye?")))
+    assert ray.get(prefill.stats.remote()).kv_pages_pinned > 0
+    ray.get(other.release.remote(first.kv.agent_names[0], first.kv.lease_id))
+    # Well inside the 30 s lease: the notification, not the expiry, unpinned it.
+    wait_for(lambda: ray.get(prefill.stats.remote()).kv_pages_pinned == 0, "remote release", 10)
+    ray.kill(other)
 
 
 def test_prefill_killed_before_the_read_recomputes_within_bound(llm, cluster, decode) -> None:
