@@ -57,3 +57,49 @@ def test_silu_and_mul_matches_torch(dtype: torch.dtype, rows: int, width: int) -
     x = torch.randn(rows, width * 2, device="cuda").to(dtype) * 4
     gate, up = x.chunk(2, dim=-1)
     close(fused.silu_and_mul(x), F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,width", [(1, 4096), (300, 576)])
+def test_add_rms_norm_matches_add_then_norm(dtype: torch.dtype, rows: int, width: int) -> None:
+    from workers.model import fused
+
+    x = torch.randn(rows, width, device="cuda").to(dtype) * 3
+    residual = torch.randn(rows, width, device="cuda").to(dtype) * 3
+    weight = torch.randn(width, device="cuda").to(dtype)
+    out, total = fused.add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(total, residual + x)  # the same rounding as torch's add
+    close(out, fused.rms_norm(residual + x, weight, 1e-5))
+    norm = RMSNorm(width, 1e-5).cuda().to(dtype)
+    norm.weight.data.copy_(weight)
+    out2, total2 = norm.add_forward(x, residual)  # the module dispatches to the kernel
+    assert torch.equal(out2, out) and torch.equal(total2, total)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(32, 8, 128), (9, 3, 64)])
+def test_rotary_store_rotates_and_writes_slots(
+    dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int
+) -> None:
+    """Equal to `fused.rotary` of q and k plus an indexed write of k and v into the pool."""
+    from workers.model import fused
+
+    tokens, pages, page_size, layers = 37, 11, 4, 3
+    packed = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, device="cuda").to(dtype)
+    q, k, v = packed.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q = q.view(tokens, heads, head_dim)
+    k = k.view(tokens, kv_heads, head_dim)
+    v = v.view(tokens, kv_heads, head_dim)
+    positions = torch.randint(0, 8000, (tokens,), device="cuda")
+    cos, sin = RotaryEmbedding(head_dim, 500000.0, None).cuda().cos_sin(positions, dtype)
+    slots = torch.randperm(pages * page_size, device="cuda")[:tokens]
+    slot_pages, slot_offsets = slots // page_size, slots % page_size
+    pool = torch.randn(pages, layers, 2, page_size, kv_heads, head_dim, device="cuda").to(dtype)
+    before = pool.clone()
+    layer = 1
+    q_out = fused.rotary_store(q, k, v, cos, sin, pool[:, layer], slot_pages, slot_offsets)
+    close(q_out, fused.rotary(q, cos, sin))
+    close(pool[slot_pages, layer, 0, slot_offsets], fused.rotary(k, cos, sin))
+    assert torch.equal(pool[slot_pages, layer, 1, slot_offsets], v)
+    pool[slot_pages, layer, :, slot_offsets] = before[slot_pages, layer, :, slot_offsets]
+    assert torch.equal(pool, before)  # no slot but the tokens' own was written

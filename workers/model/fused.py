@@ -6,10 +6,15 @@ an H200: ~1100 of a Llama-3-8B step's ~1300 kernels were such, about 2 ms of 6).
 here is one kernel and rounds where the torch code rounds, so results match it to bf16 rounding:
 - `rms_norm`: float32 statistics, the normalised row cast to the input dtype, then times weight
   (HF's `LlamaRMSNorm`);
+- `add_rms_norm`: `residual + x` rounded to the input dtype (what torch's add gives), then
+  `rms_norm` of that sum; returns both, so a decoder layer needs no separate add kernel;
 - `rotary`: `x * cos + rotate_half(x) * sin` in float32, one rounding at the end;
+- `rotary_store`: `rotary` of q and k, with the rotated k and the untouched v written straight
+  into their KV pool slots (what `AttentionBackend.store_kv` does), in one kernel;
 - `silu_and_mul`: `silu(gate)` rounded to the input dtype, times `up`, as torch computes it.
-Callers (`workers/model/layers.py`, `rotary.py`, `llama.py`) use them only when `applies(x)`, so
-float32 and CPU runs keep the exact torch arithmetic that the HF-equality tests pin.
+Callers (`workers/model/layers.py`, `rotary.py`, `llama.py`, `attention/flashinfer.py`) use them
+only when `applies(x)`, so float32 and CPU runs keep the exact torch arithmetic that the
+HF-equality tests pin.
 """
 
 from __future__ import annotations
@@ -49,6 +54,51 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
             rows, weight, out, rows.stride(0), n, n, eps, BLOCK=block, num_warps=warps
         )
     return out.view(x.shape)
+
+
+@triton.jit
+def _add_rms_norm_kernel(
+    x_ptr, r_ptr, w_ptr, out_ptr, r_out_ptr, x_stride, r_stride, n, eps, BLOCK: tl.constexpr
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n
+    x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    r = tl.load(r_ptr + row * r_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    total = (r + x).to(out_ptr.dtype.element_ty)
+    tl.store(r_out_ptr + row * n + cols, total, mask=mask)
+    s = total.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(s * s, axis=0) / n + eps)
+    normed = (s * inv).to(out_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * n + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(rms_norm(residual + x), residual + x)` for `[T, n]` inputs, in one kernel."""
+    assert x.dim() == 2 and x.shape == residual.shape and x.dtype == residual.dtype
+    assert x.stride(-1) == 1 and residual.stride(-1) == 1
+    rows, n = x.shape
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    total = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    if rows:
+        block, warps = triton.next_power_of_2(n), 4 if n <= 2048 else 8
+        _add_rms_norm_kernel[(rows,)](
+            x,
+            residual,
+            weight,
+            out,
+            total,
+            x.stride(0),
+            residual.stride(0),
+            n,
+            eps,
+            BLOCK=block,
+            num_warps=warps,
+        )
+    return out, total
 
 
 @triton.jit
@@ -95,6 +145,116 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
             heads,
             HALF=dim // 2,
             HEADS_BLOCK=triton.next_power_of_2(heads),
+            num_warps=4,
+        )
+    return out
+
+
+@triton.jit
+def _rotary_store_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    cos_ptr,
+    sin_ptr,
+    q_out_ptr,
+    kv_ptr,
+    slot_pages_ptr,
+    slot_offsets_ptr,
+    q_stride_t,
+    q_stride_h,
+    k_stride_t,
+    k_stride_h,
+    v_stride_t,
+    v_stride_h,
+    cs_stride,
+    kv_stride_page,
+    kv_stride_kv,
+    kv_stride_slot,
+    kv_stride_head,
+    num_q_heads,
+    num_kv_heads,
+    HALF: tl.constexpr,
+    Q_BLOCK: tl.constexpr,
+    KV_BLOCK: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    dims = tl.arange(0, HALF)[None, :]
+    cos = tl.load(cos_ptr + token * cs_stride + dims).to(tl.float32)  # first half == second half
+    sin = tl.load(sin_ptr + token * cs_stride + dims).to(tl.float32)
+    # q: rotated into a new packed [T, Hq, D] tensor.
+    qh = tl.arange(0, Q_BLOCK)[:, None]
+    qm = qh < num_q_heads
+    src = q_ptr + token * q_stride_t + qh * q_stride_h + dims
+    x1 = tl.load(src, mask=qm, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=qm, other=0.0).to(tl.float32)
+    dst = q_out_ptr + token * num_q_heads * 2 * HALF + qh * 2 * HALF + dims
+    tl.store(dst, (x1 * cos - x2 * sin).to(q_out_ptr.dtype.element_ty), mask=qm)
+    tl.store(dst + HALF, (x2 * cos + x1 * sin).to(q_out_ptr.dtype.element_ty), mask=qm)
+    # k (rotated) and v (as is): into slot (page, offset) of the layer's pool view.
+    page = tl.load(slot_pages_ptr + token).to(tl.int64)
+    slot = tl.load(slot_offsets_ptr + token).to(tl.int64)
+    kh = tl.arange(0, KV_BLOCK)[:, None]
+    km = kh < num_kv_heads
+    k_dst = kv_ptr + page * kv_stride_page + slot * kv_stride_slot + kh * kv_stride_head + dims
+    src = k_ptr + token * k_stride_t + kh * k_stride_h + dims
+    y1 = tl.load(src, mask=km, other=0.0).to(tl.float32)
+    y2 = tl.load(src + HALF, mask=km, other=0.0).to(tl.float32)
+    tl.store(k_dst, (y1 * cos - y2 * sin).to(kv_ptr.dtype.element_ty), mask=km)
+    tl.store(k_dst + HALF, (y2 * cos + y1 * sin).to(kv_ptr.dtype.element_ty), mask=km)
+    src = v_ptr + token * v_stride_t + kh * v_stride_h + dims
+    v_dst = k_dst + kv_stride_kv
+    tl.store(v_dst, tl.load(src, mask=km, other=0.0).to(kv_ptr.dtype.element_ty), mask=km)
+    v2 = tl.load(src + HALF, mask=km, other=0.0)
+    tl.store(v_dst + HALF, v2.to(kv_ptr.dtype.element_ty), mask=km)
+
+
+def rotary_store(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv: torch.Tensor,
+    slot_pages: torch.Tensor,
+    slot_offsets: torch.Tensor,
+) -> torch.Tensor:
+    """Rotate q `[T, Hq, D]` and k `[T, Hkv, D]` (`cos`/`sin` `[T, 1, D]`); write k and v
+    `[T, Hkv, D]` into `kv` `[pages, 2, page_size, Hkv, D]` at (`slot_pages[t]`,
+    `slot_offsets[t]`); return the rotated q as a new packed tensor."""
+    tokens, num_q_heads, dim = q.shape
+    num_kv_heads = k.shape[1]
+    assert k.shape == v.shape == (tokens, num_kv_heads, dim) and kv.shape[-2:] == k.shape[1:]
+    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == kv.stride(-1) == cos.stride(-1) == 1
+    assert cos.stride() == sin.stride() and slot_pages.shape == slot_offsets.shape == (tokens,)
+    out = torch.empty((tokens, num_q_heads, dim), dtype=q.dtype, device=q.device)
+    if tokens:
+        _rotary_store_kernel[(tokens,)](
+            q,
+            k,
+            v,
+            cos,
+            sin,
+            out,
+            kv,
+            slot_pages,
+            slot_offsets,
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            v.stride(0),
+            v.stride(1),
+            cos.stride(0),
+            kv.stride(0),
+            kv.stride(1),
+            kv.stride(2),
+            kv.stride(3),
+            num_q_heads,
+            num_kv_heads,
+            HALF=dim // 2,
+            Q_BLOCK=triton.next_power_of_2(num_q_heads),
+            KV_BLOCK=triton.next_power_of_2(num_kv_heads),
             num_warps=4,
         )
     return out

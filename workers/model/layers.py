@@ -53,6 +53,18 @@ class RMSNorm(nn.Module):
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
 
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(norm(residual + x), residual + x)`: the residual add folded into the norm's kernel
+        on CUDA in 16 bits; elsewhere the add then `forward`, bit for bit as written out."""
+        if x.is_cuda and x.dtype in HALF_DTYPES and x.dim() == 2:
+            from workers.model import fused  # Triton: imported on first CUDA use
+
+            return fused.add_rms_norm(x, residual, self.weight, self.eps)
+        residual = residual + x
+        return self(residual), residual
+
 
 class ColumnParallelLinear(nn.Module):
     """y = x W^T with W split by output rows: each rank produces its slice of y.

@@ -60,8 +60,14 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = cos_sin
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = attn.forward(self.layer_id, q, k, v)
+        # A backend that writes K/V itself may rotate q and k in that same kernel (FlashInfer on
+        # CUDA: `forward_rotary`); the others are given rotated q and k.
+        forward_rotary = getattr(attn, "forward_rotary", None)
+        if forward_rotary is not None:
+            out = forward_rotary(self.layer_id, q, k, v, cos, sin)
+        else:
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            out = attn.forward(self.layer_id, q, k, v)
         return self.o_proj(out.reshape(x.shape[0], -1))
 
 
@@ -91,10 +97,22 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg, tp)
 
     def forward(
-        self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, ...], attn: AttentionBackend
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos_sin: tuple[torch.Tensor, ...],
+        attn: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream is `residual + x` (just `x` at the first layer, `residual=None`).
+        Returns the MLP's output and the stream before it, not yet added: the next norm adds
+        them in its own kernel (`RMSNorm.add_forward`), so no layer launches a separate add."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn(h, cos_sin, attn)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -125,9 +143,12 @@ class LlamaForCausalLM(nn.Module):
         """Packed tokens `[T]` -> final hidden states `[T, hidden]`."""
         x = self.model.embed_tokens(input_ids)
         cos_sin = self.rotary.cos_sin(positions, x.dtype)
+        residual: torch.Tensor | None = None
         for layer in self.model.layers:
-            x = layer(x, cos_sin, attn)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, cos_sin, attn)
+        if residual is None:
+            return self.model.norm(x)
+        return self.model.norm.add_forward(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.logits(hidden).float()
