@@ -17,6 +17,7 @@ import torch
 
 from workers.attention import AttentionBatch, create_backend
 from workers.config import EngineConfig
+from workers.kvcache.page_table import PageTable
 from workers.kvcache.pool import KVPool
 from workers.model.dummy import build_dummy_model
 from workers.model.loader import load_model, load_model_config, resolve_model
@@ -73,6 +74,7 @@ class ModelRunner:
         self.attn = create_backend(backend, self.pool, attn.num_heads, scale)
         self.max_model_len = self._max_model_len()
         self._pin = self.device.type == "cuda"
+        self.page_table = PageTable()
         self.graphs: DecodeCudaGraphs | None = None
         graph_sizes = cfg.resolved_graph_batch_sizes()
         if graph_sizes and backend == "flashinfer" and self.device.type == "cuda":
@@ -181,9 +183,7 @@ class ModelRunner:
         kv = np.asarray(kv_lens, dtype=np.int64)
         q = np.asarray(q_lens, dtype=np.int64)
         used = -(-kv // page_size)
-        table = np.zeros((num_rows, int(used.max())), dtype=np.int32)
-        for row, seq in enumerate(step.seqs):
-            table[row, : used[row]] = seq.pages[: used[row]]
+        table = self.page_table.build(step.seqs, used)
         # Token t of row r sits at position kv_len - q_len + (t - first token of r).
         row_of_token = np.repeat(np.arange(num_rows), q)
         first = np.cumsum(q) - q
