@@ -4,7 +4,9 @@ A step is what the engine runs per generated token: `ModelRunner.execute` on `ba
 of `context` tokens each (host preparation, a CUDA-graph replay or the eager forward, logits,
 greedy sampling, the read of the sampled ids). Its floor is the bytes it must read, the weights
 once (of the embedding only the batch's rows, unless tied to the LM head) plus every sequence's
-KV, over the copy bandwidth measured in the same process.
+KV, over the copy bandwidth measured in the same process. Parts of the step are timed too: the
+graph replay and the LM head + argmax on the GPU (CUDA events), the host's input preparation
+and attention plan; `--profile` adds the top kernels and the top host ops of two cases.
 
     python -m bench.bench_decode --tokenizer-dir DIR [--shape llama3-8b] [--json out.json]
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -62,6 +65,21 @@ def weight_bytes_read(runner: ModelRunner, batch: int) -> int:
     return total
 
 
+def top_host_ops(fn: Callable[[], object], limit: int = 15) -> str:
+    """The torch ops and CUDA runtime calls of `fn` that take the most host time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(
+        sort_by="self_cpu_time_total", row_limit=limit, max_name_column_width=50
+    )
+    return f"host time of 5 graph steps, by op:\n{table}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokenizer-dir", type=Path, required=True)
@@ -93,6 +111,8 @@ def main() -> None:
         step = decode_step(runner, batch, context)
         step_ms = wall_ms(lambda: runner.execute(step))  # noqa: B023 - called here only
         replay_ms = cuda_ms(graphs.graphs[batch].replay)  # GPU time of the captured forward
+        hidden = graphs.outputs[batch][:batch]
+        logits_ms = cuda_ms(lambda: runner.model.compute_logits(hidden).argmax(-1))  # noqa: B023
         _, _, batch_in = runner._prepare(step, batch)
         prepare_ms = wall_ms(lambda: runner._prepare(step, batch))  # noqa: B023 - host only
         plan_ms = wall_ms(lambda: graphs.attn[batch].plan(batch_in))  # noqa: B023
@@ -107,6 +127,7 @@ def main() -> None:
             context=context,
             step_ms=round(step_ms, 3),
             graph_replay_ms=round(replay_ms, 3),
+            logits_argmax_ms=round(logits_ms, 3),
             host_prepare_ms=round(prepare_ms, 3),
             host_plan_ms=round(plan_ms, 3),
             eager_step_ms=round(eager_ms, 3),
@@ -120,6 +141,7 @@ def main() -> None:
             runner.graphs = None
             print(top_kernels(lambda: runner.execute(step)), flush=True)  # noqa: B023
             runner.graphs = graphs
+            print(top_host_ops(lambda: runner.execute(step)), flush=True)  # noqa: B023
         torch.cuda.synchronize()
     write_json(args.json, dict(copy_bandwidth_gbps=bandwidth, rows=rows))
 

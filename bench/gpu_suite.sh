@@ -22,7 +22,7 @@ fi
 OUT=${OUT:-/tmp/pdserve-gpu}
 mkdir -p "$OUT"
 SUITE=${SUITE:-tests decode prefill offline}  # also: decode_tc (tensor-core decode, JIT ~80 s)
-KIT_ONLY="flashinfer deps" source .kit/setup.sh
+KIT_ONLY="flashinfer deps nixl" source .kit/setup.sh  # nixl: the VRAM hand-off test
 export PYTHONUNBUFFERED=1 PDSERVE_TOKENIZER_DIR=$PWD/.gpu_assets/tokenizer
 export PDSERVE_CACHE=/tmp/pdserve-cache TOKENIZERS_PARALLELISM=false
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader
@@ -45,7 +45,7 @@ part() {  # part NAME SECONDS COMMAND...: run one part with a limit, log it, rem
 }
 part tests 200 python3 -m pytest tests/gpu -m gpu -q -rs -p no:cacheprovider \
   --junitxml="$OUT/tests.xml"
-part decode 130 python3 -m bench.bench_decode "${tok[@]}" --profile --json "$OUT/decode.json"
+part decode 180 python3 -m bench.bench_decode "${tok[@]}" --profile --json "$OUT/decode.json"
 part prefill 80 python3 -m bench.bench_prefill "${tok[@]}" --profile --json "$OUT/prefill.json"
 part offline 170 python3 -m bench.bench_offline_gpu "${tok[@]}" --json "$OUT/offline.json"
 PDSERVE_FLASHINFER_DECODE_TC=1 part decode_tc 240 python3 -m bench.bench_decode "${tok[@]}" \
