@@ -54,6 +54,7 @@ class DecodeEngine(HandoffEngine):
         token = first.token_ids[0]
         seq.token_ids.append(token)
         seq.num_emitted_tokens = 1
+        seq.logprobs = list(first.logprobs or [])  # keeps logprobs aligned with output tokens
         seq.num_cached_tokens = first.num_cached_tokens
         assert seq.detokenizer is not None
         seq.detokenizer.add_token(token)

@@ -118,6 +118,18 @@ def test_split_prefill_and_decode_equal_the_single_process_engine(llm, prefill, 
     assert stats.nixl_bytes_transferred > 0
 
 
+def test_logprobs_cover_every_token_across_the_hand_off(llm, prefill, decode) -> None:
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
+    req = request(llm, "logprobs", "The capital of France is", params)
+    first = ray.get(prefill.prefill.remote(req))
+    rest = ray.get(decode.run.remote(req, first))
+    chunks = [first, *rest]
+    assert all(len(c.logprobs or []) == len(c.token_ids) for c in chunks)
+    for c in chunks:
+        for t, lp in zip(c.token_ids, c.logprobs or []):
+            assert lp.token_id == t and len(lp.top) == 2 and max(lp.top, key=lp.top.get) == t
+
+
 def test_second_request_with_shared_prefix_reads_only_new_pages(llm, prefill, decode) -> None:
     before = ray.get(decode.stats.remote())
     page_bytes = None
