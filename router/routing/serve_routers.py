@@ -41,7 +41,20 @@ def _request_of(pending: PendingRequest | None) -> Any | None:
     return req if hasattr(req, "prompt_token_ids") else None
 
 
-class PrefillRouter(RequestRouter):
+class _PolicyRouter(RequestRouter):
+    """What both routers share: a policy that tracks in-flight requests and live replicas."""
+
+    policy: PrefixAwarePolicy | DecodeLoadPolicy
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self.policy.completed(internal_request_id)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        self.policy.retain(r.replica_id for r in replicas)
+
+
+class PrefillRouter(_PolicyRouter):
     """Prefill pool: longest cached prefix weighed against pending prefill work."""
 
     def initialize_state(
@@ -84,20 +97,13 @@ class PrefillRouter(RequestRouter):
             request = pending_request.metadata.internal_request_id
             self.policy.routed(replica_id, request, req.prompt_token_ids)
 
-    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        self.policy.completed(internal_request_id)
-
-    def update_replicas(self, replicas: list[RunningReplica]) -> None:
-        super().update_replicas(replicas)
-        self.policy.retain(r.replica_id for r in replicas)
-
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self.policy.forget(replica_id)
         logger.info("prefix router: forgot dead replica %s", replica_id)
 
 
-class DecodeRouter(RequestRouter):
+class DecodeRouter(_PolicyRouter):
     """Decode pool: fewest running requests, then most free KV pages."""
 
     def initialize_state(self, page_size: int = 16) -> None:
@@ -128,13 +134,6 @@ class DecodeRouter(RequestRouter):
     ) -> None:
         if _request_of(pending_request) is not None:
             self.policy.routed(replica_id, pending_request.metadata.internal_request_id)
-
-    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        self.policy.completed(internal_request_id)
-
-    def update_replicas(self, replicas: list[RunningReplica]) -> None:
-        super().update_replicas(replicas)
-        self.policy.retain(r.replica_id for r in replicas)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
