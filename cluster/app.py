@@ -30,7 +30,8 @@ class OpenAIIngress:
 
     def __init__(self, config: dict[str, Any], decode: Any, prefill: Any = None) -> None:
         self.config = AppConfig.model_validate(config)
-        self.backend: GenerationBackend = DisaggregatedBackend(prefill, decode)
+        app_name = serve.get_replica_context().app_name
+        self.backend: GenerationBackend = DisaggregatedBackend(prefill, decode, app_name)
         model_dir = resolve_model(self.config.engine.model)
         self.tokenizer = load_tokenizer(model_dir)
         self.max_model_len = load_model_config(model_dir).context_limit(

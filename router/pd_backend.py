@@ -17,14 +17,17 @@ from typing import Any
 
 from router.backend import RoleStats
 from workers.protocol import GenerateRequest, RequestOutput
+from workers.stats_board import read_pool
 
 logger = logging.getLogger(__name__)
 
 
 class DisaggregatedBackend:
-    def __init__(self, prefill: Any | None, decode: Any) -> None:
+    def __init__(self, prefill: Any | None, decode: Any, app_name: str | None = None) -> None:
         """`prefill` / `decode`: Serve DeploymentHandles of the two pools; without a prefill
-        pool (colocated mode) decode replicas serve whole requests."""
+        pool (colocated mode) decode replicas serve whole requests. `app_name` finds every
+        replica's posted stats (`workers/stats_board.py`)."""
+        self.app_name = app_name
         self.prefill = prefill
         self.decode = decode.options(stream=True)
         self.decode_stats = decode
@@ -50,11 +53,20 @@ class DisaggregatedBackend:
                 await asyncio.shield(asyncio.ensure_future(_quietly(release)))
 
     async def stats(self) -> list[RoleStats]:
-        d = await self.decode_stats.stats.remote()
-        if self.prefill is None:
-            return [RoleStats("colocated", d)]
-        p = await self.prefill.stats.remote()
-        return [RoleStats("prefill", p), RoleStats("decode", d)]
+        """One snapshot per replica as posted; a pool none of whose replicas has posted yet is
+        asked through its handle (one replica)."""
+        pools = [("decode", self.decode_stats)]
+        if self.prefill is not None:
+            pools.insert(0, ("prefill", self.prefill))
+        out: list[RoleStats] = []
+        for role, handle in pools:
+            posted = []
+            if self.app_name is not None:
+                posted = await asyncio.to_thread(read_pool, self.app_name, role)
+            snapshots = posted or [await handle.stats.remote()]
+            name = role if self.prefill is not None else "colocated"
+            out += [RoleStats(name, s) for s in snapshots]
+        return out
 
 
 async def _quietly(response: Any) -> None:

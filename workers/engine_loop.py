@@ -23,8 +23,12 @@ T = TypeVar("T")
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(
+        self, engine: Engine, on_stats: Callable[[EngineStats], None] | None = None
+    ) -> None:
+        """`on_stats` is called on the loop thread with every fresh stats snapshot."""
         self.engine = engine
+        self._on_stats = on_stats
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
@@ -109,6 +113,14 @@ class AsyncEngine:
             loop, chunks = stream
             loop.call_soon_threadsafe(chunks.put_nowait, item)
 
+    def _refresh_stats(self) -> None:
+        self._stats = self.engine.stats()
+        if self._on_stats is not None:
+            try:
+                self._on_stats(self._stats)
+            except Exception:  # noqa: BLE001 - stats are best effort; serving goes on
+                logger.exception("posting engine stats failed")
+
     def _run(self) -> None:
         while not self._stop:
             while not self._inbox.empty():
@@ -119,7 +131,7 @@ class AsyncEngine:
             for out in self.engine.poll():
                 self._deliver(out.request_id, out)
             if not self.engine.has_work():
-                self._stats = self.engine.stats()
+                self._refresh_stats()
                 self._wake.wait(self.engine.idle_wait_s())
                 self._wake.clear()
                 continue
@@ -128,4 +140,4 @@ class AsyncEngine:
                     self._deliver(out.request_id, out)
             except Exception:  # noqa: BLE001 - the loop must outlive any one step
                 logger.exception("engine step failed")
-            self._stats = self.engine.stats()
+            self._refresh_stats()

@@ -11,14 +11,15 @@ from workers.config import EngineConfig
 from workers.engine_core import EngineStats
 from workers.engine_loop import AsyncEngine
 from workers.handoff import HandoffEngine, KVTransferConfig
+from workers.stats_board import StatsPoster
 
 
-def replica_tag() -> str | None:
-    """This Serve replica's id, to name NIXL agents after (None outside Serve)."""
+def replica_context() -> Any:
+    """This Serve replica's context (app name, replica id), or None outside Serve."""
     try:
         from ray import serve
 
-        return str(serve.get_replica_context().replica_id.unique_id)
+        return serve.get_replica_context()
     except Exception:  # noqa: BLE001 - not inside a Serve replica
         return None
 
@@ -27,12 +28,15 @@ class EngineWorker:
     engine_class: ClassVar[type[HandoffEngine]]
 
     def __init__(self, engine: dict[str, Any], kv_transfer: dict[str, Any]) -> None:
+        ctx = replica_context()
+        tag = None if ctx is None else str(ctx.replica_id.unique_id)
         self.engine = self.engine_class(
-            EngineConfig.model_validate(engine),
-            KVTransferConfig.model_validate(kv_transfer),
-            replica_tag(),
+            EngineConfig.model_validate(engine), KVTransferConfig.model_validate(kv_transfer), tag
         )
-        self.loop = AsyncEngine(self.engine)
+        poster = None
+        if ctx is not None and tag is not None:
+            poster = StatsPoster(ctx.app_name, self.engine.role, tag)
+        self.loop = AsyncEngine(self.engine, poster)
 
     async def stats(self) -> EngineStats:
         return self.loop.stats()

@@ -60,7 +60,7 @@ class PeerRecord:
         )
 
 
-def _internal_kv() -> ModuleType | None:
+def ray_internal_kv() -> ModuleType | None:
     """Ray's internal KV module when this process is connected to Ray (imported lazily)."""
     try:
         from ray.experimental import internal_kv
@@ -71,12 +71,12 @@ def _internal_kv() -> ModuleType | None:
 
 def ray_kv_available() -> bool:
     """True in a process connected to a Ray cluster (a driver after `ray.init`, or an actor)."""
-    return _internal_kv() is not None
+    return ray_internal_kv() is not None
 
 
 def publish(record: PeerRecord) -> bool:
     """Put the record under its agent name; False (and a log line) when Ray is not initialized."""
-    kv = _internal_kv()
+    kv = ray_internal_kv()
     if kv is None:
         logger.info("Ray is not initialized: NIXL agent %s not published", record.agent_name)
         return False
@@ -87,7 +87,7 @@ def publish(record: PeerRecord) -> bool:
 
 def fetch(agent_name: str) -> PeerRecord | None:
     """The record published under `agent_name`, or None if there is none (or no Ray)."""
-    kv = _internal_kv()
+    kv = ray_internal_kv()
     if kv is None:
         return None
     data = kv._internal_kv_get(agent_name, namespace=KV_NAMESPACE)
@@ -95,7 +95,7 @@ def fetch(agent_name: str) -> PeerRecord | None:
 
 
 def unpublish(agent_name: str) -> None:
-    kv = _internal_kv()
+    kv = ray_internal_kv()
     if kv is not None:
         kv._internal_kv_del(agent_name, namespace=KV_NAMESPACE)
 

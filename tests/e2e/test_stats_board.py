@@ -1,0 +1,50 @@
+"""Replicas' stats posted to Ray's internal KV: every fresh replica of a role is read back."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from workers import stats_board  # noqa: E402
+from workers.engine_core import EngineStats  # noqa: E402
+
+pytestmark = pytest.mark.e2e
+
+
+def stats(running: int) -> EngineStats:
+    return EngineStats(
+        num_running=running,
+        num_waiting=0,
+        kv_pages_total=10,
+        kv_pages_used=1,
+        kv_pages_pinned=0,
+        prefix_cache_queries=0,
+        prefix_cache_hits=0,
+        num_preemptions=0,
+        prompt_tokens_computed=0,
+        generation_tokens=0,
+    )
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(num_cpus=1, include_dashboard=False)
+    yield
+    ray.shutdown()
+
+
+def test_every_replica_of_a_role_is_read_and_stale_ones_drop_out(local_ray) -> None:
+    a = stats_board.StatsPoster("app", "decode", "r1")
+    b = stats_board.StatsPoster("app", "decode", "r2")
+    other = stats_board.StatsPoster("app", "prefill", "r3")
+    a(stats(1)), b(stats(2)), other(stats(7))
+    a(stats(5))  # within the post interval: not posted
+    got = sorted(s.num_running for s in stats_board.read_pool("app", "decode"))
+    assert got == [1, 2]
+    assert [s.num_running for s in stats_board.read_pool("app", "prefill")] == [7]
+    assert stats_board.read_pool("other-app", "decode") == []
+    later = time.time() + stats_board.STALE_AFTER_S + 1
+    assert stats_board.read_pool("app", "decode", now=later) == []
