@@ -112,9 +112,9 @@ def hand_off(
     assert chunks[-1].finish_reason == "length"
     assert first.token_ids + [t for c in chunks for t in c.token_ids] == seq.output_token_ids
     drive(prefill, decode, lambda: prefill.stats().kv_pages_pinned == 0, "unpin", step=False)
-    # The sequence's own record: the decode side's chunks drop log-probs (it counts the first
-    # token as emitted but holds no log-prob for it), a bug of DecodeEngine.add_remote.
-    return (first.logprobs or []) + seq.logprobs
+    logprobs = (first.logprobs or []) + [lp for c in chunks for lp in c.logprobs or []]
+    assert [lp.token_id for lp in logprobs] == seq.output_token_ids  # one per token, in order
+    return logprobs
 
 
 def test_handoff_over_vram_gives_the_colocated_tokens(
