@@ -13,14 +13,13 @@ and attention plan; `--profile` adds the top kernels and the top host ops of two
 
 from __future__ import annotations
 
-import argparse
 import random
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
 from bench.gpu_common import (
+    bench_parser,
     copy_bandwidth_gbps,
     cuda_ms,
     dummy_model_dir,
@@ -81,11 +80,7 @@ def top_host_ops(fn: Callable[[], object], limit: int = 15) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--tokenizer-dir", type=Path, required=True)
-    ap.add_argument("--shape", default="llama3-8b")
-    ap.add_argument("--work", type=Path, default=Path("/tmp/pdserve-bench"))
-    ap.add_argument("--json")
+    ap = bench_parser(__doc__)
     ap.add_argument("--profile", action="store_true", help="top kernels of eager 1x1024, 64x2048")
     args = ap.parse_args()
     bandwidth = copy_bandwidth_gbps()

@@ -103,8 +103,13 @@ class BenchWorker:
             makes.append(h.posted_at - t0)  # page checks, descriptors, NIXL request
             posts.append(t1 - h.posted_at)  # transfer(): on cma it copies part of the bytes
         med = statistics.median
-        return {"times": times, "make_s": med(makes), "post_s": med(posts), "first_s": first,
-                "descs": h.num_descriptors}
+        return {
+            "times": times,
+            "make_s": med(makes),
+            "post_s": med(posts),
+            "first_s": first,
+            "descs": h.num_descriptors,
+        }
 
     def torch_copy(self, rpages: list[int], lpages: list[int], iters: int) -> list[float]:
         """The same runs copied between two tensors of this process (src: a scratch pool)."""
@@ -146,15 +151,22 @@ def main() -> None:
 
     tokens = [int(t) for t in args.tokens.split(",")]
     layout = KVLayout(
-        num_layers=30, page_size=16, num_kv_heads=3, head_dim=64,
+        num_layers=30,
+        page_size=16,
+        num_kv_heads=3,
+        head_dim=64,
         dtype="float32" if args.device == "cpu" else "bfloat16",
     )
     num_pages = max(tokens) // layout.page_size + 2
     ray.init(
-        num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(
-            p for p in (REPO, os.environ.get("PYTHONPATH")) if p
-        )}},
+        num_cpus=max(2, os.cpu_count() or 2),
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={
+            "env_vars": {
+                "PYTHONPATH": os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
+            }
+        },
     )
     gpus = args.num_gpus if args.device == "cuda" else 0
     actor = ray.remote(num_cpus=0, num_gpus=gpus, max_concurrency=2)(BenchWorker)
@@ -164,14 +176,18 @@ def main() -> None:
     prefill_name = ray.get(prefill.names.remote())["prepped"]
     prefill.serve.remote()
     ray.get([prefill.fill.remote(1), decode.fill.remote(2)])
-    print(f"layout {layout.model_dump()}  page_bytes {layout.page_bytes}  pool {num_pages} pages "
-          f"({num_pages * layout.page_bytes / 2**20:.0f} MiB) on {args.device}; "
-          f"median of {args.iters} reads; progress thread {'on' if pt else 'off'}")
+    print(
+        f"layout {layout.model_dump()}  page_bytes {layout.page_bytes}  pool {num_pages} pages "
+        f"({num_pages * layout.page_bytes / 2**20:.0f} MiB) on {args.device}; "
+        f"median of {args.iters} reads; progress thread {'on' if pt else 'off'}"
+    )
 
     rng = np.random.default_rng(0)
-    head = (f"{'tokens':>6} {'pattern':>9} {'mode':>7} {'MiB':>6} {'descs':>5} {'make_us':>7} "
-            f"{'post_ms':>7} {'first_ms':>8} {'nixl_GB/s':>9} {'best':>5} {'torch_GB/s':>10} "
-            f"{'ratio':>5}")
+    head = (
+        f"{'tokens':>6} {'pattern':>9} {'mode':>7} {'MiB':>6} {'descs':>5} {'make_us':>7} "
+        f"{'post_ms':>7} {'first_ms':>8} {'nixl_GB/s':>9} {'best':>5} {'torch_GB/s':>10} "
+        f"{'ratio':>5}"
+    )
     print(head)
     print("-" * len(head))
     for n_tok in tokens:
@@ -192,15 +208,25 @@ def main() -> None:
                 gbps = nbytes / statistics.median(r["times"]) / 1e9
                 best = nbytes / min(r["times"]) / 1e9
                 row = {
-                    "tokens": n_tok, "pattern": pattern, "mode": mode, "pages": n,
-                    "MiB": nbytes / 2**20, "descs": r["descs"], "make_us": 1e6 * r["make_s"],
+                    "tokens": n_tok,
+                    "pattern": pattern,
+                    "mode": mode,
+                    "pages": n,
+                    "MiB": nbytes / 2**20,
+                    "descs": r["descs"],
+                    "make_us": 1e6 * r["make_s"],
                     "post_ms": 1e3 * r["post_s"],
-                    "first_ms": 1e3 * r["first_s"], "nixl_GBps": gbps, "best_GBps": best,
-                    "torch_GBps": torch_gbps, "ratio": gbps / torch_gbps,
+                    "first_ms": 1e3 * r["first_s"],
+                    "nixl_GBps": gbps,
+                    "best_GBps": best,
+                    "torch_GBps": torch_gbps,
+                    "ratio": gbps / torch_gbps,
                 }
-                print(f"{n_tok:>6} {pattern:>9} {mode:>7} {row['MiB']:>6.1f} {r['descs']:>5} "
-                      f"{row['make_us']:>7.0f} {row['post_ms']:>7.2f} {row['first_ms']:>8.1f} "
-                      f"{gbps:>9.2f} {best:>5.2f} {torch_gbps:>10.2f} {row['ratio']:>5.2f}")
+                print(
+                    f"{n_tok:>6} {pattern:>9} {mode:>7} {row['MiB']:>6.1f} {r['descs']:>5} "
+                    f"{row['make_us']:>7.0f} {row['post_ms']:>7.2f} {row['first_ms']:>8.1f} "
+                    f"{gbps:>9.2f} {best:>5.2f} {torch_gbps:>10.2f} {row['ratio']:>5.2f}"
+                )
                 if args.json:
                     print("BENCH_KV_TRANSFER", json.dumps(row))
     ray.shutdown()

@@ -10,14 +10,13 @@ output); the engine runs the same subset too, so the ratio compares like with li
 
 from __future__ import annotations
 
-import argparse
 import random
 import time
 from pathlib import Path
 
 import torch
 
-from bench.gpu_common import dummy_model_dir, write_json
+from bench.gpu_common import bench_parser, dummy_model_dir, write_json
 from workers import LLM, SamplingParams
 
 
@@ -95,12 +94,8 @@ def run_hf(model_dir: Path, prompts: list[list[int]], outputs: list[int]) -> dic
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--tokenizer-dir", type=Path, required=True)
-    ap.add_argument("--shape", default="qwen3-0.6b")
-    ap.add_argument("--work", type=Path, default=Path("/tmp/pdserve-bench"))
+    ap = bench_parser(__doc__, shape="qwen3-0.6b")
     ap.add_argument("--hf-subset", type=int, default=32)
-    ap.add_argument("--json")
     args = ap.parse_args()
     model_dir = dummy_model_dir(args.shape, args.tokenizer_dir, args.work)
     prompts, outputs = workload()

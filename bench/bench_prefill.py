@@ -11,11 +11,10 @@ process.
 
 from __future__ import annotations
 
-import argparse
 import random
-from pathlib import Path
 
 from bench.gpu_common import (
+    bench_parser,
     dummy_model_dir,
     gemm_peak_tflops,
     top_kernels,
@@ -57,11 +56,7 @@ def prefill_step(runner: ModelRunner, prompts: int, tokens: int) -> StepInput:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--tokenizer-dir", type=Path, required=True)
-    ap.add_argument("--shape", default="llama3-8b")
-    ap.add_argument("--work", type=Path, default=Path("/tmp/pdserve-bench"))
-    ap.add_argument("--json")
+    ap = bench_parser(__doc__)
     ap.add_argument("--profile", action="store_true", help="print the top kernels of 1 x 8192")
     args = ap.parse_args()
     peak = gemm_peak_tflops()

@@ -1,6 +1,6 @@
 """Shared-prefix workload: throughput and mean TTFT with the prefix cache on vs off, one run.
 
-    python bench/bench_prefix_cache.py  # 64 requests: 512-token system prompt + 64-token questions
+python bench/bench_prefix_cache.py  # 64 requests: 512-token system prompt + 64-token questions
 """
 
 from __future__ import annotations

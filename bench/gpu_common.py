@@ -7,6 +7,7 @@ copy bandwidth (bytes read + written per second, one large copy) and the bf16 GE
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import statistics
@@ -53,6 +54,17 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def bench_parser(doc: str, shape: str = "llama3-8b") -> argparse.ArgumentParser:
+    """The arguments every GPU bench takes: the tokenizer files, the model shape, where to put
+    the dummy model, and a JSON file for the rows."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--tokenizer-dir", type=Path, required=True)
+    ap.add_argument("--shape", default=shape, choices=sorted(SHAPES))
+    ap.add_argument("--work", type=Path, default=Path("/tmp/pdserve-bench"))
+    ap.add_argument("--json")
+    return ap
 
 
 def dummy_model_dir(shape: str, tokenizer_dir: Path, root: Path) -> Path:
