@@ -46,6 +46,29 @@ class _PolicyRouter(RequestRouter):
 
     policy: PrefixAwarePolicy | DecodeLoadPolicy
 
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        if pending_request is not None:
+            pending_request.routing_context.should_backoff = True  # back off when all are full
+        req = _request_of(pending_request)
+        if req is None:
+            return [candidate_replicas]
+        by_id = {r.replica_id: r for r in candidate_replicas}
+        cache = self.replica_queue_len_cache
+        queue_lens = {rid: cache.get(rid) or 0 for rid in by_id}
+        return [[by_id[rid]] for rid in self.rank(req, by_id, queue_lens)]
+
+    def rank(
+        self, req: Any, replicas: dict[ReplicaID, RunningReplica], queue_lens: dict[ReplicaID, int]
+    ) -> list[ReplicaID]:
+        """`replicas`' ids, best first, for the request `req`."""
+        raise NotImplementedError
+
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self.policy.completed(internal_request_id)
 
@@ -71,23 +94,11 @@ class PrefillRouter(_PolicyRouter):
             pages_per_replica=pages_per_replica,
         )
 
-    async def choose_replicas(
-        self,
-        candidate_replicas: list[RunningReplica],
-        pending_request: PendingRequest | None = None,
-    ) -> list[list[RunningReplica]]:
-        if not candidate_replicas:
-            return []
-        if pending_request is not None:
-            pending_request.routing_context.should_backoff = True  # back off when all are full
-        req = _request_of(pending_request)
-        if req is None:
-            return [candidate_replicas]
-        by_id = {r.replica_id: r for r in candidate_replicas}
-        cache = self.replica_queue_len_cache
-        queue_lens = {rid: cache.get(rid) or 0 for rid in by_id}
-        ranked = self.policy.rank(list(by_id), req.prompt_token_ids, queue_lens)
-        return [[by_id[rid]] for rid in ranked]
+    def rank(
+        self, req: Any, replicas: dict[ReplicaID, RunningReplica], queue_lens: dict[ReplicaID, int]
+    ) -> list[ReplicaID]:
+        assert isinstance(self.policy, PrefixAwarePolicy)
+        return self.policy.rank(list(replicas), req.prompt_token_ids, queue_lens)
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
@@ -109,25 +120,13 @@ class DecodeRouter(_PolicyRouter):
     def initialize_state(self, page_size: int = 16) -> None:
         self.policy = DecodeLoadPolicy(page_size)
 
-    async def choose_replicas(
-        self,
-        candidate_replicas: list[RunningReplica],
-        pending_request: PendingRequest | None = None,
-    ) -> list[list[RunningReplica]]:
-        if not candidate_replicas:
-            return []
-        if pending_request is not None:
-            pending_request.routing_context.should_backoff = True
-        req = _request_of(pending_request)
-        if req is None:
-            return [candidate_replicas]
-        by_id = {r.replica_id: r for r in candidate_replicas}
-        cache = self.replica_queue_len_cache
-        queue_lens = {rid: cache.get(rid) or 0 for rid in by_id}
-        stats = {rid: r.routing_stats or {} for rid, r in by_id.items()}
+    def rank(
+        self, req: Any, replicas: dict[ReplicaID, RunningReplica], queue_lens: dict[ReplicaID, int]
+    ) -> list[ReplicaID]:
+        assert isinstance(self.policy, DecodeLoadPolicy)
+        stats = {rid: r.routing_stats or {} for rid, r in replicas.items()}
         num_tokens = len(req.prompt_token_ids) + req.params.max_tokens
-        ranked = self.policy.rank(list(by_id), num_tokens, stats, queue_lens)
-        return [[by_id[rid]] for rid in ranked]
+        return self.policy.rank(list(replicas), num_tokens, stats, queue_lens)
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
