@@ -7,7 +7,6 @@ packed tensors, runs the model, and samples for the sequences whose last token w
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -28,8 +27,6 @@ from workers.tp import SINGLE, TPGroup
 
 if TYPE_CHECKING:
     from workers.cuda_graph import DecodeCudaGraphs
-
-logger = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_GB = 1.0
 
@@ -72,7 +69,7 @@ class ModelRunner:
         backend = cfg.resolved_backend(self.device, self.dtype)
         scale = attn.head_dim**-0.5
         self.attn = create_backend(backend, self.pool, attn.num_heads, scale)
-        self.max_model_len = self._max_model_len()
+        self.max_model_len = self.model_config.context_limit(cfg.max_model_len)
         self._pin = self.device.type == "cuda"
         self.page_table = PageTable()
         self.graphs: DecodeCudaGraphs | None = None
@@ -99,23 +96,6 @@ class ModelRunner:
         if pages < 2:
             raise ValueError(f"KV memory budget of {budget / 2**30:.2f} GiB holds no KV pages")
         return pages
-
-    def _max_model_len(self) -> int:
-        mc = self.model_config
-        limit = mc.max_position_embeddings
-        if mc.sliding_window is not None and mc.sliding_window < limit:
-            logger.warning(
-                "sliding-window attention is not implemented: context capped at %d",
-                mc.sliding_window,
-            )
-            limit = mc.sliding_window
-        if self.cfg.max_model_len is not None:
-            if self.cfg.max_model_len > limit:
-                raise ValueError(
-                    f"max_model_len={self.cfg.max_model_len} exceeds the model's {limit}"
-                )
-            limit = self.cfg.max_model_len
-        return limit
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> SampleResult | None:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -45,7 +48,11 @@ class ModelConfig(BaseModel):
         and by `requested` (which may not exceed it)."""
         limit = self.max_position_embeddings
         if self.sliding_window is not None and self.sliding_window < limit:
-            limit = self.sliding_window  # sliding-window attention is not implemented
+            logger.warning(
+                "sliding-window attention is not implemented: context capped at %d",
+                self.sliding_window,
+            )
+            limit = self.sliding_window
         if requested is not None:
             if requested > limit:
                 raise ValueError(f"max_model_len={requested} exceeds the model's {limit}")
