@@ -38,6 +38,11 @@ class EngineConfig(BaseModel):
         description="decode batch sizes to capture; None: 1, 2, 4, 8, then steps of 16 "
         "(32 past 128) up to max_num_seqs. Larger decode batches run eagerly",
     )
+    overlap_scheduling: bool | None = Field(
+        None,
+        description="prepare step n+1 on the host while the device runs step n; None: on with "
+        "CUDA (on the CPU the host is the device, so there is nothing to overlap)",
+    )
     load_format: Literal["auto", "dummy"] = Field(
         "auto", description="dummy: random weights from config.json alone (benchmarks)"
     )
@@ -63,6 +68,11 @@ class EngineConfig(BaseModel):
             half = dtype in (None, torch.bfloat16, torch.float16)
             return "flashinfer" if device.type == "cuda" and has_flashinfer and half else "torch"
         return self.attention_backend
+
+    def resolved_overlap(self, device: torch.device) -> bool:
+        if self.overlap_scheduling is None:
+            return device.type == "cuda"
+        return self.overlap_scheduling
 
     def resolved_graph_batch_sizes(self) -> tuple[int, ...]:
         """Decode batch sizes to capture (empty when graphs are off), ascending."""

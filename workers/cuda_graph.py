@@ -1,5 +1,8 @@
 """CUDA graphs for decode steps: one captured model forward per batch size, replayed per step.
 
+A graph holds the whole device side of a greedy decode step: the forward, the LM head (float32
+logits) and the argmax. Other sampling reads the logits after the replay.
+
 A decode step of n sequences runs the graph of the smallest captured size b >= n. The runner pads
 the step to b rows before it gets here (`ModelRunner._prepare(pad_to=b)`): padding rows hold
 token 0 at position 0, write their K/V into slot 0 of scratch page 0 and attend to that one
@@ -53,7 +56,7 @@ class DecodeCudaGraphs:
         indices = torch.zeros(max_bs * max_pages_per_seq, dtype=torch.int32, device=device)
         self.attn: dict[int, GraphDecodeAttention] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # logits, greedy ids
         mem_pool = torch.cuda.graph_pool_handle()
         start, free_before = time.perf_counter(), torch.cuda.mem_get_info(device)[0]
         for bs in reversed(self.batch_sizes):  # largest first: smaller ones reuse its memory
@@ -91,18 +94,25 @@ class DecodeCudaGraphs:
         attn.plan(self._dummy_batch(bs))
         ids, pos = self.input_ids[:bs], self.positions[:bs]
         for _ in range(2):  # warm-up: lazy initialisation and library handles stay out of the graph
-            self.model(ids, pos, attn)
+            self._forward(ids, pos, attn)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=mem_pool):
-            self.outputs[bs] = self.model(ids, pos, attn)
+            self.outputs[bs] = self._forward(ids, pos, attn)
         self.graphs[bs] = graph
+
+    def _forward(
+        self, ids: torch.Tensor, pos: torch.Tensor, attn: GraphDecodeAttention
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.model.compute_logits(self.model(ids, pos, attn))
+        return logits, logits.argmax(dim=-1)
 
     def run(
         self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch
-    ) -> torch.Tensor:
-        """Replay the graph of `len(batch.q_lens)` rows (a captured size); returns its hidden
-        states `[rows, hidden]`, a static buffer valid until the next replay."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay the graph of `len(batch.q_lens)` rows (a captured size); returns its logits
+        `[rows, vocab]` and greedy ids `[rows]`, static buffers that the next replay of this
+        size overwrites (in stream order: work queued before it still reads these values)."""
         bs = len(batch.q_lens)
         self.input_ids[:bs].copy_(input_ids, non_blocking=True)
         self.positions[:bs].copy_(positions, non_blocking=True)

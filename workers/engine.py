@@ -3,6 +3,10 @@
 It owns the model, this rank's KV pool and the attention backend. Which tokens to compute is
 the scheduler's business; the runner only turns (sequence, number of new tokens) pairs into
 packed tensors, runs the model, and samples for the sequences whose last token was computed.
+
+`launch()` queues a step on the device and returns at once, so the engine can prepare the next
+step while this one runs. The next step may then compute a token the host has not seen yet:
+the one this step samples. Such a token is taken from this step's output on the device.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from workers.kvcache.pool import KVPool
 from workers.model.dummy import build_dummy_model
 from workers.model.loader import load_model, load_model_config, resolve_model
 from workers.protocol import KVLayout
-from workers.sampler import SampleResult, SamplingBatch, sample
+from workers.sampler import SampledTensors, SampleResult, SamplingBatch, sample
 from workers.sequence import Sequence
 from workers.tp import SINGLE, TPGroup
 
@@ -40,6 +44,26 @@ class StepInput:
         """Whether sequence i's step reaches its last token, so a next token is sampled."""
         seq = self.seqs[i]
         return seq.num_computed_tokens + self.num_new_tokens[i] == seq.num_tokens
+
+
+class LaunchedStep:
+    """A step queued on the device; `result()` waits for its sampled rows."""
+
+    def __init__(self, step: StepInput, rows: list[int], sampled: SampledTensors | None) -> None:
+        self.step = step
+        self.rows = rows  # indices into step.seqs of the sequences that sample a token
+        self._host = None if sampled is None else sampled.copy_to_host()
+        self._done: torch.cuda.Event | None = None
+        if sampled is not None and sampled.token_ids.is_cuda:
+            self._done = torch.cuda.Event()
+            self._done.record()
+
+    def result(self) -> SampleResult | None:
+        if self._host is None:
+            return None
+        if self._done is not None:
+            self._done.synchronize()
+        return self._host.to_host()
 
 
 class ModelRunner:
@@ -72,6 +96,8 @@ class ModelRunner:
         self.max_model_len = self.model_config.context_limit(cfg.max_model_len)
         self._pin = self.device.type == "cuda"
         self.page_table = PageTable()
+        # The last launch's sampled ids on the device, and each sampling sequence's row in them.
+        self._prev: tuple[torch.Tensor, dict[Sequence, int]] | None = None
         self.graphs: DecodeCudaGraphs | None = None
         graph_sizes = cfg.resolved_graph_batch_sizes()
         if graph_sizes and backend == "flashinfer" and self.device.type == "cuda":
@@ -97,36 +123,52 @@ class ModelRunner:
             raise ValueError(f"KV memory budget of {budget / 2**30:.2f} GiB holds no KV pages")
         return pages
 
-    @torch.inference_mode()
     def execute(self, step: StepInput) -> SampleResult | None:
-        """Run one step; returns one sampled row per sequence for which `step.samples(i)`.
+        """Run one step and wait for it: one sampled row per sequence for which
+        `step.samples(i)`."""
+        return self.launch(step).result()
 
-        Inputs travel in two pinned, non-blocking copies; an all-greedy step then waits on the
-        GPU once, to read the sampled ids (`sample()`'s top-k/top-p/min-p checks add a few more
-        waits for other steps). Pure-decode steps replay a CUDA graph when one of a large
-        enough batch size is captured.
+    @torch.inference_mode()
+    def launch(self, step: StepInput) -> LaunchedStep:
+        """Queue one step on the device without waiting for it.
+
+        Inputs travel in one or two pinned, non-blocking copies. Pure-decode steps replay a CUDA
+        graph (the forward, the LM head and the greedy ids) when one of a large enough batch
+        size is captured. Sampling decides on the host which filters run, so the host never
+        waits for the device until `LaunchedStep.result()`.
         """
         pad_to = self._graph_size(step)
         input_ids, positions, batch = self._prepare(step, pad_to)
+        rows = [i for i in range(len(step.seqs)) if step.samples(i)]
+        greedy_ids: torch.Tensor | None = None
         if pad_to is not None:
             assert self.graphs is not None
-            hidden = self.graphs.run(input_ids, positions, batch)
+            logits, greedy_ids = self.graphs.run(input_ids, positions, batch)
+            if rows != list(range(len(rows))):
+                index = self._to_device(np.asarray(rows, dtype=np.int64))
+                logits, greedy_ids = logits[index], greedy_ids[index]
+            else:
+                logits, greedy_ids = logits[: len(rows)], greedy_ids[: len(rows)]
         else:
             self.attn.plan(batch)
             hidden = self.model(input_ids, positions, self.attn)
-        rows = [i for i in range(len(step.seqs)) if step.samples(i)]
+            if rows:
+                ends = np.cumsum(batch.q_lens)[rows] - 1
+                if ends[-1] == len(ends) - 1:  # rows 0..k-1, one token each: no gather needed
+                    last = hidden[: len(ends)]
+                else:
+                    last = hidden[self._to_device(ends.astype(np.int64))]
+                logits = self.model.compute_logits(last)
+        self._prev = None
         if not rows:
-            return None
-        ends = np.cumsum(batch.q_lens)[rows] - 1
-        if ends[-1] == len(ends) - 1:  # rows 0..k-1, one token each: no gather needed
-            last = hidden[: len(ends)]
-        else:
-            last = hidden[self._to_device(ends.astype(np.int64))]
-        logits = self.model.compute_logits(last)
+            return LaunchedStep(step, rows, None)
         seqs = [step.seqs[i] for i in rows]
         if all(s.params.temperature == 0 and s.params.logprobs is None for s in seqs):
-            return SampleResult(token_ids=logits.argmax(dim=-1).tolist())
-        return sample(logits, self._sampling_batch(seqs))
+            sampled = SampledTensors(logits.argmax(dim=-1) if greedy_ids is None else greedy_ids)
+        else:
+            sampled = sample(logits, self._sampling_batch(seqs))
+        self._prev = (sampled.token_ids, {seq: r for r, seq in enumerate(seqs)})
+        return LaunchedStep(step, rows, sampled)
 
     def _graph_size(self, step: StepInput) -> int | None:
         if self.graphs is None or any(n != 1 for n in step.num_new_tokens):
@@ -153,9 +195,15 @@ class ModelRunner:
         num_rows = num_seqs if pad_to is None else pad_to
         ids: list[int] = []
         kv_lens: list[int] = []
+        unseen: list[tuple[int, int]] = []  # (index in ids, row of the previous step's tokens)
         for seq, n in zip(step.seqs, step.num_new_tokens):
             start = seq.num_computed_tokens
-            ids += seq.token_ids[start : start + n]
+            known = seq.token_ids[start : start + n]
+            if len(known) < n:  # the last token is being sampled by the step still running
+                assert self._prev is not None and len(known) == n - 1, "one unseen token at most"
+                unseen.append((len(ids) + n - 1, self._prev[1][seq]))
+                known.append(0)
+            ids += known
             kv_lens.append(start + n)
         q_lens = list(step.num_new_tokens) + [1] * (num_rows - num_seqs)
         kv_lens += [1] * (num_rows - num_seqs)
@@ -174,6 +222,10 @@ class ModelRunner:
         packed[2] = table[row_of_token, pos // page_size]
         packed[3] = pos % page_size
         packed_dev = self._to_device(packed)
+        if unseen:
+            assert self._prev is not None
+            where, rows = self._to_device(np.asarray(unseen, dtype=np.int64).T)
+            packed_dev[0][where] = self._prev[0][rows]
         batch = AttentionBatch(
             q_lens=q_lens,
             kv_lens=kv_lens,
@@ -189,17 +241,12 @@ class ModelRunner:
                 seq.generator = torch.Generator(self.device).manual_seed(seq.params.seed % 2**64)
         params = [s.params for s in seqs]
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
-        rules = np.array(
-            [[p.temperature, p.top_k, p.top_p, p.min_p] for p in params], dtype=np.float64
-        ).T  # one copy for all four; top_k < 2**53 is exact in float64
-        temperatures, top_k, top_p, min_p = self._to_device(np.ascontiguousarray(rules))
-        return SamplingBatch(
-            temperatures=temperatures.float(),
-            top_k=top_k.long(),
-            top_p=top_p.float(),
-            min_p=min_p.float(),
+        rules = np.array([[p.temperature, p.top_k, p.top_p, p.min_p] for p in params]).T
+        return SamplingBatch.from_rules(
+            rules,
             generators=[s.generator for s in seqs],
             num_logprobs=max(logprobs) if logprobs else -1,
+            to_device=self._to_device,
         )
 
 

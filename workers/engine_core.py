@@ -1,8 +1,15 @@
 """The engine: requests in, one scheduled model step at a time, token chunks out.
 
-Synchronous and single-threaded on purpose: `LLM` drives it in a loop, and `AsyncEngine` runs the
-same loop on a background thread for the Serve workers. A failure inside one step fails the
-requests of that step with an error, never the engine.
+Single-threaded on purpose: `LLM` drives it in a loop, and `AsyncEngine` runs the same loop on a
+background thread for the Serve workers. A failure inside one step fails the requests of that
+step with an error, never the engine.
+
+With overlap scheduling (on by default on GPUs), `step()` schedules and launches step n+1 before
+it waits for step n, so the host's work (scheduling, input preparation, attention plans, stop
+checks, detokenising) runs while the device computes. Step n+1 then also computes one token for
+each sequence that step n finishes; that token is dropped. A sequence that leaves while a step
+that includes it is running keeps its pages until that step is done, because the step still
+writes its KV there.
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ from pydantic import BaseModel
 
 from workers.config import EngineConfig
 from workers.detokenizer import IncrementalDetokenizer
-from workers.engine import ModelRunner
+from workers.engine import LaunchedStep, ModelRunner, StepInput
 from workers.kvcache.allocator import PageAllocator
 from workers.kvcache.manager import KVManager
 from workers.model.loader import load_tokenizer
@@ -52,7 +59,18 @@ class EngineStats(BaseModel):
     generation_tokens: int
 
 
+class _RunningStep:
+    """A launched step, and the sequences that left while it ran (pages freed after it)."""
+
+    def __init__(self, launched: LaunchedStep) -> None:
+        self.launched = launched
+        self.seqs = set(launched.step.seqs)
+        self.retired: list[tuple[Sequence, bool]] = []  # (sequence, cache its pages)
+
+
 class Engine:
+    supports_overlap = True  # False where a sampled token must be seen before the next step
+
     def __init__(self, cfg: EngineConfig, tp: TPGroup = SINGLE) -> None:
         self.cfg = cfg
         self.runner = ModelRunner(cfg, tp)
@@ -66,6 +84,8 @@ class Engine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
         self.seqs: dict[str, Sequence] = {}
+        self.overlap = self.supports_overlap and cfg.resolved_overlap(self.runner.device)
+        self._running: _RunningStep | None = None
         self.prompt_tokens_computed = 0
         self.generation_tokens = 0
 
@@ -114,45 +134,87 @@ class Engine:
         seq = self.seqs.pop(request_id, None)
         if seq is None:
             return None
-        self.scheduler.remove(seq)
+        self._retire(seq)
         seq.status, seq.finish_reason = SeqStatus.FINISHED, "abort"
         return self._output(seq)
 
+    def _retire(self, seq: Sequence, cache: bool = True) -> None:
+        """Take `seq` out of the queues and free its pages, once no running step writes them."""
+        self.scheduler.remove(seq)
+        if self._running is not None and seq in self._running.seqs:
+            self._running.retired.append((seq, cache))
+        else:
+            self.kv.release(seq, cache=cache)
+
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._running is not None
 
     # ---- one step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        step = self.scheduler.schedule()
-        if step is None:
-            return []
-        sampled_rows = [i for i in range(len(step.seqs)) if step.samples(i)]
+        """Launch the next step, then finish the one launched by the previous call (overlap),
+        or launch and finish one step (no overlap). Returns the finished step's chunks."""
+        outputs: list[RequestOutput] = []
+        prev, self._running = self._running, None
+        step = self.scheduler.schedule(preempt=prev is None)
+        if step is not None:
+            self._launch(step, outputs)
+        if prev is not None:
+            outputs += self._complete(prev)
+        if not self.overlap and self._running is not None:
+            current, self._running = self._running, None
+            outputs += self._complete(current)
+        return outputs
+
+    def _launch(self, step: StepInput, outputs: list[RequestOutput]) -> None:
         try:
-            result = self.runner.execute(step)
+            launched = self.runner.launch(step)
         except Exception as e:  # noqa: BLE001 - fail the step's requests, keep the engine
             logger.exception("model step failed")
-            return [self._fail(seq, f"{type(e).__name__}: {e}") for seq in step.seqs]
+            outputs += [self._fail(seq, f"{type(e).__name__}: {e}") for seq in step.seqs]
+            return
+        self._running = _RunningStep(launched)
+        for seq, n in zip(step.seqs, step.num_new_tokens):
+            prompt_left = max(0, seq.num_prompt_tokens - seq.num_computed_tokens)
+            self.prompt_tokens_computed += min(n, prompt_left)
         self.scheduler.finished_step(step)
         for seq, n in zip(step.seqs, step.num_new_tokens):
             if n > 1:  # a prefill chunk: share its pages with requests that arrive meanwhile
                 self.kv.cache_computed(seq)
-        self.prompt_tokens_computed += sum(
-            n for s, n in zip(step.seqs, step.num_new_tokens) if s.num_output_tokens == 0
-        )
+        for i in launched.rows:
+            step.seqs[i].num_pending_tokens += 1
+
+    def _complete(self, running: _RunningStep) -> list[RequestOutput]:
+        """Wait for `running`, append its tokens, free the pages of sequences that left."""
+        launched = running.launched
+        seqs = [launched.step.seqs[i] for i in launched.rows]
         outputs = []
-        for row, i in enumerate(sampled_rows):
-            seq = step.seqs[i]
-            assert result is not None
-            self._append_token(seq, result, row)
-            outputs.append(self._after_token(seq))
+        try:
+            result = launched.result()
+        except Exception as e:  # noqa: BLE001 - fail the step's requests, keep the engine
+            logger.exception("model step failed")
+            for seq in seqs:
+                seq.num_pending_tokens -= 1
+            outputs = [self._fail(s, f"{type(e).__name__}: {e}") for s in seqs if self._alive(s)]
+            result = None
+        if result is not None:
+            for row, seq in enumerate(seqs):
+                seq.num_pending_tokens -= 1
+                if self._alive(seq):  # else it left while this token was computed: drop it
+                    self._append_token(seq, result, row)
+                    outputs.append(self._after_token(seq))
+        for seq, cache in running.retired:
+            self.kv.release(seq, cache=cache)
         return outputs
+
+    def _alive(self, seq: Sequence) -> bool:
+        return not seq.finished and self.seqs.get(seq.request_id) is seq
 
     def _after_token(self, seq: Sequence) -> RequestOutput:
         """The chunk for `seq`'s new token; a finished sequence leaves and frees its pages."""
         out = self._output(seq)
         if seq.finished:
             self.seqs.pop(seq.request_id, None)
-            self.scheduler.remove(seq)
+            self._retire(seq)
         return out
 
     def _pinned_own_pages(self) -> int:
@@ -194,14 +256,14 @@ class Engine:
             seq.finish_reason = "stop"
         elif (stop := seq.detokenizer.add_token(token)) is not None and may_stop:
             seq.finish_reason, seq.stop_reason = "stop", stop
-        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        elif seq.num_output_tokens >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
             seq.finish_reason = "length"
         if seq.finish_reason is not None:
             seq.status = SeqStatus.FINISHED
 
     def _fail(self, seq: Sequence, error: str) -> RequestOutput:
         self.seqs.pop(seq.request_id, None)
-        self.scheduler.remove(seq, cache=False)  # this step's KV may be half-written
+        self._retire(seq, cache=False)  # this step's KV may be half-written
         seq.status, seq.finish_reason, seq.error = SeqStatus.FINISHED, "error", error
         return self._output(seq)
 

@@ -19,6 +19,7 @@ logger = logging.getLogger(__name__)
 
 class PrefillEngine(HandoffEngine):
     role = "prefill"
+    supports_overlap = False  # a prompt's first token ends its stay here: no step after it
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -7,14 +7,18 @@ depend on what else shares the batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 
 
 @dataclass
 class SamplingBatch:
-    """Per-row sampling rules, as tensors on the logits' device."""
+    """Per-row sampling rules, as tensors on the logits' device, plus what the rows need as a
+    whole, known on the host so that sampling never waits for the device."""
 
     temperatures: torch.Tensor  # [B] float; 0 = greedy
     top_k: torch.Tensor  # [B] int; <= 0 = off
@@ -22,18 +26,81 @@ class SamplingBatch:
     min_p: torch.Tensor  # [B] float; 0 = off
     generators: list[torch.Generator | None]
     num_logprobs: int  # top-N logprobs wanted by the most demanding row; -1 = none
+    all_greedy: bool
+    need_sort: bool  # some row filters by top-k or top-p
+    need_min_p: bool
 
-    @property
-    def all_greedy(self) -> bool:
-        return bool((self.temperatures == 0).all())
+    @classmethod
+    def from_rules(
+        cls,
+        rules: np.ndarray,
+        generators: list[torch.Generator | None],
+        num_logprobs: int,
+        to_device: Callable[[np.ndarray], torch.Tensor] = torch.from_numpy,
+    ) -> SamplingBatch:
+        """`rules` `[4, B]` float64: temperature, top_k, top_p and min_p of each row (top_k
+        below 2**53 is exact), moved to the device in one copy by `to_device`."""
+        temperatures, top_k, top_p, min_p = to_device(np.ascontiguousarray(rules))
+        return cls(
+            temperatures=temperatures.float(),
+            top_k=top_k.long(),
+            top_p=top_p.float(),
+            min_p=min_p.float(),
+            generators=generators,
+            num_logprobs=num_logprobs,
+            all_greedy=bool((rules[0] == 0).all()),
+            need_sort=bool((rules[1] > 0).any() or (rules[2] < 1).any()),
+            need_min_p=bool((rules[3] > 0).any()),
+        )
 
 
 @dataclass
 class SampleResult:
+    """Sampled rows on the host."""
+
     token_ids: list[int]
     logprobs: list[float] | None = None  # of the sampled token, from the raw distribution
     top_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
+
+
+@dataclass
+class SampledTensors:
+    """Sampled rows where they were computed; `to_host()` waits for them."""
+
+    token_ids: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor | None = None  # [B]
+    top_ids: torch.Tensor | None = None  # [B, N]
+    top_logprobs: torch.Tensor | None = None
+
+    def copy_to_host(self) -> SampledTensors:
+        """Start copying every tensor into pinned host memory (CUDA); the copies are complete
+        once the stream reaches this point. On the CPU this is the identity."""
+        if not self.token_ids.is_cuda:
+            return self
+
+        def copy(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            return host.copy_(t, non_blocking=True)
+
+        token_ids = copy(self.token_ids)
+        assert token_ids is not None
+        return SampledTensors(
+            token_ids, copy(self.logprobs), copy(self.top_ids), copy(self.top_logprobs)
+        )
+
+    def to_host(self) -> SampleResult:
+        def lists(t: torch.Tensor | None) -> Any:
+            return None if t is None else t.tolist()
+
+        return SampleResult(
+            self.token_ids.tolist(),
+            lists(self.logprobs),
+            lists(self.top_ids),
+            lists(self.top_logprobs),
+        )
 
 
 def apply_filters(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
@@ -41,8 +108,7 @@ def apply_filters(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     temps = torch.where(sb.temperatures > 0, sb.temperatures, torch.ones_like(sb.temperatures))
     logits = logits / temps[:, None]
     vocab = logits.shape[-1]
-    need_sort = bool(((sb.top_k > 0) & (sb.top_k < vocab)).any() or (sb.top_p < 1).any())
-    if need_sort:
+    if sb.need_sort:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         rank = torch.arange(vocab, device=logits.device)[None, :]
         k = torch.where(sb.top_k > 0, sb.top_k, vocab)
@@ -52,15 +118,16 @@ def apply_filters(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
         drop |= (probs.cumsum(dim=-1) - probs) >= sb.top_p[:, None]
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
-    if bool((sb.min_p > 0).any()):
+    if sb.need_min_p:
         probs = logits.softmax(dim=-1)
         floor = sb.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         logits = logits.masked_fill(probs < floor, float("-inf"))
     return logits
 
 
-def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampleResult:
-    """`logits` `[B, V]` float32 -> one token per row (plus logprobs if asked)."""
+def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampledTensors:
+    """`logits` `[B, V]` float32 -> one token per row (plus logprobs if asked), on the logits'
+    device and without waiting for it."""
     greedy = logits.argmax(dim=-1)
     if sb.all_greedy:
         tokens = greedy
@@ -72,11 +139,11 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampleResult:
                 noise[row] = torch.empty_like(probs[row]).exponential_(generator=gen)
         sampled = (probs / noise).argmax(dim=-1)
         tokens = torch.where(sb.temperatures == 0, greedy, sampled)
-    result = SampleResult(token_ids=tokens.tolist())
+    result = SampledTensors(token_ids=tokens)
     if sb.num_logprobs >= 0:
         logprobs = logits.log_softmax(dim=-1)
-        result.logprobs = logprobs.gather(-1, tokens[:, None]).squeeze(-1).tolist()
+        result.logprobs = logprobs.gather(-1, tokens[:, None]).squeeze(-1)
         if sb.num_logprobs > 0:
             top = logprobs.topk(sb.num_logprobs, dim=-1)
-            result.top_ids, result.top_logprobs = top.indices.tolist(), top.values.tolist()
+            result.top_ids, result.top_logprobs = top.indices, top.values
     return result

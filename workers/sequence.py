@@ -29,7 +29,8 @@ class Sequence:
     arrival_time: float = field(default_factory=time.monotonic)
     status: SeqStatus = SeqStatus.WAITING
     pages: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0  # tokens whose KV sits in `pages`
+    num_computed_tokens: int = 0  # tokens whose KV sits in `pages` (or is being written)
+    num_pending_tokens: int = 0  # sampled by a step still running: counted, not yet in token_ids
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     prefix_node: Any = None  # radix node locked on behalf of this sequence
     num_tree_pages: int = 0  # leading `pages` that belong to the radix tree (held by the lock)
@@ -43,7 +44,7 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        return len(self.token_ids) + self.num_pending_tokens
 
     @property
     def num_output_tokens(self) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from workers.sampler import SamplingBatch, apply_filters, sample
@@ -17,11 +18,9 @@ def batch(
     logprobs: int = -1,
 ) -> SamplingBatch:
     seeds = seeds or [None] * n
-    return SamplingBatch(
-        temperatures=torch.full((n,), temperature),
-        top_k=torch.full((n,), top_k),
-        top_p=torch.full((n,), top_p),
-        min_p=torch.full((n,), min_p),
+    rules = np.array([[temperature], [top_k], [top_p], [min_p]], dtype=np.float64).repeat(n, 1)
+    return SamplingBatch.from_rules(
+        rules,
         generators=[None if s is None else torch.Generator().manual_seed(s) for s in seeds],
         num_logprobs=logprobs,
     )
@@ -50,14 +49,14 @@ def test_min_p_drops_tokens_below_fraction_of_top() -> None:
 
 
 def test_greedy_takes_argmax() -> None:
-    assert sample(LOGITS, batch(1, temperature=0.0)).token_ids == [0]
+    assert sample(LOGITS, batch(1, temperature=0.0)).to_host().token_ids == [0]
 
 
 def test_samples_follow_filtered_distribution() -> None:
     torch.manual_seed(0)
     n = 20000
     logits = LOGITS.expand(n, -1).contiguous()
-    tokens = torch.tensor(sample(logits, batch(n, top_k=3)).token_ids)
+    tokens = torch.tensor(sample(logits, batch(n, top_k=3)).to_host().token_ids)
     freq = torch.bincount(tokens, minlength=5).float() / n
     expected = torch.tensor([0.4, 0.3, 0.15, 0.0, 0.0]) / 0.85
     assert torch.allclose(freq, expected, atol=0.015), freq
@@ -67,7 +66,7 @@ def test_temperature_sharpens_distribution() -> None:
     torch.manual_seed(0)
     n = 20000
     logits = LOGITS.expand(n, -1).contiguous()
-    tokens = torch.tensor(sample(logits, batch(n, temperature=0.5)).token_ids)
+    tokens = torch.tensor(sample(logits, batch(n, temperature=0.5)).to_host().token_ids)
     freq = torch.bincount(tokens, minlength=5).float() / n
     expected = PROBS[0] ** 2 / (PROBS[0] ** 2).sum()
     assert torch.allclose(freq, expected, atol=0.015), freq
@@ -75,15 +74,15 @@ def test_temperature_sharpens_distribution() -> None:
 
 def test_seeded_rows_do_not_depend_on_batch_neighbours() -> None:
     logits = torch.randn(4, 1000)
-    a = sample(logits, batch(4, seeds=[7, None, None, 9])).token_ids
-    b = sample(logits, batch(4, seeds=[7, None, None, 9])).token_ids
+    a = sample(logits, batch(4, seeds=[7, None, None, 9])).to_host().token_ids
+    b = sample(logits, batch(4, seeds=[7, None, None, 9])).to_host().token_ids
     assert (a[0], a[3]) == (b[0], b[3])
-    c = sample(logits[[0]], batch(1, seeds=[7])).token_ids
+    c = sample(logits[[0]], batch(1, seeds=[7])).to_host().token_ids
     assert c[0] == a[0]
 
 
 def test_logprobs_are_of_the_raw_distribution() -> None:
-    res = sample(LOGITS, batch(1, temperature=0.0, logprobs=2))
+    res = sample(LOGITS, batch(1, temperature=0.0, logprobs=2)).to_host()
     assert res.logprobs is not None and res.top_ids is not None and res.top_logprobs is not None
     assert abs(res.logprobs[0] - float(PROBS[0, 0].log())) < 1e-5
     assert res.top_ids[0] == [0, 1]

@@ -59,7 +59,7 @@ class KVManager:
         """Hand `seq`'s whole computed pages to the tree, so other requests can share them now."""
         if self.radix is None:
             return
-        full = seq.num_computed_tokens // self.page_size
+        full = min(seq.num_computed_tokens, len(seq.token_ids)) // self.page_size  # known ids
         if full <= seq.num_tree_pages:
             return
         tokens = seq.token_ids[: full * self.page_size]

@@ -35,13 +35,12 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def remove(self, seq: Sequence, cache: bool = True) -> None:
-        """Take `seq` out (finished or aborted) and release its pages."""
+    def remove(self, seq: Sequence) -> None:
+        """Take `seq` out of the queues (finished or aborted); its pages are the caller's."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.kv.release(seq, cache=cache)
 
     def detach(self, seq: Sequence) -> None:
         """Take running `seq` out of the batch, keeping its pages (a prefill hand-off)."""
@@ -52,7 +51,9 @@ class Scheduler:
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
 
-    def schedule(self) -> StepInput | None:
+    def schedule(self, preempt: bool = True) -> StepInput | None:
+        """The next step. With `preempt` False (a step is still running, so sequences may hold
+        tokens the host has not seen) a sequence that finds no free page waits a step instead."""
         step = StepInput(seqs=[], num_new_tokens=[])
         budget = self.budget
         for seq in list(self.running):
@@ -60,7 +61,11 @@ class Scheduler:
                 break
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            if seq.num_tokens - seq.num_prompt_tokens >= seq.params.max_tokens:
+                continue  # its last token is still being sampled: nothing more to compute
             n = min(seq.num_uncomputed_tokens, budget)
+            if not preempt and not self.kv.reserve(seq, seq.num_computed_tokens + n):
+                continue
             if not self._reserve_or_preempt(seq, n, step):
                 continue
             step.seqs.append(seq)
@@ -95,7 +100,7 @@ class Scheduler:
             raise RuntimeError("KV pool too small for a single sequence")  # admission checks
         logger.info("preempting %s (%d tokens) for recomputation", seq.request_id, seq.num_tokens)
         self.running.remove(seq)
-        self.kv.release(seq, cache=True)
+        self.kv.release(seq, cache=True)  # only when no step is running: nothing is pending
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
