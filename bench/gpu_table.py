@@ -27,11 +27,12 @@ def main(out: Path) -> None:
         if not decode:
             continue
         print(f"\ndecode, {label} (copy bandwidth {decode['copy_bandwidth_gbps']:.0f} GB/s)")
-        print("batch  context  step ms  graph ms  eager ms  floor ms  x floor  tokens/s")
+        print("batch  context  engine ms  overlap ms  sync ms  graph ms  floor ms  x floor  tok/s")
         for r in decode["rows"]:
+            engine = "-" if r["engine_ms"] is None else f"{r['engine_ms']:.2f}"
             print(
-                f"{r['batch']:5d}  {r['context']:7d}  {r['step_ms']:7.2f}  "
-                f"{r['graph_replay_ms']:8.2f}  {r['eager_step_ms']:8.2f}  {r['floor_ms']:8.2f}  "
+                f"{r['batch']:5d}  {r['context']:7d}  {engine:>9}  {r['overlap_ms']:10.2f}  "
+                f"{r['sync_ms']:7.2f}  {r['graph_replay_ms']:8.2f}  {r['floor_ms']:8.2f}  "
                 f"{r['x_floor']:7.2f}  {r['tokens_per_s']:8d}"
             )
     prefill = _load(out / "prefill.json")

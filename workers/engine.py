@@ -46,6 +46,19 @@ class StepInput:
         return seq.num_computed_tokens + self.num_new_tokens[i] == seq.num_tokens
 
 
+@dataclass
+class StepPlan:
+    """One step's inputs as host arrays: what every tensor-parallel rank needs to run it."""
+
+    packed: np.ndarray  # [4, tokens] int64: token ids, positions, KV slot pages, slot offsets
+    page_table: np.ndarray  # [rows, pages] int32
+    q_lens: list[int]  # per row (sequences, then CUDA-graph padding rows)
+    kv_lens: list[int]
+    unseen: np.ndarray  # [2, k] int64: index in the token ids, row of the last launch's ids
+    rows: list[int]  # the rows that sample a token
+    graph: bool  # replay the CUDA graph of len(q_lens) rows
+
+
 class LaunchedStep:
     """A step queued on the device; `result()` waits for its sampled rows."""
 
@@ -132,65 +145,28 @@ class ModelRunner:
     def launch(self, step: StepInput) -> LaunchedStep:
         """Queue one step on the device without waiting for it.
 
-        Inputs travel in one or two pinned, non-blocking copies. Pure-decode steps replay a CUDA
-        graph (the forward, the LM head and the greedy ids) when one of a large enough batch
-        size is captured. Sampling decides on the host which filters run, so the host never
-        waits for the device until `LaunchedStep.result()`.
+        Sampling decides on the host which filters run, so the host never waits for the device
+        until `LaunchedStep.result()`.
         """
-        pad_to = self._graph_size(step)
-        input_ids, positions, batch = self._prepare(step, pad_to)
-        rows = [i for i in range(len(step.seqs)) if step.samples(i)]
-        greedy_ids: torch.Tensor | None = None
-        if pad_to is not None:
-            assert self.graphs is not None
-            logits, greedy_ids = self.graphs.run(input_ids, positions, batch)
-            if rows != list(range(len(rows))):
-                index = self._to_device(np.asarray(rows, dtype=np.int64))
-                logits, greedy_ids = logits[index], greedy_ids[index]
-            else:
-                logits, greedy_ids = logits[: len(rows)], greedy_ids[: len(rows)]
-        else:
-            self.attn.plan(batch)
-            hidden = self.model(input_ids, positions, self.attn)
-            if rows:
-                ends = np.cumsum(batch.q_lens)[rows] - 1
-                if ends[-1] == len(ends) - 1:  # rows 0..k-1, one token each: no gather needed
-                    last = hidden[: len(ends)]
-                else:
-                    last = hidden[self._to_device(ends.astype(np.int64))]
-                logits = self.model.compute_logits(last)
+        plan = self.plan(step)
+        logits, greedy_ids = self.run_plan(plan)
         self._prev = None
-        if not rows:
-            return LaunchedStep(step, rows, None)
-        seqs = [step.seqs[i] for i in rows]
+        if logits is None:
+            return LaunchedStep(step, plan.rows, None)
+        seqs = [step.seqs[i] for i in plan.rows]
         if all(s.params.temperature == 0 and s.params.logprobs is None for s in seqs):
             sampled = SampledTensors(logits.argmax(dim=-1) if greedy_ids is None else greedy_ids)
         else:
             sampled = sample(logits, self._sampling_batch(seqs))
         self._prev = (sampled.token_ids, {seq: r for r, seq in enumerate(seqs)})
-        return LaunchedStep(step, rows, sampled)
+        return LaunchedStep(step, plan.rows, sampled)
 
-    def _graph_size(self, step: StepInput) -> int | None:
-        if self.graphs is None or any(n != 1 for n in step.num_new_tokens):
-            return None
-        ps = self.cfg.page_size
-        max_pages = max(-(-(s.num_computed_tokens + 1) // ps) for s in step.seqs)
-        return self.graphs.padded_size(len(step.seqs), max_pages)
-
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        t = torch.from_numpy(array)
-        if self._pin:
-            t = t.pin_memory()
-        return t.to(self.device, non_blocking=True)
-
-    def _prepare(
-        self, step: StepInput, pad_to: int | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
-        """Packed inputs of `step`, padded to `pad_to` decode rows for a CUDA graph.
-
-        A padding row is token 0 at position 0 with one KV token in slot 0 of scratch page 0.
-        """
+    def plan(self, step: StepInput) -> StepPlan:
+        """`step`'s inputs as host arrays, padded to a CUDA graph's batch size where one
+        applies. A padding row is token 0 at position 0 with one KV token in slot 0 of scratch
+        page 0."""
         page_size = self.cfg.page_size
+        pad_to = self._graph_size(step)
         num_seqs = len(step.seqs)
         num_rows = num_seqs if pad_to is None else pad_to
         ids: list[int] = []
@@ -210,8 +186,7 @@ class ModelRunner:
         ids += [0] * (num_rows - num_seqs)
         kv = np.asarray(kv_lens, dtype=np.int64)
         q = np.asarray(q_lens, dtype=np.int64)
-        used = -(-kv // page_size)
-        table = self.page_table.build(step.seqs, used)
+        table = self.page_table.build(step.seqs, -(-kv // page_size))
         # Token t of row r sits at position kv_len - q_len + (t - first token of r).
         row_of_token = np.repeat(np.arange(num_rows), q)
         first = np.cumsum(q) - q
@@ -221,19 +196,71 @@ class ModelRunner:
         packed[1] = pos
         packed[2] = table[row_of_token, pos // page_size]
         packed[3] = pos % page_size
-        packed_dev = self._to_device(packed)
-        if unseen:
-            assert self._prev is not None
-            where, rows = self._to_device(np.asarray(unseen, dtype=np.int64).T)
-            packed_dev[0][where] = self._prev[0][rows]
-        batch = AttentionBatch(
+        return StepPlan(
+            packed=packed,
+            page_table=table,
             q_lens=q_lens,
             kv_lens=kv_lens,
-            page_table=self._to_device(table),
-            slot_pages=packed_dev[2],
-            slot_offsets=packed_dev[3],
+            unseen=np.asarray(unseen, dtype=np.int64).reshape(-1, 2).T.copy(),
+            rows=[i for i in range(num_seqs) if step.samples(i)],
+            graph=pad_to is not None,
         )
-        return packed_dev[0], packed_dev[1], batch
+
+    @torch.inference_mode()
+    def run_plan(self, plan: StepPlan) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Queue the forward of `plan` on the device: the float32 logits of its sampled rows
+        (None if none samples), and their greedy ids where a CUDA graph computed them.
+
+        """
+        input_ids, positions, batch = self.device_inputs(plan)
+        rows = plan.rows
+        if plan.graph:
+            assert self.graphs is not None
+            logits, greedy_ids = self.graphs.run(input_ids, positions, batch)
+            if rows == list(range(len(rows))):
+                return logits[: len(rows)], greedy_ids[: len(rows)]
+            index = self._to_device(np.asarray(rows, dtype=np.int64))
+            return logits[index], greedy_ids[index]
+        self.attn.plan(batch)
+        hidden = self.model(input_ids, positions, self.attn)
+        if not rows:
+            return None, None
+        ends = np.cumsum(batch.q_lens)[rows] - 1
+        if ends[-1] == len(ends) - 1:  # rows 0..k-1, one token each: no gather needed
+            last = hidden[: len(ends)]
+        else:
+            last = hidden[self._to_device(ends.astype(np.int64))]
+        return self.model.compute_logits(last), None
+
+    def device_inputs(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
+        """Token ids, positions and the attention batch of `plan` on the device, in one to three
+        pinned, non-blocking copies; unseen tokens come from the last launch's sampled ids."""
+        packed = self._to_device(plan.packed)
+        if plan.unseen.shape[1]:
+            assert self._prev is not None
+            where, rows = self._to_device(plan.unseen)
+            packed[0][where] = self._prev[0][rows]
+        batch = AttentionBatch(
+            q_lens=plan.q_lens,
+            kv_lens=plan.kv_lens,
+            page_table=self._to_device(plan.page_table),
+            slot_pages=packed[2],
+            slot_offsets=packed[3],
+        )
+        return packed[0], packed[1], batch
+
+    def _graph_size(self, step: StepInput) -> int | None:
+        if self.graphs is None or any(n != 1 for n in step.num_new_tokens):
+            return None
+        ps = self.cfg.page_size
+        max_pages = max(-(-(s.num_computed_tokens + 1) // ps) for s in step.seqs)
+        return self.graphs.padded_size(len(step.seqs), max_pages)
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(array)
+        if self._pin:
+            t = t.pin_memory()
+        return t.to(self.device, non_blocking=True)
 
     def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
         for seq in seqs:

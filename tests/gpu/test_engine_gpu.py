@@ -129,7 +129,9 @@ def test_cuda_graph_replay_gives_eager_tokens(smollm2_random: Path, num_seqs: in
     replays: list[int] = []
     replay = graphs.run
 
-    def counted_run(ids: torch.Tensor, pos: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+    def counted_run(
+        ids: torch.Tensor, pos: torch.Tensor, batch: AttentionBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         replays.append(len(batch.q_lens))
         return replay(ids, pos, batch)
 
@@ -142,3 +144,26 @@ def test_cuda_graph_replay_gives_eager_tokens(smollm2_random: Path, num_seqs: in
             assert abs(graph_top1[t][i] - eager_top1[t][i]) < 0.02
     same = sum(g == e for gs, es in zip(graph, eager) for g, e in zip(gs, es))
     assert same >= 0.95 * NEW_TOKENS * num_seqs
+
+
+def test_overlap_scheduling_gives_the_synchronous_tokens(smollm2_random: Path) -> None:
+    """Same batches in both modes (every request runs to the same max_tokens), so the same
+    kernels run on the same rows: tokens must be equal, sampled ones included."""
+    params = [
+        greedy()
+        if i % 2
+        else SamplingParams(max_tokens=NEW_TOKENS, temperature=0.9, seed=i, ignore_eos=True)
+        for i in range(len(PROMPTS))
+    ]
+    outs = {}
+    for overlap in (False, True):
+        llm = LLM(
+            str(smollm2_random),
+            device="cuda",
+            dtype="bfloat16",
+            kv_cache_memory_gb=1,
+            overlap_scheduling=overlap,
+        )
+        assert llm.engine.overlap == overlap
+        outs[overlap] = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    assert outs[True] == outs[False]
