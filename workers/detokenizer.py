@@ -38,8 +38,10 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
-    def add_token(self, token_id: int) -> str | None:
-        """Append one output token; returns the matched stop string, if any."""
+    def add_token(self, token_id: int, match_stop: bool = True) -> str | None:
+        """Append one output token; returns the matched stop string, if any. With `match_stop`
+        False (the request's min_tokens not reached yet) stop strings are not looked for, so
+        text that contains one stays whole."""
         self._ids.append(token_id)
         prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
         full = self._decode(self._ids[self._prefix_offset :])
@@ -48,7 +50,7 @@ class IncrementalDetokenizer:
         start = len(self.text)
         self.text += full[len(prefix) :]
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        return self._match_stop(start)
+        return self._match_stop(start) if match_stop else None
 
     def _match_stop(self, new_from: int) -> str | None:
         if not self.stop:

@@ -254,7 +254,7 @@ class Engine:
             seq.finish_reason, seq.stop_reason = "stop", token
         elif may_stop and not p.ignore_eos and token in self.eos_token_ids:
             seq.finish_reason = "stop"
-        elif (stop := seq.detokenizer.add_token(token)) is not None and may_stop:
+        elif (stop := seq.detokenizer.add_token(token, match_stop=may_stop)) is not None:
             seq.finish_reason, seq.stop_reason = "stop", stop
         elif seq.num_output_tokens >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
             seq.finish_reason = "length"

@@ -144,6 +144,17 @@ def test_stop_string_ends_generation_and_is_cut_from_text() -> None:
     assert kept.text == "The capital of France"
 
 
+def test_stop_string_before_min_tokens_stays_in_the_text() -> None:
+    llm = LLM()
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    params = SamplingParams(max_tokens=20, temperature=0, stop=["capital"], min_tokens=5)
+    [out] = llm.chat(chat, params)
+    assert out.text == "The capital of France is Paris."
+    assert out.finish_reason == "stop" and out.stop_reason is None  # EOS, after min_tokens
+    [cut] = llm.chat(chat, params.model_copy(update={"stop": ["capital", "Paris"]}))
+    assert cut.text == "The capital of France is " and cut.stop_reason == "Paris"
+
+
 def test_eos_ends_generation_unless_ignored() -> None:
     llm = LLM()
     chat = [{"role": "user", "content": "What is the capital of France?"}]
