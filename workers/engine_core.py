@@ -21,7 +21,7 @@ from pydantic import BaseModel
 
 from workers.config import EngineConfig
 from workers.detokenizer import IncrementalDetokenizer
-from workers.engine import LaunchedStep, ModelRunner, StepInput
+from workers.engine import LaunchedStep, StepInput
 from workers.kvcache.allocator import PageAllocator
 from workers.kvcache.manager import KVManager
 from workers.model.loader import load_tokenizer
@@ -30,6 +30,7 @@ from workers.sampler import SampleResult
 from workers.scheduler.scheduler import Scheduler
 from workers.sequence import SeqStatus, Sequence
 from workers.tp import SINGLE, TPGroup
+from workers.tp_runner import create_runner
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ class Engine:
 
     def __init__(self, cfg: EngineConfig, tp: TPGroup = SINGLE) -> None:
         self.cfg = cfg
-        self.runner = ModelRunner(cfg, tp)
+        self.runner = create_runner(cfg, tp)  # rank 0 of a group when tensor_parallel_size > 1
         self.tokenizer = load_tokenizer(self.runner.model_dir)
         self.max_model_len = self.runner.max_model_len
         self.allocator = PageAllocator(self.runner.pool.num_pages)

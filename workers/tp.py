@@ -1,23 +1,33 @@
 """Tensor-parallel group: which rank this is, how many ranks, and the collectives between them.
 
 Passed explicitly to every TP-aware layer (no global state). Size 1 makes every collective a
-no-op, so the same model code runs unsharded.
+no-op, so the same model code runs unsharded. `init_group` joins a process to a group of size
+> 1 (torch.distributed: NCCL on CUDA, gloo on the CPU); `workers/tp_runner.py` starts the ranks.
 """
 
 from __future__ import annotations
 
+import logging
+import socket
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+COLLECTIVE_TIMEOUT_S = 300.0  # a rank that hangs this long inside a step fails the step
+IDLE_TIMEOUT = timedelta(days=365)  # plans: a worker waits as long as its engine idles
 
 
 @dataclass(frozen=True)
 class TPGroup:
     rank: int = 0
     size: int = 1
-    group: Any = None  # torch.distributed ProcessGroup when size > 1
+    group: Any = None  # torch.distributed ProcessGroup when size > 1 (the device's backend)
+    control: Any = None  # gloo group for host objects (plans), without a collective timeout
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:
@@ -35,6 +45,24 @@ class TPGroup:
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)
 
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` from rank 0 into `x` on every rank, on the device (queued, no host sync)."""
+        if self.size > 1:
+            dist.broadcast(x, src=0, group=self.group)
+        return x
+
+    def broadcast_object(self, obj: object) -> object:
+        """A picklable host object from rank 0 (others pass None); blocks until it arrives."""
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.control)
+        return box[0]
+
+    def min_int(self, value: int) -> int:
+        """The smallest of every rank's `value` (host ints, over the control group)."""
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control)
+        return int(t.item())
+
     def shard(self, total: int, what: str) -> int:
         """Size of this rank's equal share of `total`; refuse uneven splits."""
         if total % self.size:
@@ -43,3 +71,40 @@ class TPGroup:
 
 
 SINGLE = TPGroup()
+
+
+def free_port(host: str) -> int:
+    """A TCP port free on `host` now (the rendezvous of a new group)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def init_group(rank: int, size: int, address: str, device: torch.device) -> TPGroup:
+    """Join this process to the TP group that rendezvouses at `address` ("host:port").
+
+    torch.distributed keeps one default group per process, so a process holds one TP engine.
+    """
+    if dist.is_initialized():
+        raise RuntimeError(
+            "this process already belongs to a torch.distributed group: one TP engine per process"
+        )
+    cuda = device.type == "cuda"
+    dist.init_process_group(
+        "nccl" if cuda else "gloo",
+        init_method=f"tcp://{address}",
+        rank=rank,
+        world_size=size,
+        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+        device_id=device if cuda else None,
+    )
+    # Plans travel on their own gloo group: an idle engine sends none for hours, and the
+    # device group's timeout would otherwise fail the waiting ranks.
+    control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+    logger.info("TP rank %d/%d joined %s over %s", rank, size, address, dist.get_backend())
+    return TPGroup(rank, size, dist.group.WORLD, control)
+
+
+def destroy_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,132 @@
+"""Tensor parallelism on the CPU (gloo): N ranks give the single rank's tokens, and the ranks'
+lives (start, abort, death, close) are the engine's business.
+
+Ranks 1..N-1 are Ray actors; float32 all-reduces sum in another order than one matmul, so
+equality is up to rounding noise, which these greedy prompts do not reach.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+import ray
+import torch.distributed as dist
+
+from tests.conftest import make_random_checkpoint
+from workers import LLM, SamplingParams
+from workers.protocol import GenerateRequest
+
+REPO = str(Path(__file__).resolve().parents[2])
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away, there lived a",
+    "1, 2, 3, 4, 5,",
+]
+PARAMS = [
+    SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+    SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True),
+    SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+    SamplingParams(max_tokens=1, temperature=0.0),
+]
+TINY = dict(num_kv_pages=64, page_size=4, max_num_batched_tokens=16)  # chunked prefill too
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
+    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> str:
+    """4 query heads, 2 KV heads: splits over 2 ranks."""
+    tmp = tmp_path_factory.mktemp("tiny-llama")
+    return str(make_random_checkpoint(tmp, smollm2_dir, "LlamaForCausalLM"))
+
+
+@pytest.fixture(scope="module")
+def single_rank(tiny_llama: str) -> list:
+    return LLM(tiny_llama, **TINY).generate(PROMPTS, PARAMS)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_two_ranks_give_the_single_rank_tokens(
+    cluster, tiny_llama: str, single_rank: list, overlap: bool
+) -> None:
+    with LLM(tiny_llama, tensor_parallel_size=2, overlap_scheduling=overlap, **TINY) as llm:
+        assert llm.engine.overlap is overlap
+        assert llm.engine.runner.tp.size == 2
+        outs = llm.generate(PROMPTS, PARAMS)
+        stats = llm.engine.stats()
+    assert [o.token_ids for o in outs] == [o.token_ids for o in single_rank]
+    assert [len(o.token_ids) for o in outs] == [24, 16, 20, 1]
+    assert stats.kv_pages_pinned == 0 and stats.num_running == 0
+
+
+def test_three_ranks_of_smollm2_give_the_single_rank_tokens(cluster) -> None:
+    """SmolLM2 has 9 query heads and 3 KV heads: one KV head per rank."""
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    want = LLM(num_kv_pages=32).generate(PROMPTS[:2], params)
+    with LLM(tensor_parallel_size=3, num_kv_pages=32, overlap_scheduling=True) as llm:
+        assert llm.engine.runner.kv_layout.num_kv_heads == 1
+        got = llm.generate(PROMPTS[:2], params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+
+def test_abort_under_tensor_parallel_frees_pages(cluster, tiny_llama: str) -> None:
+    with LLM(tiny_llama, tensor_parallel_size=2, overlap_scheduling=True, **TINY) as llm:
+        engine = llm.engine
+        ids = llm.tokenizer.encode(PROMPTS[2])
+        for rid in ("a", "b"):
+            params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+            engine.add_request(GenerateRequest(request_id=rid, prompt_token_ids=ids, params=params))
+        for _ in range(6):
+            engine.step()
+        assert engine.stats().kv_pages_used > 0
+        assert engine.abort("a") is not None
+        while engine.has_work():
+            engine.step()
+        assert engine.stats().kv_pages_used == engine.stats().kv_pages_cached
+        assert engine.kv.radix is not None
+        engine.kv.radix.evict(engine.allocator.num_usable)
+        assert engine.stats().kv_pages_used == 0
+
+
+def test_close_stops_the_rank_actors(cluster, tiny_llama: str) -> None:
+    llm = LLM(tiny_llama, tensor_parallel_size=2, **TINY)
+    actors = list(llm.engine.runner._ranks.actors)
+    llm.close()
+    assert not dist.is_initialized()
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(actors[0].device_uuid.remote(), timeout=30)
+    llm.close()  # idempotent
+
+
+def test_a_dead_rank_fails_steps_with_a_clear_error(cluster, tiny_llama: str) -> None:
+    with LLM(tiny_llama, tensor_parallel_size=2, **TINY) as llm:
+        ray.kill(llm.engine.runner._ranks.actors[0])
+        time.sleep(0.5)
+        start = time.monotonic()
+        [out] = llm.generate(PROMPTS[0], PARAMS[0])
+        assert out.finish_reason == "error"
+        assert out.error is not None and "TP rank 1 died" in out.error
+        [again] = llm.generate(PROMPTS[1], PARAMS[0])  # fails at once, no hang
+        assert again.error == out.error
+        assert time.monotonic() - start < 30
+
+
+def test_heads_not_divisible_by_tp_size_are_refused_before_any_rank_starts() -> None:
+    with pytest.raises(ValueError, match="num_attention_heads=9 is not divisible"):
+        LLM(tensor_parallel_size=2)
+
+
+def test_more_ranks_than_the_cluster_holds_are_refused(cluster, tiny_llama: str) -> None:
+    with pytest.raises(ValueError, match="tensor_parallel_size=4 needs"):
+        LLM(tiny_llama, tensor_parallel_size=4, **TINY)
+    assert not dist.is_initialized()
