@@ -51,8 +51,6 @@ class OpenAIIngress:
 def _deployment_options(
     name: str, pool: PoolConfig, request_router: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    if pool.tensor_parallel_size > 1:
-        raise ValueError(f"{name}.tensor_parallel_size > 1 is not implemented yet")
     options: dict[str, Any] = {
         "name": name,
         "max_ongoing_requests": pool.max_ongoing_requests,
@@ -62,6 +60,13 @@ def _deployment_options(
         },
         "health_check_period_s": 10,
     }
+    if pool.tensor_parallel_size > 1:
+        # One replica = one TP group: the replica is rank 0 in bundle 0, its rank actors take
+        # the other bundles (workers/tp_ranks.py), all on one node.
+        rank = {"CPU": pool.num_cpus_per_rank, "GPU": pool.num_gpus_per_rank, **pool.resources}
+        rank = {k: v for k, v in rank.items() if v > 0} or {"CPU": 0.01}  # Ray: no empty bundle
+        options["placement_group_bundles"] = [rank] * pool.tensor_parallel_size
+        options["placement_group_strategy"] = "STRICT_PACK"
     if pool.autoscaling is not None:
         options["autoscaling_config"] = pool.autoscaling.model_dump(exclude_none=True)
     else:

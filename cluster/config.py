@@ -103,6 +103,20 @@ class AppConfig(Strict):
     kv_transfer: KVTransferConfig = KVTransferConfig()
     api_key: str | None = Field(None, description="default: $PDSERVE_API_KEY; none = open")
 
+    @model_validator(mode="after")
+    def _tp_handoff(self) -> AppConfig:
+        if self.engine.tensor_parallel_size != 1:
+            raise ValueError("set tensor_parallel_size per pool (prefill, decode), not in engine")
+        # Each TP rank holds its own KV heads; the NIXL hand-off reads rank 0's pool only.
+        if self.mode == "disaggregated":
+            for name, pool in (("prefill", self.prefill), ("decode", self.decode)):
+                if pool.tensor_parallel_size > 1:
+                    raise ValueError(
+                        f"{name}.tensor_parallel_size > 1 needs mode: colocated; the KV hand-off "
+                        "between prefill and decode pools runs with one rank per replica only"
+                    )
+        return self
+
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.engine.model

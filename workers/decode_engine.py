@@ -48,6 +48,10 @@ class DecodeEngine(HandoffEngine):
         """Admit a request prefilled elsewhere: `first` is the prefill side's first chunk."""
         if first.kv is None or len(first.token_ids) != 1:
             raise RequestRejectedError("a decode request needs the first token and a KV handle")
+        if self.cfg.tensor_parallel_size > 1:  # the READ would fill rank 0's pool only
+            raise RequestRejectedError(
+                "KV hand-off into a tensor-parallel replica is not supported"
+            )
         if first.kv.num_tokens != len(req.prompt_token_ids):
             raise RequestRejectedError("the KV handle does not cover the prompt")
         seq = self._new_sequence(req)

@@ -23,6 +23,8 @@ class PrefillEngine(HandoffEngine):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        if self.cfg.tensor_parallel_size > 1:  # a handle would name rank 0's KV heads only
+            raise ValueError("a prefill engine hands off KV with tensor_parallel_size=1 only")
         self.agent.track_generations(self.allocator.generation)
         self.leases = LeaseTable()
 

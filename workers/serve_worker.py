@@ -42,5 +42,8 @@ class EngineWorker:
         return self.loop.stats()
 
     def check_health(self) -> None:
-        """Polled by Serve: a dead loop thread marks the replica unhealthy."""
+        """Polled by Serve: a dead loop thread or TP rank marks the replica unhealthy."""
         self.loop.check_alive()
+        check_ranks = getattr(self.engine.runner, "check_alive", None)
+        if check_ranks is not None:
+            check_ranks()

@@ -88,6 +88,7 @@ class RankActors:
                     f"tensor_parallel_size={self.size} needs one placement group bundle per "
                     f"rank; this replica's group has {pg.bundle_count}"
                 )
+            logger.info("TP ranks 1..%d go to this replica's placement group", self.size - 1)
             return pg, 1
         _ensure_ray()
         gpu = device.type == "cuda"
@@ -137,15 +138,23 @@ class RankActors:
     def failure(self, error: BaseException) -> TPRankError:
         """What to raise after `error` broke a step: which rank died, if one did."""
         self.broken = True
-        done, _ = ray.wait(self._serving, num_returns=len(self._serving), timeout=1.0)
+        dead = self.dead_rank(timeout=1.0)
+        if dead is not None:
+            return dead
+        return TPRankError(f"TP step failed ({type(error).__name__}: {error}); ranks out of step")
+
+    def dead_rank(self, timeout: float = 0.0) -> TPRankError | None:
+        """The first rank whose step loop has ended (died, or left it), if any."""
+        done, _ = ray.wait(self._serving, num_returns=len(self._serving), timeout=timeout)
         for rank, ref in enumerate(self._serving, start=1):
             if ref in done:
+                self.broken = True
                 try:
                     ray.get(ref)
-                except Exception as e:  # noqa: BLE001 - reported in the error below
+                except Exception as e:  # noqa: BLE001 - reported in the error
                     return TPRankError(f"TP rank {rank} died: {type(e).__name__}: {e}")
                 return TPRankError(f"TP rank {rank} left its step loop")
-        return TPRankError(f"TP step failed ({type(error).__name__}: {error}); ranks out of step")
+        return None
 
     def join(self) -> None:
         """Wait for the ranks to leave their loops (after the stop broadcast)."""

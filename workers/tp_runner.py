@@ -125,6 +125,13 @@ class TPDriverRunner(RankRunner):
             self._error = self._ranks.failure(e)
             raise self._error from e
 
+    def check_alive(self) -> None:
+        """Raise if a rank died or a step broke the group (Serve's health check)."""
+        if self._error is None:
+            self._error = self._ranks.dead_rank()
+        if self._error is not None:
+            raise self._error
+
     def close(self) -> None:
         """Stop ranks 1..N-1 and leave the group (also on garbage collection and at exit)."""
         self._finalizer()

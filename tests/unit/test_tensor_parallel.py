@@ -18,6 +18,7 @@ import torch.distributed as dist
 from tests.conftest import make_random_checkpoint
 from workers import LLM, SamplingParams
 from workers.protocol import GenerateRequest
+from workers.tp_ranks import TPRankError
 
 REPO = str(Path(__file__).resolve().parents[2])
 PROMPTS = [
@@ -110,8 +111,12 @@ def test_close_stops_the_rank_actors(cluster, tiny_llama: str) -> None:
 
 def test_a_dead_rank_fails_steps_with_a_clear_error(cluster, tiny_llama: str) -> None:
     with LLM(tiny_llama, tensor_parallel_size=2, **TINY) as llm:
-        ray.kill(llm.engine.runner._ranks.actors[0])
+        runner = llm.engine.runner
+        runner.check_alive()
+        ray.kill(runner._ranks.actors[0])
         time.sleep(0.5)
+        with pytest.raises(TPRankError, match="TP rank 1 died"):
+            runner.check_alive()  # Serve's health check sees it before any step
         start = time.monotonic()
         [out] = llm.generate(PROMPTS[0], PARAMS[0])
         assert out.finish_reason == "error"
@@ -130,3 +135,34 @@ def test_more_ranks_than_the_cluster_holds_are_refused(cluster, tiny_llama: str)
     with pytest.raises(ValueError, match="tensor_parallel_size=4 needs"):
         LLM(tiny_llama, tensor_parallel_size=4, **TINY)
     assert not dist.is_initialized()
+
+
+def test_a_colocated_tp_pool_gets_one_bundle_per_rank_on_one_node() -> None:
+    from cluster.app import _deployment_options
+    from cluster.config import AppConfig
+
+    cfg = AppConfig.model_validate(
+        {"mode": "colocated", "decode": {"tensor_parallel_size": 2, "num_gpus_per_rank": 1}}
+    )
+    assert cfg.decode.engine(cfg.engine).tensor_parallel_size == 2
+    options = _deployment_options("decode", cfg.decode)
+    assert options["placement_group_bundles"] == [{"CPU": 1.0, "GPU": 1.0}] * 2
+    assert options["placement_group_strategy"] == "STRICT_PACK"
+    assert options["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 1.0}  # in bundle 0
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        ({"prefill": {"tensor_parallel_size": 2}}, "prefill.tensor_parallel_size > 1 needs"),
+        ({"decode": {"tensor_parallel_size": 2}}, "decode.tensor_parallel_size > 1 needs"),
+        ({"engine": {"tensor_parallel_size": 2}}, "per pool"),
+    ],
+)
+def test_tp_where_the_kv_hand_off_cannot_follow_is_refused(args: dict, match: str) -> None:
+    from pydantic import ValidationError
+
+    from cluster.config import AppConfig
+
+    with pytest.raises(ValidationError, match=match):
+        AppConfig.model_validate(args)
