@@ -10,8 +10,14 @@ descriptors through `initialize_xfer`). The reference is a torch copy of the sam
 two tensors inside the decode actor, in the same run. Every configuration is checked for
 equal bytes once.
 
+With two GPUs (`--device cuda --num-gpus 1`: one actor per GPU) the reference that matters is
+the link itself: the driver also times a torch peer copy of the same runs from GPU 0 to GPU 1
+(`peer_GB/s`, NVLink), and the ratio is taken against it. `--layout llama3-8b` uses that
+model's KV (32 layers, 8 KV heads, head_dim 128: 2 MiB a bf16 page).
+
     python bench/bench_kv_transfer.py                       # CPU, DRAM
     python bench/bench_kv_transfer.py --device cuda         # GPU, VRAM (num_gpus 0.5 each)
+    python bench/bench_kv_transfer.py --device cuda --num-gpus 1 --layout llama3-8b  # 2 GPUs
 """
 
 from __future__ import annotations
@@ -129,6 +135,32 @@ class BenchWorker:
         return times[1:]
 
 
+LAYOUTS = {"smollm2": (30, 3, 64), "llama3-8b": (32, 8, 128)}  # layers, KV heads, head_dim
+
+
+def peer_copy_times(
+    layout: KVLayout, num_pages: int, rpages: list[int], lpages: list[int], iters: int
+) -> list[float]:
+    """The same runs copied by torch from a pool on GPU 0 into one on GPU 1 (this process)."""
+    shape = (num_pages, layout.page_bytes // 2)
+    src = torch.randn(shape, device="cuda:0").to(torch.bfloat16)
+    dst = torch.empty(shape, device="cuda:1", dtype=torch.bfloat16)
+    runs = merge_page_runs(lpages, rpages)
+    times = []
+    for _ in range(iters + 1):
+        torch.cuda.synchronize("cuda:0")
+        torch.cuda.synchronize("cuda:1")
+        t0 = time.perf_counter()
+        for r in runs:
+            dst[r.local_start : r.local_start + r.length].copy_(
+                src[r.remote_start : r.remote_start + r.length], non_blocking=True
+            )
+        torch.cuda.synchronize("cuda:1")
+        torch.cuda.synchronize("cuda:0")
+        times.append(time.perf_counter() - t0)
+    return times[1:]
+
+
 def page_lists(n: int, pattern: str, rng: np.random.Generator) -> tuple[list[int], list[int]]:
     """(remote pages, local pages) for an n-page prompt; page 0 is the scratch page."""
     local = list(range(1, n + 1))
@@ -147,16 +179,19 @@ def main() -> None:
     ap.add_argument("--num-gpus", type=float, default=0.5, help="per actor, with --device cuda")
     ap.add_argument("--progress-thread", action="store_true", help="NIXL's (spinning) thread")
     ap.add_argument("--json", action="store_true", help="also print one JSON line per row")
+    ap.add_argument("--layout", choices=sorted(LAYOUTS), default="smollm2")
     args = ap.parse_args()
 
     tokens = [int(t) for t in args.tokens.split(",")]
+    layers, kv_heads, head_dim = LAYOUTS[args.layout]
     layout = KVLayout(
-        num_layers=30,
+        num_layers=layers,
         page_size=16,
-        num_kv_heads=3,
-        head_dim=64,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
         dtype="float32" if args.device == "cpu" else "bfloat16",
     )
+    peer = args.device == "cuda" and torch.cuda.device_count() >= 2 and args.num_gpus >= 1
     num_pages = max(tokens) // layout.page_size + 2
     ray.init(
         num_cpus=max(2, os.cpu_count() or 2),
@@ -179,7 +214,8 @@ def main() -> None:
     print(
         f"layout {layout.model_dump()}  page_bytes {layout.page_bytes}  pool {num_pages} pages "
         f"({num_pages * layout.page_bytes / 2**20:.0f} MiB) on {args.device}; "
-        f"median of {args.iters} reads; progress thread {'on' if pt else 'off'}"
+        f"median of {args.iters} reads; progress thread {'on' if pt else 'off'}; reference: "
+        f"{'torch peer copy GPU 0 -> GPU 1' if peer else 'torch copy inside the decode actor'}"
     )
 
     rng = np.random.default_rng(0)
@@ -195,7 +231,10 @@ def main() -> None:
         nbytes = n * layout.page_bytes
         for pattern in args.patterns.split(","):
             rpages, lpages = page_lists(n, pattern, rng)
-            copy_times = ray.get(decode.torch_copy.remote(rpages, lpages, args.iters))
+            if peer:  # the link between the two GPUs
+                copy_times = peer_copy_times(layout, num_pages, rpages, lpages, args.iters)
+            else:  # a copy inside the decode actor's device
+                copy_times = ray.get(decode.torch_copy.remote(rpages, lpages, args.iters))
             torch_gbps = nbytes / statistics.median(copy_times) / 1e9
             for mode in MODES:
                 ray.get(decode.fill.remote(3))  # overwrite, so the check sees this mode's read

@@ -15,8 +15,20 @@ from torch import nn
 
 from workers.tp import TPGroup
 
-HALF_DTYPES = (torch.bfloat16, torch.float16)  # CUDA runs these through workers/model/fused.py
+HALF_DTYPES = (torch.bfloat16, torch.float16)  # CUDA: workers/model/fused.py, skinny_gemm.py
 WeightLoader = Callable[[nn.Parameter, torch.Tensor, "int | str | None"], None]
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear`, except for a few 16-bit rows on CUDA (decode batches), where the Triton skinny
+    GEMM reads the weight faster than cuBLAS; `skinny_gemm.applies` says where it was measured
+    to win."""
+    if x.is_cuda and x.dtype in HALF_DTYPES and x.dim() == 2:
+        from workers.model import skinny_gemm  # Triton: imported on first CUDA use
+
+        if skinny_gemm.applies(x.shape[0], weight):
+            return skinny_gemm.skinny_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def _param(shape: tuple[int, ...], loader: WeightLoader) -> nn.Parameter:
@@ -91,7 +103,7 @@ class ColumnParallelLinear(nn.Module):
         _copy_into(param.data.narrow(0, self._offset(idx), size), part)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -156,7 +168,7 @@ class RowParallelLinear(nn.Module):
         _copy(param, weight.narrow(1, self.tp.rank * self.in_shard, self.in_shard))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
 
@@ -190,5 +202,5 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Logits over the vocabulary: each rank computes its vocab slice, then all-gather."""
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        local = F.linear(hidden, self.weight)
+        local = linear(hidden, self.weight)
         return self.tp.all_gather_last_dim(local)[..., : self.vocab_size]

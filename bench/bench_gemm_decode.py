@@ -1,0 +1,175 @@
+"""Decode-step GEMMs: cuBLAS (F.linear) against the Triton skinny GEMM, Llama-3-8B shapes.
+
+    python -m bench.bench_gemm_decode [--json FILE] [--sweep]
+
+For each weight (q/k/v, o_proj, gate_up, down, LM head) and M in 1..64 rows: weight GB/s of
+each, its fraction of the measured device copy bandwidth, the speedup, and whether
+`workers/model/layers.py` dispatches to the kernel there (`skinny_gemm.applies`). The totals are
+one decode step's GEMM time: the four layer weights x 32 plus the LM head.
+
+Every call reads its own copy of the weight from a set larger than the L2 (as a decode step
+reads each weight once), and calls are timed as CUDA-graph replays, as the engine runs decode,
+so launch overhead on the host is not counted. `--sweep` times a list of launch configs per
+shape and M and prints the best, the source of `skinny_gemm.CONFIGS`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from bench.gpu_common import copy_bandwidth_gbps, cuda_ms, write_json
+
+# name -> (N, K), bf16, one rank of Llama-3-8B
+SHAPES = {
+    "qkv": (6144, 4096),
+    "o_proj": (4096, 4096),
+    "gate_up": (28672, 4096),
+    "down": (4096, 14336),
+    "lm_head": (128256, 4096),
+}
+LAYERS = 32
+ROWS = (1, 2, 4, 8, 16, 32, 64)
+WORKING_SET = 256 * 2**20  # > 4x the H200's 60 MB L2
+
+
+def weights(n: int, k: int) -> list[torch.Tensor]:
+    copies = max(1, -(-WORKING_SET // (n * k * 2)))
+    return [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+
+
+def graph_ms(fn: Callable[[torch.Tensor], object], ws: list[torch.Tensor]) -> float:
+    """Milliseconds per call of `fn(w)`, replayed in a CUDA graph over every copy in `ws`."""
+    calls = [ws[i % len(ws)] for i in range(max(8, len(ws)))]
+    for w in ws:  # compile and initialise outside the capture
+        fn(w)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for w in calls:
+            fn(w)
+    return cuda_ms(graph.replay, warmup=3, iters=20) / len(calls)
+
+
+def sweep_candidates(m: int, n: int) -> list[object]:
+    from workers.model.skinny_gemm import Config
+
+    splits = (1, 2, 4, 8) if n <= 8192 else (1, 2)
+    out: list[object] = []
+    if m == 1:
+        gemv = [(4, 512), (8, 512), (8, 256), (16, 256)]
+        out += [Config(bn, bk, 4, split_k=s) for bn, bk in gemv for s in splits[:3]]
+    swap = [(64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3)]
+    plain = [] if m == 1 else [(32, 256, 4, 3), (32, 128, 4, 4)]
+    out += [Config(bn, bk, w, st, True, True, s) for bn, bk, w, st in swap for s in splits]
+    out += [Config(bn, bk, w, st, True, False, s) for bn, bk, w, st in plain for s in splits[:3]]
+    return out
+
+
+def sweep(copy_gbps: float) -> list[dict]:
+    from workers.model.skinny_gemm import skinny_linear
+
+    rows = []
+    for name, (n, k) in SHAPES.items():
+        ws = weights(n, k)
+        for m in ROWS:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            cublas = graph_ms(lambda w, x=x: F.linear(x, w), ws)
+            results = []
+            for cfg in sweep_candidates(m, n):
+                try:
+                    ms = graph_ms(lambda w, x=x, c=cfg: skinny_linear(x, w, config=c), ws)
+                except Exception as e:  # noqa: BLE001 - e.g. out of shared memory
+                    print(f"  {name} M={m} {cfg}: {type(e).__name__}")
+                    continue
+                results.append((ms, cfg))
+            results.sort(key=lambda r: r[0])
+            gbps = n * k * 2 / 1e6
+            print(
+                f"{name:8} M={m:<3} cublas {gbps / cublas:7.0f} GB/s | "
+                + " | ".join(f"{gbps / ms:5.0f} {c}" for ms, c in results[:3])
+            )
+            best_ms, best = results[0]
+            rows.append(
+                dict(shape=name, m=m, cublas_ms=cublas, best_ms=best_ms, best=repr(best),
+                     all={repr(c): ms for ms, c in results})
+            )  # fmt: skip
+        del ws
+    print("CONFIGS = {")
+    for r in rows:
+        n, k = SHAPES[r["shape"]]
+        print(f"    ({n}, {k}, {r['m']}): {r['best']},  # {r['cublas_ms'] / r['best_ms']:.3f}x")
+    print("}")
+    for name in SHAPES:
+        wins = [r["m"] for r in rows if r["shape"] == name and r["best_ms"] < 0.98 * r["cublas_ms"]]
+        print(f"{name}: beats cuBLAS by >2% at M in {wins}")
+    return rows
+
+
+def compare(copy_gbps: float) -> list[dict]:
+    from workers.model import skinny_gemm
+
+    rows = []
+    print(
+        f"{'shape':8} {'M':>3} {'cuBLAS ms':>10} {'GB/s':>6} {'of copy':>7} "
+        f"{'Triton ms':>10} {'GB/s':>6} {'of copy':>7} {'speedup':>7}  used"
+    )
+    for name, (n, k) in SHAPES.items():
+        ws = weights(n, k)
+        gb = n * k * 2 / 1e9
+        for m in ROWS:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            cublas = graph_ms(lambda w, x=x: F.linear(x, w), ws)
+            triton_ms = graph_ms(lambda w, x=x: skinny_gemm.skinny_linear(x, w), ws)
+            used = skinny_gemm.applies(m, ws[0])
+            row = dict(shape=name, m=m, cublas_ms=cublas, triton_ms=triton_ms, used=used)
+            rows.append(row)
+            print(
+                f"{name:8} {m:>3} {cublas:10.4f} {gb / cublas * 1e3:6.0f} "
+                f"{gb / cublas * 1e3 / copy_gbps:7.1%} {triton_ms:10.4f} "
+                f"{gb / triton_ms * 1e3:6.0f} {gb / triton_ms * 1e3 / copy_gbps:7.1%} "
+                f"{cublas / triton_ms:7.2f}x  {'yes' if used else 'no'}"
+            )
+        del ws
+    return rows
+
+
+def step_totals(rows: list[dict]) -> None:
+    """One decode step's GEMMs: 32 layers of q/k/v, o_proj, gate_up, down, plus the LM head."""
+    for m in ROWS:
+        at = {r["shape"]: r for r in rows if r["m"] == m}
+        count = {name: (1 if name == "lm_head" else LAYERS) for name in SHAPES}
+        cublas = sum(at[s]["cublas_ms"] * c for s, c in count.items())
+        triton_ms = sum(at[s]["triton_ms"] * c for s, c in count.items())
+        dispatch = sum(
+            (at[s]["triton_ms"] if at[s]["used"] else at[s]["cublas_ms"]) * c
+            for s, c in count.items()
+        )
+        print(
+            f"step GEMMs M={m:<3} cuBLAS {cublas:6.3f} ms  Triton {triton_ms:6.3f} ms  "
+            f"as dispatched {dispatch:6.3f} ms  ({cublas / dispatch:.3f}x)"
+        )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json")
+    ap.add_argument("--sweep", action="store_true", help="time launch configs, print the best")
+    args = ap.parse_args()
+    copy_gbps = copy_bandwidth_gbps()
+    weight_gb = sum(n * k * 2 * (1 if s == "lm_head" else LAYERS) for s, (n, k) in SHAPES.items())
+    print(f"device copy bandwidth {copy_gbps:.0f} GB/s; step weights {weight_gb / 1e9:.2f} GB")
+    with torch.inference_mode():
+        if args.sweep:
+            write_json(args.json, sweep(copy_gbps))
+            return
+        rows = compare(copy_gbps)
+    step_totals(rows)
+    write_json(args.json, dict(copy_gbps=copy_gbps, rows=rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,256 @@
+"""Skinny GEMM (Triton): y = x W^T for a few 16-bit rows of x, at the weight-read bandwidth.
+
+A decode step multiplies 1-64 rows by every weight of the model once, so its GEMMs are bound by
+reading W, not by arithmetic. cuBLAS leaves part of the bandwidth unused on some of them: the
+kernel is 4-8% faster on Llama-3-8B's LM head at every M <= 64, 7-17% on q/k/v and o_proj at
+M = 1 and 3-5% on o_proj at M = 4-32; it is not faster on gate_up, nor on down below M = 64
+(an H200, bench/bench_gemm_decode.py). Two kernels, one accumulation rule
+(fp32, one rounding to x's dtype at the end, bias added in fp32 before it):
+- `_gemv_kernel` (one row, M = 1): each program streams BLOCK_N rows of W with wide loads and
+  multiplies them elementwise into a [BLOCK_N, BLOCK_K] fp32 accumulator, reduced once at the
+  end, so the loop holds no shuffles; a small BLOCK_N gives enough programs to keep every
+  multiprocessor's loads in flight.
+- `_dot_kernel` (M > 1): tensor-core tiles, W pipelined through shared memory (num_stages deep);
+  SWAP puts N on the MMA's M side (y^T = W x^T), which lets wide N tiles use the larger MMA.
+
+`CONFIGS` holds the launch config per (N, K, M bucket) measured for Llama-3-8B and `WINS` the
+cells where it beat F.linear; `applies` says where the kernel is used, and callers
+(`workers/model/layers.py`) use F.linear everywhere else, unmeasured shapes included.
+Split-K configs (several programs per output tile, each over a K range) give the shapes with
+few output tiles (N = 4096) enough programs; the last program of a tile adds the partials.
+Nothing here tunes at run time, syncs the host or allocates beyond the output (the split-K
+buffers are allocated once, on the first split-K call), so calls can be captured in CUDA graphs
+once each config has compiled, which the engine's warm-up forwards do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+
+
+@dataclass(frozen=True)
+class Config:
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 1
+    dot: bool = False  # tensor-core kernel (else the GEMV kernel, for M <= MAX_GEMV_ROWS)
+    swap: bool = False  # dot kernel computes y^T = W x^T
+    split_k: int = 1  # programs per output tile, each over a K range (see _epilogue)
+
+
+@triton.jit
+def _finish(acc, y_ptr, b_ptr, offs_m, offs_n, M, N, stride_y, HAS_BIAS: tl.constexpr):
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    y_ptrs = y_ptr + offs_m[:, None] * stride_y + offs_n[None, :]
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _epilogue(
+    acc, y_ptr, b_ptr, ws_ptr, lock_ptr, offs_m, offs_n, M, N, stride_y,
+    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
+):  # fmt: skip
+    """Store the [BLOCK_M, BLOCK_N] fp32 tile. With SPLIT_K > 1 each of the tile's programs
+    writes its partial sum to the workspace and counts itself in on the tile's lock; the last
+    one to arrive adds the partials (in split order, so results do not depend on arrival),
+    writes y and resets the lock to 0 for the next launch."""
+    if SPLIT_K == 1:
+        _finish(acc, y_ptr, b_ptr, offs_m, offs_n, M, N, stride_y, HAS_BIAS)
+    else:
+        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        ws = ws_ptr + offs_m[:, None] * N + offs_n[None, :]
+        tl.store(ws + tl.program_id(2) * M * N, acc, mask=mask)
+        tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+        tl.debug_barrier()  # every thread's partial is written before the count goes up
+        if tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel") == SPLIT_K - 1:
+            total = tl.zeros_like(acc)
+            for s in range(SPLIT_K):
+                total += tl.load(ws + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+            _finish(total, y_ptr, b_ptr, offs_m, offs_n, M, N, stride_y, HAS_BIAS)
+            tl.atomic_xchg(lock_ptr + tile, 0)
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, K_PER, stride_x, stride_w, stride_y,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    k_start = tl.program_id(2) * K_PER
+    rows_w = (offs_n % N).to(tl.int64)  # the tail tile re-reads valid rows; its store is masked
+    rows_x = offs_m % M
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + rows_w[:, None] * stride_w + (k_start + offs_k)[None, :]
+    x_ptrs = x_ptr + rows_x[:, None] * stride_x + (k_start + offs_k)[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(k_start, k_start + K_PER, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs, eviction_policy="evict_first")
+            x = tl.load(x_ptrs)
+        else:
+            k_mask = k0 + offs_k < K
+            w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0, eviction_policy="evict_first")
+            x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
+        acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    y = tl.sum(acc, axis=2)
+    _epilogue(y, y_ptr, b_ptr, ws_ptr, lock_ptr, offs_m, offs_n, M, N, stride_y, HAS_BIAS, SPLIT_K)
+
+
+@triton.jit
+def _dot_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, K_PER, stride_x, stride_w, stride_y,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr, SWAP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    k_start = tl.program_id(2) * K_PER
+    rows_w = (offs_n % N).to(tl.int64)
+    rows_x = offs_m % M  # padding rows re-read row data; their results are never stored
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + rows_w[:, None] * stride_w + (k_start + offs_k)[None, :]
+    x_ptrs = x_ptr + rows_x[:, None] * stride_x + (k_start + offs_k)[None, :]
+    if SWAP:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_start, k_start + K_PER, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs, eviction_policy="evict_first")
+            x = tl.load(x_ptrs)
+        else:
+            k_mask = k0 + offs_k < K
+            w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0, eviction_policy="evict_first")
+            x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
+        if SWAP:  # noqa: SIM108 - a constexpr branch
+            acc = tl.dot(w, tl.trans(x), acc)
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    if SWAP:
+        acc = tl.trans(acc)
+    _epilogue(
+        acc, y_ptr, b_ptr, ws_ptr, lock_ptr, offs_m, offs_n, M, N, stride_y, HAS_BIAS, SPLIT_K
+    )
+
+
+def _bucket(m: int) -> int:
+    return triton.next_power_of_2(m)
+
+
+# Per (N, K, M bucket: M rounded up to a power of two): the fastest launch config that
+# `python -m bench.bench_gemm_decode --sweep` found on an H200 for Llama-3-8B's q/k/v, o_proj,
+# gate_up, down and LM head (bf16; one rank).
+_GEMV4, _GEMV8 = Config(4, 512), Config(8, 512)
+_SWAP64 = Config(64, 128, 4, 4, dot=True, swap=True)
+_SWAP128 = Config(128, 128, 4, 3, dot=True, swap=True)
+CONFIGS: dict[tuple[int, int, int], Config] = {
+    (6144, 4096, 1): _GEMV8,
+    **{(6144, 4096, m): _SWAP64 for m in (2, 4, 8, 16, 32, 64)},
+    (4096, 4096, 1): _GEMV4,
+    **{(4096, 4096, m): replace(_SWAP64, split_k=4 if m == 2 else 2) for m in (2, 4, 8, 16, 32)},
+    (4096, 4096, 64): Config(32, 128, 4, 4, dot=True),
+    (28672, 4096, 1): _GEMV8,
+    **{(28672, 4096, m): _SWAP128 for m in (2, 4, 8, 16)},
+    (28672, 4096, 32): _SWAP64,
+    (28672, 4096, 64): replace(_SWAP128, num_warps=8),
+    (4096, 14336, 1): _GEMV4,
+    **{(4096, 14336, m): replace(_SWAP64, split_k=4) for m in (2, 4, 8)},
+    **{(4096, 14336, m): replace(_SWAP64, split_k=2) for m in (16, 32, 64)},
+    (128256, 4096, 1): replace(_SWAP128, num_warps=8),
+    **{(128256, 4096, m): _SWAP128 for m in (2, 4, 64)},
+    **{(128256, 4096, m): _SWAP64 for m in (8, 16, 32)},
+}
+# Where the config above is used: it beat F.linear by >= 2% both in the sweep and in a second
+# H200 run of the plain benchmark. Elsewhere (q/k/v, gate_up and down at most M, where cuBLAS
+# already reads at 88-98% of the copy bandwidth) and for shapes not in CONFIGS, which were not
+# measured (DEFAULT_MAX_ROWS = 0), callers use F.linear.
+WINS: set[tuple[int, int, int]] = {
+    (6144, 4096, 1),
+    *[(4096, 4096, m) for m in (1, 4, 8, 16, 32)],
+    (4096, 14336, 64),
+    *[(128256, 4096, m) for m in (1, 2, 4, 8, 16, 32, 64)],
+}
+DEFAULT_MAX_ROWS = 0
+MAX_GEMV_ROWS = 8  # its fp32 accumulator holds BLOCK_M x BLOCK_N x BLOCK_K
+
+
+def default_config(m: int, n: int, k: int) -> Config:
+    block_k = max(16, min(512, triton.next_power_of_2(k)))
+    if m == 1:
+        return Config(block_n=8, block_k=block_k, num_warps=4)
+    return Config(64, min(block_k, 128), 4, 4, dot=True, swap=True)
+
+
+def config_for(m: int, n: int, k: int) -> Config:
+    return CONFIGS.get((n, k, _bucket(m))) or default_config(m, n, k)
+
+
+def applies(m: int, weight: torch.Tensor) -> bool:
+    """Whether `skinny_linear` beats F.linear for `m` rows times this [N, K] weight."""
+    n, k = weight.shape
+    if weight.stride(1) != 1 or not 0 < m <= 64:
+        return False
+    key = (n, k, _bucket(m))
+    return key in WINS if key in CONFIGS else m <= DEFAULT_MAX_ROWS
+
+
+WORKSPACE_FLOATS = 8 * 2**20  # split-K partials: split_k * M * N fp32 values at most
+LOCKS = 2**16  # split-K tile counters: output tiles per launch at most
+_split_buffers: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _buffers(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The device's split-K workspace and zeroed tile locks: allocated once at a fixed size, on
+    the first split-K call (a warm-up, before any CUDA-graph capture), and never reallocated,
+    so captured graphs keep valid pointers. Launches share them, so they must run in order on
+    one stream (as a model's forward does)."""
+    if device not in _split_buffers:
+        ws = torch.empty(WORKSPACE_FLOATS, dtype=torch.float32, device=device)
+        _split_buffers[device] = ws, torch.zeros(LOCKS, dtype=torch.int32, device=device)
+    return _split_buffers[device]
+
+
+def skinny_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+    config: Config | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """`F.linear(x, weight, bias)` for 2-D 16-bit `x` [M, K] and a row-major `weight` [N, K]."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    cfg = config or config_for(m, n, k)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    b = bias if bias is not None else y  # an unused pointer when HAS_BIAS is off
+    block_m = _bucket(m) if not cfg.dot else max(16, min(64, _bucket(m)))
+    if not cfg.dot and m > MAX_GEMV_ROWS:
+        raise ValueError(f"the GEMV kernel takes at most {MAX_GEMV_ROWS} rows, not {m}")
+    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, block_m), cfg.split_k)
+    k_per = triton.cdiv(k, cfg.split_k * cfg.block_k) * cfg.block_k  # whole K tiles per split
+    ws, locks = y, y  # unused pointers without split-K
+    if cfg.split_k > 1:
+        ws, locks = _buffers(x.device)
+        if cfg.split_k * m * n > ws.numel() or grid[0] * grid[1] > locks.numel():
+            raise ValueError(f"split-K {cfg.split_k} of a {m}x{n} output exceeds its buffers")
+    kernel = _dot_kernel if cfg.dot else _gemv_kernel
+    extra = dict(SWAP=cfg.swap) if cfg.dot else {}
+    kernel[grid](
+        x, weight, b, y, ws, locks, m, n, k, k_per, x.stride(0), weight.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, EVEN_K=k % (cfg.split_k * cfg.block_k) == 0,
+        SPLIT_K=cfg.split_k, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
+    )  # fmt: skip
+    return y
