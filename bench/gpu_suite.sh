@@ -21,8 +21,9 @@ fi
 
 OUT=${OUT:-/tmp/pdserve-gpu}
 mkdir -p "$OUT"
-SUITE=${SUITE:-tests decode prefill offline}  # also: decode_tc (tensor-core decode, JIT ~80 s)
-KIT_ONLY="flashinfer deps nixl" source .kit/setup.sh  # nixl: the VRAM hand-off test
+SUITE=${SUITE:-tests decode prefill offline}  # also: decode_tc (tensor-core decode, JIT ~80 s),
+# kv2 (NIXL between two GPUs: a kind with 2+ GPUs)
+KIT_ONLY="flashinfer deps nixl ray" source .kit/setup.sh  # nixl, ray: the VRAM hand-off
 export PYTHONUNBUFFERED=1 PDSERVE_TOKENIZER_DIR=$PWD/.gpu_assets/tokenizer
 export PDSERVE_CACHE=/tmp/pdserve-cache TOKENIZERS_PARALLELISM=false
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader
@@ -48,6 +49,8 @@ part tests 200 python3 -m pytest tests/gpu -m gpu -q -rs -p no:cacheprovider \
 part decode 180 python3 -m bench.bench_decode "${tok[@]}" --profile --json "$OUT/decode.json"
 part prefill 80 python3 -m bench.bench_prefill "${tok[@]}" --profile --json "$OUT/prefill.json"
 part offline 170 python3 -m bench.bench_offline_gpu "${tok[@]}" --json "$OUT/offline.json"
+part kv2 150 python3 bench/bench_kv_transfer.py --device cuda --num-gpus 1 --layout llama3-8b \
+  --tokens 512,2048,8192 --json
 PDSERVE_FLASHINFER_DECODE_TC=1 part decode_tc 240 python3 -m bench.bench_decode "${tok[@]}" \
   --json "$OUT/decode_tc.json"
 if compgen -G "$FLASHINFER_WORKSPACE_BASE/.cache/flashinfer/*/*/cached_ops/*/*.so" >/dev/null; then
