@@ -11,6 +11,7 @@ import random
 
 import pytest
 
+from tests.engine_checks import drain_and_check_released
 from workers import LLM, SamplingParams
 from workers.config import EngineConfig
 from workers.engine_core import Engine
@@ -121,11 +122,4 @@ def test_random_aborts_with_overlap_leave_nothing_behind() -> None:
         engine.step()
         if rng.random() < 0.5:
             engine.abort(live.pop(rng.randrange(len(live))))
-    while engine.has_work():
-        engine.step()
-    stats = engine.stats()
-    assert stats.kv_pages_pinned == 0 and stats.num_running == 0
-    radix = engine.kv.radix
-    assert radix is not None
-    radix.check_invariants()
-    assert engine.allocator.num_free + radix.num_cached_pages == engine.allocator.num_usable
+    drain_and_check_released(engine)

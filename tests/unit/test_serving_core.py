@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from tests.engine_checks import drain_and_check_released
 from workers import LLM, SamplingParams
 from workers.config import EngineConfig
 from workers.engine_core import Engine, RequestRejectedError
@@ -103,14 +104,7 @@ def test_random_aborts_leave_no_pinned_pages_and_a_consistent_tree() -> None:
         if rng.random() < 0.8:
             victim = live.pop(rng.randrange(len(live)))
             engine.abort(victim)
-    while engine.has_work():
-        engine.step()
-    stats = engine.stats()
-    assert stats.kv_pages_pinned == 0 and stats.num_running == 0
-    radix = engine.kv.radix
-    assert radix is not None
-    radix.check_invariants()
-    assert engine.allocator.num_free + radix.num_cached_pages == engine.allocator.num_usable
+    drain_and_check_released(engine)
 
 
 def test_too_long_request_is_rejected_and_the_engine_keeps_serving() -> None:
