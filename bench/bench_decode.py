@@ -27,6 +27,7 @@ from bench.gpu_common import (
     copy_bandwidth_gbps,
     cuda_ms,
     dummy_model_dir,
+    read_bandwidth_gbps,
     top_kernels,
     wall_ms,
     write_json,
@@ -130,9 +131,17 @@ def top_host_ops(fn: Callable[[], object], limit: int = 15) -> str:
 def main() -> None:
     ap = bench_parser(__doc__)
     ap.add_argument("--profile", action="store_true", help="top kernels of eager 1x1024, 64x2048")
+    ap.add_argument("--cases", help="only these, e.g. 1x1024,64x2048")
     args = ap.parse_args()
     bandwidth = copy_bandwidth_gbps()
-    print(f"copy bandwidth {bandwidth:.0f} GB/s (read + write)", flush=True)
+    print(
+        f"copy bandwidth {bandwidth:.0f} GB/s (read + write); "
+        f"read-only {read_bandwidth_gbps():.0f} GB/s",
+        flush=True,
+    )
+    cases = CASES
+    if args.cases:
+        cases = [tuple(int(v) for v in c.split("x")) for c in args.cases.split(",")]
     page_size = 16
     pages = max(b * -(-c // page_size) for b, c in CASES) + 1
     cfg = EngineConfig(
@@ -153,7 +162,7 @@ def main() -> None:
     assert graphs is not None
     kv_per_token = runner.kv_layout.page_bytes // page_size
     rows = []
-    for batch, context in CASES:
+    for batch, context in cases:
         step = decode_step(runner, batch, context)
         sync_ms = wall_ms(lambda: runner.execute(step))  # noqa: B023 - called here only
         pipelined_ms = overlapped_ms(runner, step)
