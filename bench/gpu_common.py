@@ -122,8 +122,7 @@ def read_bandwidth_gbps(gib: int = 4) -> float:
     """Bytes read per second by a reduction over a large bf16 tensor (no writes), in GB/s: the
     rate a weight-streaming kernel could reach at best."""
     src = torch.empty(gib * 2**29, dtype=torch.bfloat16, device="cuda").normal_()
-    out = torch.empty((), dtype=torch.float32, device="cuda")
-    ms = cuda_ms(lambda: torch.sum(src, dtype=torch.float32, out=out), warmup=2, iters=10)
+    ms = cuda_ms(lambda: src.sum(dtype=torch.float32), warmup=2, iters=10)
     return gib * 2**30 / ms / 1e6
 
 
