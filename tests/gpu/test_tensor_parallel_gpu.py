@@ -1,0 +1,72 @@
+"""Tensor parallelism over two GPUs: NCCL all-reduces between the ranks' steps.
+
+A random Llama with 8 query / 4 KV heads of 64 splits into two ranks of 4 / 2. float32 with the
+torch backend must give the single GPU's greedy tokens; bf16 with FlashInfer and overlap
+scheduling must pick, at every position, one of HF float32's best tokens. TP groups run without
+CUDA graphs for now (see `ModelRunner.__init__`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import make_random_checkpoint
+from tests.gpu.conftest import hf_log_probs
+from workers import LLM, SamplingParams
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs"),
+]
+
+PROMPTS = [[(11 * i + 5 * j) % 3000 + 7 for j in range(4 + 19 * i)] for i in range(5)]
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=1)
+LOGIT_SLACK = 0.15  # as in test_engine_gpu: bf16 noise on a random model's logits
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> str:
+    out = tmp_path_factory.mktemp("llama-tp")
+    shape = dict(
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+    )
+    return str(make_random_checkpoint(out, tokenizer_dir, "LlamaForCausalLM", **shape))
+
+
+def test_two_gpus_float32_give_the_single_gpu_tokens(llama: str) -> None:
+    fp32 = dict(device="cuda", dtype="float32", attention_backend="torch", kv_cache_memory_gb=1)
+    want = LLM(llama, **fp32).generate(PROMPTS, GREEDY)
+    with LLM(llama, tensor_parallel_size=2, **fp32) as llm:
+        got = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+
+def test_two_gpus_bf16_flashinfer_track_hf(llama: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    with LLM(
+        llama,
+        tensor_parallel_size=2,
+        device="cuda",
+        dtype="bfloat16",
+        kv_cache_memory_gb=1,
+        overlap_scheduling=True,
+    ) as llm:
+        runner = llm.engine.runner
+        assert runner.tp.size == 2 and runner.graphs is None
+        assert llm.engine.overlap  # unseen ids travel rank 0 -> rank 1 on the device
+        outs = llm.generate(PROMPTS, GREEDY)
+    hf = AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32).to("cuda").eval()
+    for prompt, out in zip(PROMPTS, outs):
+        assert len(out.token_ids) == GREEDY.max_tokens
+        ref = hf_log_probs(hf, prompt, out.token_ids)
+        picked = ref.gather(1, torch.tensor(out.token_ids, device="cuda")[:, None])[:, 0]
+        shortfall = ref.max(dim=1).values - picked
+        assert float(shortfall.max()) < LOGIT_SLACK, f"token far from HF's best: {shortfall}"
