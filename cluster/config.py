@@ -107,14 +107,13 @@ class AppConfig(Strict):
     def _tp_handoff(self) -> AppConfig:
         if self.engine.tensor_parallel_size != 1:
             raise ValueError("set tensor_parallel_size per pool (prefill, decode), not in engine")
-        # Each TP rank holds its own KV heads; the NIXL hand-off reads rank 0's pool only.
-        if self.mode == "disaggregated":
-            for name, pool in (("prefill", self.prefill), ("decode", self.decode)):
-                if pool.tensor_parallel_size > 1:
-                    raise ValueError(
-                        f"{name}.tensor_parallel_size > 1 needs mode: colocated; the KV hand-off "
-                        "between prefill and decode pools runs with one rank per replica only"
-                    )
+        # Each TP rank holds its own KV heads: decode rank r reads prefill rank r's pool.
+        p, d = self.prefill.tensor_parallel_size, self.decode.tensor_parallel_size
+        if self.mode == "disaggregated" and p != d:
+            raise ValueError(
+                f"prefill.tensor_parallel_size={p} differs from decode.tensor_parallel_size={d}: "
+                "heterogeneous TP hand-off is not supported yet; give both pools the same size"
+            )
         return self
 
     @property

@@ -6,6 +6,12 @@ A request arrives with its first token and the prefill side's `KVHandle`. Its li
   from scratch, the default) / failed (error chunk), per `KVTransferConfig.failure_policy`.
 Pages already in this replica's prefix cache are not read again (delta transfer). An aborted
 request keeps its pages until its in-flight read ends, since NIXL may still be writing them.
+
+Tensor parallelism (equal on both sides): rank r reads the same page ids from prefill rank r.
+Rank 0 posts its own read, then ranks 1..N-1's through `self.group` (one command round per
+`poll`, after rank 0's own work); a read is DONE when every rank's is, PROC while any rank's is
+in flight, ERR (then the failure policy) once none is in flight and one failed. The generation
+check reads rank 0's counters only: every rank's pages are allocated by rank 0.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from workers.handoff import HandoffEngine
 from workers.protocol import GenerateRequest, KVHandle, RequestOutput
 from workers.sequence import SeqStatus, Sequence
 from workers.transfer import TransferError, TransferHandle
+from workers.transfer.group import combine
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +37,7 @@ class PendingRead:
     kv: KVHandle
     deadline: float
     xfer: TransferHandle | None = None  # the KV pages' READ, then the generations' READ
+    group_read: int | None = None  # ranks 1..N-1's KV READs (TP only), by `group` read id
     checking: bool = False
     aborted: bool = False
 
@@ -48,9 +56,11 @@ class DecodeEngine(HandoffEngine):
         """Admit a request prefilled elsewhere: `first` is the prefill side's first chunk."""
         if first.kv is None or len(first.token_ids) != 1:
             raise RequestRejectedError("a decode request needs the first token and a KV handle")
-        if self.cfg.tensor_parallel_size > 1:  # the READ would fill rank 0's pool only
+        if len(first.kv.agent_names) != self.cfg.tensor_parallel_size:
             raise RequestRejectedError(
-                "KV hand-off into a tensor-parallel replica is not supported"
+                f"the KV handle names {len(first.kv.agent_names)} prefill ranks, this replica "
+                f"has {self.cfg.tensor_parallel_size}: heterogeneous TP hand-off is not "
+                "supported yet"
             )
         if first.kv.num_tokens != len(req.prompt_token_ids):
             raise RequestRejectedError("the KV handle does not cover the prompt")
@@ -114,11 +124,16 @@ class DecodeEngine(HandoffEngine):
                 self._start_read(p, outputs)
                 continue
             state = self.agent.poll(p.xfer)
+            if p.group_read is not None:
+                state = combine([state, self.group.state(p.group_read)])  # type: ignore[union-attr]
             if state == "PROC" and time.monotonic() < p.deadline:
                 continue
             generations = p.xfer.generations
             self.agent.release(p.xfer)
             p.xfer = None
+            if p.group_read is not None:
+                self.group.release(p.group_read)  # type: ignore[union-attr]
+                p.group_read = None
             if p.aborted:
                 self._drop(p)
             elif state != "DONE":
@@ -127,6 +142,8 @@ class DecodeEngine(HandoffEngine):
                 self._start_check(p, outputs)
             else:
                 self._finish_check(p, generations, outputs)
+        if self.group is not None:
+            self.group.sync()  # before any step: pages freed above are released on every rank
         return outputs
 
     def _start_read(self, p: PendingRead, outputs: list[RequestOutput]) -> None:
@@ -148,6 +165,10 @@ class DecodeEngine(HandoffEngine):
                 seq.pages[first:last],
                 remote_layout=p.kv.layout[0],
             )
+            if self.group is not None:  # after rank 0's post: a failed one leaves no rank's read
+                p.group_read = self.group.post(
+                    p.kv.agent_names, p.kv.page_ids[first:last], seq.pages[first:last], p.kv.layout
+                )
             self.pages_read += last - first
         except (TransferError, ValueError) as e:
             self._failed(p, f"KV read could not start: {e}", outputs)

@@ -22,9 +22,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from workers.config import EngineConfig
 from workers.engine_core import Engine
+from workers.protocol import KVLayout
 from workers.sequence import Sequence
 from workers.tp import SINGLE, TPGroup
+from workers.tp_runner import TPDriverRunner
 from workers.transfer import KVTransferAgent
+from workers.transfer.group import GroupTransfer
 
 
 class KVTransferConfig(BaseModel):
@@ -83,7 +86,12 @@ class LeaseTable:
 
 
 class HandoffEngine(Engine):
-    """An engine with a NIXL agent over its KV pool: the common part of both sides."""
+    """An engine with a NIXL agent over its KV pool: the common part of both sides.
+
+    With tensor_parallel_size N > 1 every rank has its own agent over its own pool: rank 0's is
+    `agent`, ranks 1..N-1's are driven through `group` (workers/transfer/group.py), and
+    `agent_names` / `kv_layouts` list all N in rank order. At N == 1 `group` is None.
+    """
 
     role: str
 
@@ -98,3 +106,10 @@ class HandoffEngine(Engine):
         self.transfer = transfer
         tag = replica_tag or uuid.uuid4().hex[:8]
         self.agent = KVTransferAgent(self.runner.pool, self.role, tag, tp.rank)
+        self.group: GroupTransfer | None = None
+        self.agent_names: list[str] = [self.agent.name]
+        self.kv_layouts: list[KVLayout] = [self.agent.layout]
+        if isinstance(self.runner, TPDriverRunner):
+            self.group = GroupTransfer(self.runner, self.role, tag)
+            self.agent_names += self.group.agent_names
+            self.kv_layouts += self.group.layouts

@@ -3,6 +3,8 @@
 After a sequence's first token it leaves the batch but keeps its pages: whole computed pages go
 into the radix tree (locked by the sequence), the partial last page stays the sequence's own. A
 lease holds it until the decode worker's read notification, `release_lease()`, or expiry.
+With tensor parallelism the handle names every rank's agent (same page ids on each); rank 0's
+agent alone gets the notification that releases a lease.
 """
 
 from __future__ import annotations
@@ -23,8 +25,6 @@ class PrefillEngine(HandoffEngine):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if self.cfg.tensor_parallel_size > 1:  # a handle would name rank 0's KV heads only
-            raise ValueError("a prefill engine hands off KV with tensor_parallel_size=1 only")
         self.agent.track_generations(self.allocator.generation)
         self.leases = LeaseTable()
 
@@ -44,10 +44,10 @@ class PrefillEngine(HandoffEngine):
         n = seq.num_prompt_tokens
         pages = seq.pages[: -(-n // self.cfg.page_size)]
         return KVHandle(
-            agent_names=[self.agent.name],
+            agent_names=list(self.agent_names),  # one per TP rank: same page ids on each
             page_ids=pages,
             num_tokens=n,
-            layout=[self.runner.kv_layout],
+            layout=list(self.kv_layouts),
             lease_id=lease.lease_id,
             lease_expiry=lease.expiry,
             page_generations=[int(self.allocator.generation[p]) for p in pages],
@@ -83,6 +83,10 @@ class PrefillEngine(HandoffEngine):
         for lease in self.leases.pop_expired():
             logger.warning("lease of %s expired unread: unpinning", lease.seq.request_id)
             self.kv.release(lease.seq, cache=True)
+        if self.group is not None and len(self.leases):
+            # Ranks 1..N-1's agents progress only inside their calls: let readers of their
+            # pages through. Their notifications need no answer: leases are rank 0's business.
+            self.group.sync(drain_notifs=True)
         return []
 
     def _pinned_own_pages(self) -> int:

@@ -57,6 +57,13 @@ class TPGroup:
         dist.broadcast_object_list(box, src=0, group=self.control)
         return box[0]
 
+    def gather_object(self, obj: object) -> list[object] | None:
+        """Every rank's host object, in rank order, on rank 0 (None elsewhere); over the
+        control group."""
+        out: list[object] | None = [None] * self.size if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=0, group=self.control)
+        return out
+
     def min_int(self, value: int) -> int:
         """The smallest of every rank's `value` (host ints, over the control group)."""
         t = torch.tensor([value], dtype=torch.int64)

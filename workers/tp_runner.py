@@ -11,6 +11,10 @@ which only rank 0 has, on the device. Rank 0 then broadcasts those ids on the de
 the plan (queued like any collective: no host sync), and the other ranks use them as their
 `_prev`. A plan without unseen tokens sends nothing more.
 
+Between steps rank 0 may also send a `RankCommand` (e.g. the KV hand-off's transfer ops, see
+`workers/transfer/group.py`): every rank 1..N-1 runs it and the answers are gathered back to
+rank 0 over the control group. Nothing is sent unless an engine asks (never at TP=1).
+
 Invariant: every rank's KV pool has the same number of pages (the fewest any rank can hold), so
 rank 0's page ids are valid on every rank.
 """
@@ -54,8 +58,18 @@ class RankStep:
     num_prev: int
 
 
+class RankCommand:
+    """Work for ranks 1..N-1 between steps. `run` must not raise (an exception ends the rank):
+    it returns its answer, errors included, which rank 0 gets from `TPDriverRunner.command`."""
+
+    def run(self, runner: RankRunner) -> Any:
+        raise NotImplementedError
+
+
 class RankRunner(ModelRunner):
     """A runner inside a TP group (any rank)."""
+
+    transfer: Any = None  # ranks 1..N-1: state their commands keep (the rank's KV transfers)
 
     def _num_pages(self) -> int:
         return self.tp.min_int(super()._num_pages())  # same page ids on every rank
@@ -125,6 +139,19 @@ class TPDriverRunner(RankRunner):
             self._error = self._ranks.failure(e)
             raise self._error from e
 
+    def command(self, cmd: RankCommand) -> list[Any]:
+        """Run `cmd` on ranks 1..N-1; their answers in rank order (rank 1 first)."""
+        if self._error is not None:
+            raise self._error
+        try:
+            self.tp.broadcast_object(cmd)
+            answers = self.tp.gather_object(None)
+        except Exception as e:
+            self._error = self._ranks.failure(e)
+            raise self._error from e
+        assert answers is not None
+        return answers[1:]
+
     def check_alive(self) -> None:
         """Raise if a rank died or a step broke the group (Serve's health check)."""
         if self._error is None:
@@ -185,7 +212,10 @@ class RankWorker:
         tp = self.runner.tp
         try:
             while (step := tp.broadcast_object(None)) is not None:
-                self.runner.follow(step)  # type: ignore[arg-type]
+                if isinstance(step, RankCommand):
+                    tp.gather_object(step.run(self.runner))
+                else:
+                    self.runner.follow(step)  # type: ignore[arg-type]
         except BaseException:  # noqa: BLE001 - see _die
             _die(f"TP rank {self.rank} failed a step")
         destroy_group()

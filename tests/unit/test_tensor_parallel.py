@@ -154,8 +154,8 @@ def test_a_colocated_tp_pool_gets_one_bundle_per_rank_on_one_node() -> None:
 @pytest.mark.parametrize(
     "args, match",
     [
-        ({"prefill": {"tensor_parallel_size": 2}}, "prefill.tensor_parallel_size > 1 needs"),
-        ({"decode": {"tensor_parallel_size": 2}}, "decode.tensor_parallel_size > 1 needs"),
+        ({"prefill": {"tensor_parallel_size": 2}}, "heterogeneous TP hand-off is not supported"),
+        ({"decode": {"tensor_parallel_size": 2}}, "heterogeneous TP hand-off is not supported"),
         ({"engine": {"tensor_parallel_size": 2}}, "per pool"),
     ],
 )
@@ -166,3 +166,11 @@ def test_tp_where_the_kv_hand_off_cannot_follow_is_refused(args: dict, match: st
 
     with pytest.raises(ValidationError, match=match):
         AppConfig.model_validate(args)
+
+
+def test_equal_tp_on_both_sides_of_the_kv_hand_off_is_accepted() -> None:
+    from cluster.config import AppConfig
+
+    tp2 = {"tensor_parallel_size": 2}
+    cfg = AppConfig.model_validate({"prefill": tp2, "decode": tp2})
+    assert (cfg.prefill.tensor_parallel_size, cfg.decode.tensor_parallel_size) == (2, 2)

@@ -1,0 +1,148 @@
+"""Prefill TP=2 -> decode TP=2: each decode rank reads its own KV heads from the prefill rank of
+the same index, over real NIXL (UCX, DRAM); ranks are Ray actors talking gloo.
+
+The random tiny Llama (4 query heads, 2 KV heads) splits over 2 ranks, one KV head each: a rank
+whose pages were not read would decode from garbage and change the tokens.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("nixl")
+
+from tests.conftest import make_random_checkpoint  # noqa: E402
+from workers import LLM  # noqa: E402
+from workers.decode_worker import DecodeWorker  # noqa: E402
+from workers.engine_core import EngineStats  # noqa: E402
+from workers.prefill_worker import PrefillWorker  # noqa: E402
+from workers.protocol import GenerateRequest, RequestOutput, SamplingParams  # noqa: E402
+
+pytestmark = pytest.mark.e2e
+
+REPO = str(Path(__file__).resolve().parents[2])
+TINY = {"num_kv_pages": 64, "page_size": 4, "max_num_batched_tokens": 16}
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, in a land far away, there lived a",
+    "def fibonacci(n):",
+]
+DEADLINE_S = 30.0
+
+
+class Prefill(PrefillWorker):
+    async def pause(self, seconds: float) -> None:
+        """Hold the engine loop: no rank's agent progresses meanwhile."""
+        await self.loop.run(lambda: time.sleep(seconds))
+
+
+class Decode(DecodeWorker):
+    async def run(self, req: GenerateRequest, first: RequestOutput) -> list[RequestOutput]:
+        return [chunk async for chunk in self.generate(req, first)]
+
+    async def abort_while_reading(
+        self, req: GenerateRequest, first: RequestOutput
+    ) -> tuple[bool, EngineStats]:
+        """Admit, post the reads on every rank, abort; whether a rank's read was in flight,
+        and the stats right after the abort."""
+        engine = self.engine
+
+        def admit_post_abort() -> tuple[bool, EngineStats]:
+            engine.add_remote(req, first)
+            engine.poll()  # rank 0 posts its read, then ranks 1..N-1 theirs (one round)
+            [p] = engine.pending
+            assert p.xfer is not None and p.group_read is not None and engine.group is not None
+            in_flight = p.xfer.state == "PROC" or engine.group.state(p.group_read) == "PROC"
+            engine.abort(req.request_id)
+            return in_flight, engine.stats()
+
+        return await self.loop.run(admit_post_abort)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
+    ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> str:
+    tmp = tmp_path_factory.mktemp("tiny-llama-pd")
+    return str(make_random_checkpoint(tmp, smollm2_dir, "LlamaForCausalLM"))
+
+
+@pytest.fixture(scope="module")
+def pair(cluster, tiny_llama: str):  # noqa: ANN201
+    # Both at once: each starts its rank-1 actor and joins its own gloo group.
+    prefill = ray.remote(num_cpus=1)(Prefill)
+    decode = ray.remote(num_cpus=1)(Decode)
+    engine = {"model": tiny_llama, "tensor_parallel_size": 2, **TINY}
+    p = prefill.remote(engine, {"lease_s": 30.0})
+    d = decode.remote(engine, {"lease_s": 30.0})
+    ray.get([p.__ray_ready__.remote(), d.__ray_ready__.remote()])
+    yield p, d
+    ray.kill(p)
+    ray.kill(d)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama: str) -> LLM:
+    return LLM(tiny_llama, **TINY)
+
+
+def request(llm: LLM, rid: str, text: str) -> GenerateRequest:
+    ids = llm.tokenizer.encode(text)
+    return GenerateRequest(request_id=rid, prompt_token_ids=ids, params=GREEDY)
+
+
+def wait_for(cond, what: str) -> None:  # noqa: ANN001
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < DEADLINE_S, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_an_abort_mid_read_keeps_pages_until_every_rank_read_ends(llm, pair) -> None:
+    prefill, decode = pair
+    req = request(llm, "abort-mid-read", PROMPTS[1])
+    first = ray.get(prefill.prefill.remote(req))
+    assert first.kv is not None and len(first.kv.agent_names) == 2
+    assert [lay.kv_head_offset for lay in first.kv.layout] == [0, 1]
+    # A reader's first READ waits for the owner's side of the UCX wire-up: with the prefill
+    # loop held, neither prefill rank calls in, so the reads stay in flight.
+    paused = prefill.pause.remote(1.5)
+    time.sleep(0.2)
+    in_flight, held = ray.get(decode.abort_while_reading.remote(req, first))
+    assert in_flight
+    assert held.num_handoffs_pending == 1 and held.kv_pages_used > 0  # pages kept while read
+    ray.get(paused)
+    wait_for(lambda: ray.get(decode.stats.remote()).num_handoffs_pending == 0, "reads to end")
+    d = ray.get(decode.stats.remote())
+    assert d.kv_pages_used == 0 and d.kv_pages_pinned == 0 and d.num_running == 0
+    ray.get(prefill.release.remote(first.kv.agent_names[0], first.kv.lease_id))  # as the router
+    wait_for(lambda: ray.get(prefill.stats.remote()).kv_pages_pinned == 0, "prefill unpin")
+
+
+def test_tp2_prefill_and_tp2_decode_equal_the_single_process_engine(llm, pair) -> None:
+    prefill, decode = pair
+    reqs = [request(llm, f"tp{i}", text) for i, text in enumerate(PROMPTS)]
+    expected = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    before = ray.get(decode.stats.remote())
+    firsts = ray.get([prefill.prefill.remote(r) for r in reqs])
+    assert all(f.kv is not None and len(f.kv.agent_names) == 2 for f in firsts)
+    rests = ray.get([decode.run.remote(r, f) for r, f in zip(reqs, firsts)], timeout=DEADLINE_S)
+    got = [f.token_ids + [t for c in rest for t in c.token_ids] for f, rest in zip(firsts, rests)]
+    assert got == expected
+    wait_for(lambda: ray.get(prefill.stats.remote()).kv_pages_pinned == 0, "prefill unpin")
+    d = ray.get(decode.stats.remote())
+    assert d.kv_pages_pinned == 0 and d.num_handoffs_pending == 0
+    assert d.num_recomputed == before.num_recomputed  # every rank's read was DONE and fresh
+    assert d.kv_pages_read > before.kv_pages_read

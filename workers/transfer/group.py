@@ -1,0 +1,190 @@
+"""KV transfers of a tensor-parallel engine: every rank moves its own KV heads.
+
+Each rank of a TP engine holds the KV heads of its shard in its own pool, so each rank has its
+own NIXL agent (named with its rank, published in Ray KV like rank 0's). With equal TP on both
+sides, decode rank r reads the pages of prefill rank r; page ids are the same on every rank of a
+group (every rank's pool has the same size and rank 0 allocates for all), so one page list
+serves every rank.
+
+Rank 0 (the engine) drives: it makes its own reads in-process, and sends ranks 1..N-1 their part
+as `TransferOps`, a `RankCommand` broadcast over the TP control group between steps, whose
+answers (each rank's read states) are gathered back to rank 0. `GroupTransfer.sync()` makes at
+most one such round and none when there is nothing to post, poll, release or drain. A TP=1
+engine has no `GroupTransfer`: it sends nothing.
+
+Each rank's agent is driven by one thread only (package docstring): rank 0's by the engine loop,
+the others' by their rank's step loop, which runs the commands in the order rank 0 sent them,
+between the steps.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from workers.protocol import KVLayout
+from workers.tp_runner import RankCommand, RankRunner, TPDriverRunner
+from workers.transfer.agent import KVTransferAgent
+from workers.transfer.errors import TransportUnavailableError
+from workers.transfer.handle import TransferHandle, XferState
+
+logger = logging.getLogger(__name__)
+
+
+def combine(states: list[XferState]) -> XferState:
+    """One state for a read made of several ranks' reads: PROC while any rank's read is in
+    flight (its pages may still be written), then ERR if any failed, else DONE."""
+    if "PROC" in states:
+        return "PROC"
+    return "ERR" if "ERR" in states else "DONE"
+
+
+@dataclass
+class ReadPost:
+    """One read for every rank r: pages of `agent_names[r]` (layout `layouts[r]`)."""
+
+    read_id: int
+    agent_names: list[str]
+    remote_pages: list[int]
+    local_pages: list[int]
+    layouts: list[KVLayout]
+
+
+class RankTransfer:
+    """The transfer state of one rank 1..N-1: its agent and its reads, by read id."""
+
+    def __init__(self, agent: KVTransferAgent, rank: int) -> None:
+        self.agent = agent
+        self.rank = rank
+        self.reads: dict[int, TransferHandle] = {}
+
+    def apply(self, ops: TransferOps) -> dict[int, XferState]:
+        """Releases first (their pages may be posted again in this round), then posts, then
+        polls; the state of every read posted or polled."""
+        for rid in ops.releases:
+            handle = self.reads.pop(rid, None)
+            if handle is not None:
+                self.agent.release(handle)
+        states: dict[int, XferState] = {}
+        for post in ops.posts:
+            name = post.agent_names[self.rank]
+            try:
+                self.reads[post.read_id] = self.agent.read_pages(
+                    name, post.remote_pages, post.local_pages, remote_layout=post.layouts[self.rank]
+                )
+            except Exception as e:  # noqa: BLE001 - reported as ERR; rank 0 applies the policy
+                logger.warning("TP rank %d: KV read from %s not posted: %s", self.rank, name, e)
+                states[post.read_id] = "ERR"
+        for rid in [*(p.read_id for p in ops.posts), *ops.polls]:
+            if rid not in states:
+                handle = self.reads.get(rid)
+                states[rid] = "ERR" if handle is None else self.agent.poll(handle)
+        if ops.drain_notifs:
+            self.agent.get_notifs()  # progresses UCX for peers reading this rank's pages
+        return states
+
+
+@dataclass
+class StartAgents(RankCommand):
+    """Create each rank's agent over its pool; answers (agent name, layout) or the error."""
+
+    role: str
+    replica_tag: str
+
+    def run(self, runner: RankRunner) -> tuple[str, KVLayout] | str:
+        rank = runner.tp.rank
+        try:
+            agent = KVTransferAgent(runner.pool, self.role, self.replica_tag, rank)
+        except Exception as e:  # noqa: BLE001 - rank 0 raises it
+            return f"TP rank {rank}: {type(e).__name__}: {e}"
+        runner.transfer = RankTransfer(agent, rank)
+        return agent.name, agent.layout
+
+
+@dataclass
+class TransferOps(RankCommand):
+    posts: list[ReadPost] = field(default_factory=list)
+    polls: list[int] = field(default_factory=list)
+    releases: list[int] = field(default_factory=list)
+    drain_notifs: bool = False
+
+    def run(self, runner: RankRunner) -> dict[int, XferState]:
+        transfer: RankTransfer | None = runner.transfer
+        if transfer is None:  # no agent here: every read fails
+            return {rid: "ERR" for rid in [*(p.read_id for p in self.posts), *self.polls]}
+        return transfer.apply(self)
+
+
+class GroupTransfer:
+    """Rank 0's side of ranks 1..N-1's transfers: queue posts and releases, keep each read's
+    last known state on every rank, and `sync()` them in one command round."""
+
+    def __init__(self, runner: TPDriverRunner, role: str, replica_tag: str) -> None:
+        answers = runner.command(StartAgents(role, replica_tag))
+        errors = [a for a in answers if isinstance(a, str)]
+        if errors:
+            raise TransportUnavailableError("; ".join(errors))
+        self.agent_names: list[str] = [a[0] for a in answers]
+        self.layouts: list[KVLayout] = [a[1] for a in answers]
+        self._runner = runner
+        self._num_ranks = len(answers)
+        self._next_id = 0
+        self._posts: list[ReadPost] = []
+        self._releases: list[int] = []
+        self._states: dict[int, list[XferState]] = {}
+        self.broken: str | None = None
+
+    def post(
+        self,
+        agent_names: list[str],
+        remote_pages: list[int],
+        local_pages: list[int],
+        layouts: list[KVLayout],
+    ) -> int:
+        """Queue a read on every rank 1..N-1 (sent at the next `sync`); its read id."""
+        rid = self._next_id
+        self._next_id += 1
+        self._posts.append(
+            ReadPost(rid, list(agent_names), list(remote_pages), list(local_pages), list(layouts))
+        )
+        self._states[rid] = ["PROC"] * self._num_ranks
+        return rid
+
+    def state(self, rid: int) -> XferState:
+        """The combined state of read `rid` on ranks 1..N-1, as of the last `sync`."""
+        states = self._states.get(rid)
+        return "ERR" if states is None else combine(states)
+
+    def release(self, rid: int) -> None:
+        """Free read `rid` on every rank (cancelling it where still in flight), at the next
+        `sync`, which comes before any step could write its pages again."""
+        self._states.pop(rid, None)
+        queued = [p for p in self._posts if p.read_id == rid]
+        if queued:
+            self._posts.remove(queued[0])
+        else:
+            self._releases.append(rid)
+
+    def sync(self, drain_notifs: bool = False) -> None:
+        """One command round: post, release, poll the reads in flight (and drain the ranks'
+        notifications); nothing is sent when there is nothing to do."""
+        posted = {p.read_id for p in self._posts}
+        polls = [r for r, s in self._states.items() if "PROC" in s and r not in posted]
+        if not (self._posts or self._releases or polls or drain_notifs):
+            return
+        ops = TransferOps(self._posts, polls, self._releases, drain_notifs)
+        self._posts, self._releases = [], []
+        if self.broken is None:
+            try:
+                answers = self._runner.command(ops)
+            except Exception as e:  # noqa: BLE001 - the group is gone: every read failed
+                logger.error("TP transfer command failed: %s", e)
+                self.broken = str(e)
+        if self.broken is not None:
+            for states in self._states.values():
+                states[:] = ["ERR"] * self._num_ranks
+            return
+        for r, answer in enumerate(answers):
+            for rid, state in answer.items():
+                if rid in self._states:
+                    self._states[rid][r] = state
