@@ -83,7 +83,7 @@ def test_application_args_validate_as_app_config(config: dict[str, Any]) -> None
 def test_application_args_build_the_serve_app(config: dict[str, Any]) -> None:
     from ray.serve import Application
 
-    from cluster.app import build_app  # also rejects what validates but is unsupported (TP > 1)
+    from cluster.app import build_app
 
     for app in config["applications"]:
         assert isinstance(build_app(app["args"]), Application)
