@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,9 +22,31 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+REPO = str(Path(__file__).resolve().parents[1])
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     return resolve_model(DEFAULT_MODEL)
+
+
+def local_ray(num_cpus: int) -> Iterator[None]:
+    """A local Ray whose workers import this checkout, for a module fixture to `yield from`."""
+    import ray
+
+    path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
+    ray.init(
+        num_cpus=num_cpus, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}}
+    )
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> str:
+    """A random Llama of 4 query and 2 KV heads (splits over 2 ranks), SmolLM2's tokenizer."""
+    tmp = tmp_path_factory.mktemp("tiny-llama")
+    return str(make_random_checkpoint(tmp, smollm2_dir, "LlamaForCausalLM"))
 
 
 @pytest.fixture(scope="session")

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import os
 import time
-from pathlib import Path
+from collections.abc import Iterator
 
 import pytest
 
 ray = pytest.importorskip("ray")
 pytest.importorskip("nixl")
 
+from tests.conftest import local_ray  # noqa: E402
 from workers import LLM  # noqa: E402
 from workers.decode_worker import DecodeWorker  # noqa: E402
 from workers.prefill_worker import PrefillWorker  # noqa: E402
@@ -18,7 +18,6 @@ from workers.protocol import GenerateRequest, RequestOutput, SamplingParams  # n
 
 pytestmark = pytest.mark.e2e
 
-REPO = str(Path(__file__).resolve().parents[2])
 ENGINE = {"page_size": 16, "kv_cache_memory_gb": 0.25}
 SYSTEM = "You are a careful assistant who answers in one short sentence. " * 10
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
@@ -57,11 +56,8 @@ class Decode(DecodeWorker):
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
-    ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
-    yield
-    ray.shutdown()
+def cluster() -> Iterator[None]:
+    yield from local_ray(num_cpus=4)
 
 
 def start(cls, **transfer):  # noqa: ANN001, ANN201

@@ -7,16 +7,15 @@ whose pages were not read would decode from garbage and change the tokens.
 
 from __future__ import annotations
 
-import os
 import time
-from pathlib import Path
+from collections.abc import Iterator
 
 import pytest
 
 ray = pytest.importorskip("ray")
 pytest.importorskip("nixl")
 
-from tests.conftest import make_random_checkpoint  # noqa: E402
+from tests.conftest import local_ray  # noqa: E402
 from workers import LLM  # noqa: E402
 from workers.decode_worker import DecodeWorker  # noqa: E402
 from workers.engine_core import EngineStats  # noqa: E402
@@ -25,7 +24,6 @@ from workers.protocol import GenerateRequest, RequestOutput, SamplingParams  # n
 
 pytestmark = pytest.mark.e2e
 
-REPO = str(Path(__file__).resolve().parents[2])
 TINY = {"num_kv_pages": 64, "page_size": 4, "max_num_batched_tokens": 16}
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 PROMPTS = [
@@ -66,17 +64,8 @@ class Decode(DecodeWorker):
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
-    ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> str:
-    tmp = tmp_path_factory.mktemp("tiny-llama-pd")
-    return str(make_random_checkpoint(tmp, smollm2_dir, "LlamaForCausalLM"))
+def cluster() -> Iterator[None]:
+    yield from local_ray(num_cpus=4)
 
 
 @pytest.fixture(scope="module")

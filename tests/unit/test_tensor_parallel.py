@@ -7,20 +7,18 @@ equality is up to rounding noise, which these greedy prompts do not reach.
 
 from __future__ import annotations
 
-import os
 import time
-from pathlib import Path
+from collections.abc import Iterator
 
 import pytest
 import ray
 import torch.distributed as dist
 
-from tests.conftest import make_random_checkpoint
+from tests.conftest import local_ray
 from workers import LLM, SamplingParams
 from workers.protocol import GenerateRequest
 from workers.tp_ranks import TPRankError
 
-REPO = str(Path(__file__).resolve().parents[2])
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):",
@@ -37,18 +35,8 @@ TINY = dict(num_kv_pages=64, page_size=4, max_num_batched_tokens=16)  # chunked 
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
-    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> str:
-    """4 query heads, 2 KV heads: splits over 2 ranks."""
-    tmp = tmp_path_factory.mktemp("tiny-llama")
-    return str(make_random_checkpoint(tmp, smollm2_dir, "LlamaForCausalLM"))
+def cluster() -> Iterator[None]:
+    yield from local_ray(num_cpus=2)
 
 
 @pytest.fixture(scope="module")
