@@ -1,4 +1,5 @@
-"""AsyncEngine: concurrent streams, rejection of one bad request, abort on a dropped listener."""
+"""AsyncEngine: concurrent streams, rejection of one bad request, abort on a dropped listener;
+with and without overlap scheduling."""
 
 from __future__ import annotations
 
@@ -12,16 +13,20 @@ from workers.engine_loop import AsyncEngine
 from workers.protocol import GenerateRequest, SamplingParams
 
 
-@pytest.fixture(scope="module")
-def engine():
-    eng = AsyncEngine(Engine(EngineConfig(max_model_len=256)))
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "overlap"])
+def engine(request: pytest.FixtureRequest):
+    eng = AsyncEngine(Engine(EngineConfig(max_model_len=256, overlap_scheduling=request.param)))
+    assert eng.engine.overlap is request.param
     yield eng
     eng.shutdown()
 
 
 async def collect(engine: AsyncEngine, rid: str, ids: list[int], n: int) -> list[int]:
-    req = GenerateRequest(request_id=rid, prompt_token_ids=ids,
-                          params=SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+    req = GenerateRequest(
+        request_id=rid,
+        prompt_token_ids=ids,
+        params=SamplingParams(max_tokens=n, temperature=0, ignore_eos=True),
+    )
     tokens: list[int] = []
     async for chunk in engine.generate(req):
         tokens += chunk.token_ids
@@ -38,8 +43,11 @@ async def test_concurrent_streams_complete_and_a_bad_request_fails_alone(engine)
 
 
 async def test_listener_that_goes_away_aborts_and_frees_pages(engine) -> None:
-    req = GenerateRequest(request_id="dropped", prompt_token_ids=[1, 2, 3],
-                          params=SamplingParams(max_tokens=200, ignore_eos=True))
+    req = GenerateRequest(
+        request_id="dropped",
+        prompt_token_ids=[1, 2, 3],
+        params=SamplingParams(max_tokens=200, ignore_eos=True),
+    )
     stream = engine.generate(req)
     await stream.__anext__()
     await stream.aclose()  # what a client disconnect does to the consumer
