@@ -60,8 +60,8 @@ def cluster() -> Iterator[None]:
     yield from local_ray(num_cpus=4)
 
 
-def start(cls, **transfer):  # noqa: ANN001, ANN201
-    actor = ray.remote(num_cpus=1)(cls).remote(ENGINE, {"lease_s": 30.0, **transfer})
+def start(cls, engine: dict = ENGINE, **transfer):  # noqa: ANN001, ANN201
+    actor = ray.remote(num_cpus=1)(cls).remote(engine, {"lease_s": 30.0, **transfer})
     ray.get(actor.__ray_ready__.remote())
     return actor
 
@@ -73,7 +73,8 @@ def prefill(cluster):
 
 @pytest.fixture(scope="module")
 def decode(cluster):
-    return start(Decode)
+    # Overlap scheduling, as on GPUs: the decode loop launches step n+1 before reading step n.
+    return start(Decode, {**ENGINE, "overlap_scheduling": True})
 
 
 @pytest.fixture(scope="module")
