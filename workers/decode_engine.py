@@ -84,6 +84,8 @@ class DecodeEngine(HandoffEngine):
 
     def stats(self) -> EngineStats:
         t = self.agent.stats()
+        if self.group is not None:  # every rank reads its own KV heads: count them all
+            t = t + self.group.stats()
         return (
             super()
             .stats()

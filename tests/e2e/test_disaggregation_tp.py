@@ -134,4 +134,8 @@ def test_tp2_prefill_and_tp2_decode_equal_the_single_process_engine(llm, pair) -
     d = ray.get(decode.stats.remote())
     assert d.kv_pages_pinned == 0 and d.num_handoffs_pending == 0
     assert d.num_recomputed == before.num_recomputed  # every rank's read was DONE and fresh
-    assert d.kv_pages_read > before.kv_pages_read
+    pages = d.kv_pages_read - before.kv_pages_read
+    assert pages > 0
+    # Both ranks' reads are counted: every page moves each rank's KV heads.
+    per_page = sum(layout.page_bytes for layout in firsts[0].kv.layout)
+    assert d.nixl_bytes_transferred - before.nixl_bytes_transferred == pages * per_page

@@ -26,7 +26,7 @@ from workers.protocol import KVLayout
 from workers.tp_runner import RankCommand, RankRunner, TPDriverRunner
 from workers.transfer.agent import KVTransferAgent
 from workers.transfer.errors import TransportUnavailableError
-from workers.transfer.handle import TransferHandle, XferState
+from workers.transfer.handle import TransferHandle, TransferStats, XferState
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +85,14 @@ class RankTransfer:
 
 
 @dataclass
+class RankAnswer:
+    """A rank's reply to `TransferOps`: its reads' states and its agent's counters."""
+
+    states: dict[int, XferState]
+    stats: TransferStats | None = None
+
+
+@dataclass
 class StartAgents(RankCommand):
     """Create each rank's agent over its pool; answers (agent name, layout) or the error."""
 
@@ -108,11 +116,13 @@ class TransferOps(RankCommand):
     releases: list[int] = field(default_factory=list)
     drain_notifs: bool = False
 
-    def run(self, runner: RankRunner) -> dict[int, XferState]:
+    def run(self, runner: RankRunner) -> RankAnswer:
         transfer: RankTransfer | None = runner.transfer
         if transfer is None:  # no agent here: every read fails
-            return {rid: "ERR" for rid in [*(p.read_id for p in self.posts), *self.polls]}
-        return transfer.apply(self)
+            ids = [*(p.read_id for p in self.posts), *self.polls]
+            return RankAnswer({rid: "ERR" for rid in ids})
+        states = transfer.apply(self)
+        return RankAnswer(states, transfer.agent.stats())  # after the polls: counts those done
 
 
 class GroupTransfer:
@@ -132,6 +142,7 @@ class GroupTransfer:
         self._posts: list[ReadPost] = []
         self._releases: list[int] = []
         self._states: dict[int, list[XferState]] = {}
+        self._rank_stats: list[TransferStats] = [TransferStats() for _ in answers]
         self.broken: str | None = None
 
     def post(
@@ -185,6 +196,13 @@ class GroupTransfer:
                 states[:] = ["ERR"] * self._num_ranks
             return
         for r, answer in enumerate(answers):
-            for rid, state in answer.items():
+            if answer.stats is not None:
+                self._rank_stats[r] = answer.stats
+            for rid, state in answer.states.items():
                 if rid in self._states:
                     self._states[rid][r] = state
+
+    def stats(self) -> TransferStats:
+        """Ranks 1..N-1's agent counters summed, as of the last `sync` (reads move counters
+        only while they are polled, and every poll is a sync)."""
+        return sum(self._rank_stats, TransferStats())

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 from typing import Any, Literal
 
 XferState = Literal["DONE", "PROC", "ERR"]
@@ -21,6 +21,10 @@ class TransferStats:
     xfer_time_s: float = 0.0
     post_time_s: float = 0.0
     num_notifs_sent: int = 0
+
+    def __add__(self, other: TransferStats) -> TransferStats:
+        """Counters of two agents together (the ranks of a TP engine)."""
+        return TransferStats(*(a + b for a, b in zip(astuple(self), astuple(other))))
 
 
 @dataclass(eq=False)
