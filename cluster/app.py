@@ -15,6 +15,7 @@ from ray.serve import Application
 
 from cluster.config import AppConfig, PoolConfig, RouterConfig
 from router.backend import GenerationBackend
+from router.metrics_board import MetricsBoard
 from router.openai_api import build_openai_app
 from router.pd_backend import DisaggregatedBackend
 from workers.decode_worker import DecodeWorker
@@ -30,8 +31,11 @@ class OpenAIIngress:
 
     def __init__(self, config: dict[str, Any], decode: Any, prefill: Any = None) -> None:
         self.config = AppConfig.model_validate(config)
-        app_name = serve.get_replica_context().app_name
+        ctx = serve.get_replica_context()
+        app_name = ctx.app_name
         self.backend: GenerationBackend = DisaggregatedBackend(prefill, decode, app_name)
+        # Several router replicas: each scrape reaches one, so they share request metrics.
+        self.board = MetricsBoard(app_name, str(ctx.replica_id.unique_id))
         model_dir = resolve_model(self.config.engine.model)
         self.tokenizer = load_tokenizer(model_dir)
         self.max_model_len = load_model_config(model_dir).context_limit(
@@ -45,6 +49,7 @@ class OpenAIIngress:
             self.config.model_name,
             self.max_model_len,
             api_key=self.config.resolved_api_key(),
+            board=self.board,
         )
 
 

@@ -8,11 +8,14 @@ Two sources feed them:
 - push hooks called while requests run: the latency histograms and `request_success_total`
   (through `RequestTimer`, one per choice). NIXL hand-off counters come with the snapshots:
   the decode engines count the KV they read.
+A scrape reaches one router replica, so the request metrics are rendered as this replica's live
+values plus the other router replicas' posted `RequestStats` (`router/metrics_board.py`).
 Each app gets its own registry, so several apps can live in one process (tests).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
@@ -21,14 +24,20 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
+    HistogramMetricFamily,
     Metric,
     SummaryMetricFamily,
 )
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+from pydantic import BaseModel
 
 from router.backend import RoleStats
 
+logger = logging.getLogger(__name__)
+
 PREFIX = "pdserve:"
+# fmt: off
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -37,6 +46,7 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 XFER_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                 2.5, 5.0, 10.0)
+# fmt: on
 
 # engine counter -> (metric name without prefix, help)
 ENGINE_COUNTERS = {
@@ -72,12 +82,16 @@ class EngineStatsCollector(Collector):
         waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled")
         usage = gauge("kv_cache_usage_perc", "Fraction of KV pages in use, 0-1")
         pinned = gauge("kv_pages_pinned", "KV pages pinned for a hand-off or a running request")
-        counters = {k: CounterMetricFamily(PREFIX + name, doc, labels=labels)
-                    for k, (name, doc) in ENGINE_COUNTERS.items()}
-        nixl_bytes = CounterMetricFamily(PREFIX + "nixl_bytes_transferred",
-                                         "KV bytes moved over NIXL", labels=labels)
-        nixl_time = SummaryMetricFamily(PREFIX + "nixl_xfer_time_seconds",
-                                        "Time of the KV transfers", labels=labels)
+        counters = {
+            k: CounterMetricFamily(PREFIX + name, doc, labels=labels)
+            for k, (name, doc) in ENGINE_COUNTERS.items()
+        }
+        nixl_bytes = CounterMetricFamily(
+            PREFIX + "nixl_bytes_transferred", "KV bytes moved over NIXL", labels=labels
+        )
+        nixl_time = SummaryMetricFamily(
+            PREFIX + "nixl_xfer_time_seconds", "Time of the KV transfers", labels=labels
+        )
         for role, s in sorted(sums.items()):
             values = [self.model_name, role]
             running.add_metric(values, s["num_running"])
@@ -91,6 +105,79 @@ class EngineStatsCollector(Collector):
         yield from (running, waiting, usage, pinned, *counters.values(), nixl_bytes, nixl_time)
 
 
+class HistogramCounts(BaseModel):
+    """One histogram's cumulative state: a count per bucket bound (+Inf last) and the sum."""
+
+    buckets: list[float]
+    sum: float = 0.0
+
+    def __add__(self, other: HistogramCounts) -> HistogramCounts:
+        if len(other.buckets) != len(self.buckets):  # a replica with other buckets: skip it
+            logger.warning(
+                "histogram with %d buckets, expected %d: left out",
+                len(other.buckets),
+                len(self.buckets),
+            )
+            return self
+        buckets = [a + b for a, b in zip(self.buckets, other.buckets, strict=True)]
+        return HistogramCounts(buckets=buckets, sum=self.sum + other.sum)
+
+
+class RequestStats(BaseModel):
+    """One router replica's request metrics, cumulative since it started: what it posts."""
+
+    ttft: HistogramCounts
+    itl: HistogramCounts
+    e2e: HistogramCounts
+    success: dict[str, float]  # finished_reason -> requests
+
+    def __add__(self, other: RequestStats) -> RequestStats:
+        success = dict(self.success)
+        for reason, n in other.success.items():
+            success[reason] = success.get(reason, 0.0) + n
+        return RequestStats(
+            ttft=self.ttft + other.ttft,
+            itl=self.itl + other.itl,
+            e2e=self.e2e + other.e2e,
+            success=success,
+        )
+
+
+# RequestStats field -> (metric name without prefix, help, buckets)
+HISTOGRAMS = {
+    "ttft": ("time_to_first_token_seconds", "Time to first token", TTFT_BUCKETS),
+    "itl": ("inter_token_latency_seconds", "Time between tokens", ITL_BUCKETS),
+    "e2e": ("e2e_request_latency_seconds", "Request latency", E2E_BUCKETS),
+}
+SUCCESS = ("request_success", "Finished requests by reason")
+
+
+class RequestStatsCollector(Collector):
+    """Renders this replica's request metrics plus the other router replicas' (`peers`)."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+        self.peers: list[RequestStats] = []
+
+    def collect(self) -> Iterable[Metric]:
+        total = self.metrics.request_stats()
+        for peer in self.peers:
+            total = total + peer
+        name = self.metrics.model_name
+        for field, (metric, doc, bounds) in HISTOGRAMS.items():
+            counts: HistogramCounts = getattr(total, field)
+            family = HistogramMetricFamily(PREFIX + metric, doc, labels=["model_name"])
+            les = [floatToGoString(b) for b in (*bounds, float("inf"))]
+            family.add_metric([name], list(zip(les, counts.buckets, strict=True)), counts.sum)
+            yield family
+        success = CounterMetricFamily(
+            PREFIX + SUCCESS[0], SUCCESS[1], labels=["model_name", "finished_reason"]
+        )
+        for reason, n in total.success.items():
+            success.add_metric([name, reason], n)
+        yield success
+
+
 class Metrics:
     """The router's metrics for one served model."""
 
@@ -98,26 +185,66 @@ class Metrics:
         self.model_name = model_name
         self.registry = registry or CollectorRegistry()
         self.engines = EngineStatsCollector(model_name)
+        self.requests = RequestStatsCollector(self)
         self.registry.register(self.engines)
+        self.registry.register(self.requests)
+        # Recorded here, rendered by `self.requests` (summed with the peers): not registered.
         model = ["model_name"]
-        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token",
-                              model, buckets=TTFT_BUCKETS, registry=self.registry)
-        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between tokens",
-                             model, buckets=ITL_BUCKETS, registry=self.registry)
-        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Request latency",
-                             model, buckets=E2E_BUCKETS, registry=self.registry)
-        self.success = Counter(PREFIX + "request_success", "Finished requests by reason",
-                               [*model, "finished_reason"], registry=self.registry)
-        for reason in ("stop", "length", "abort", "error"):  # exported from the start, at 0
+        self.ttft, self.itl, self.e2e = (
+            Histogram(PREFIX + metric, doc, model, buckets=bounds, registry=None)
+            for metric, doc, bounds in HISTOGRAMS.values()
+        )
+        self.success = Counter(
+            PREFIX + SUCCESS[0], SUCCESS[1], [*model, "finished_reason"], registry=None
+        )
+        for histogram in (self.ttft, self.itl, self.e2e):  # exported from the start, at 0
+            histogram.labels(model_name)
+        for reason in ("stop", "length", "abort", "error"):
             self.success.labels(model_name, reason)
 
     def request_timer(self) -> RequestTimer:
         return RequestTimer(self)
 
-    def render(self, snapshot: Sequence[RoleStats] | None = None) -> bytes:
+    def request_stats(self) -> RequestStats:
+        """This replica's live request metrics."""
+        hists = {
+            field: _histogram_counts(getattr(self, field), len(bounds) + 1)
+            for field, (_, _, bounds) in HISTOGRAMS.items()
+        }
+        success = {
+            s.labels["finished_reason"]: s.value
+            for family in self.success.collect()
+            for s in family.samples
+            if s.name.endswith("_total")
+        }
+        return RequestStats(**hists, success=success)
+
+    def render(
+        self,
+        snapshot: Sequence[RoleStats] | None = None,
+        peers: Sequence[RequestStats] | None = None,
+    ) -> bytes:
+        """`peers`: the other router replicas' posted request metrics, added to this one's."""
         if snapshot is not None:
             self.engines.update(snapshot)
+        if peers is not None:
+            self.requests.peers = list(peers)
         return generate_latest(self.registry)
+
+
+def _histogram_counts(histogram: Histogram, num_buckets: int) -> HistogramCounts:
+    """A histogram's single child (one model_name) as cumulative counts (+Inf last) and sum."""
+    buckets: list[float] = []
+    total = 0.0
+    for family in histogram.collect():
+        for s in family.samples:
+            if s.name.endswith("_bucket"):
+                buckets.append(s.value)
+            elif s.name.endswith("_sum"):
+                total = s.value
+    if len(buckets) != num_buckets:  # no child (yet)
+        buckets = [0.0] * num_buckets
+    return HistogramCounts(buckets=buckets, sum=total)
 
 
 class RequestTimer:

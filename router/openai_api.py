@@ -15,9 +15,11 @@ With an API key configured, every /v1 path needs `Authorization: Bearer <key>` (
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import APIRouter, FastAPI
@@ -34,7 +36,8 @@ from router.errors import (
     unknown_model,
 )
 from router.generation import Job, build_job, merge_streams
-from router.metrics import Metrics
+from router.metrics import Metrics, RequestStats
+from router.metrics_board import MetricsBoard
 from router.params import check_supported
 from router.protocol import (
     ChatCompletionRequest,
@@ -66,11 +69,13 @@ class APIKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
-        path = path[len(scope.get("root_path", "")):] if scope.get("root_path") else path
+        path = path[len(scope.get("root_path", "")) :] if scope.get("root_path") else path
         if scope["type"] == "http" and path.startswith("/v1") and not self._allowed(scope):
-            response = error_response(401, "Unauthorized: a valid API key is needed "
-                                      "(Authorization: Bearer <key>)",
-                                      headers={"WWW-Authenticate": "Bearer"})
+            response = error_response(
+                401,
+                "Unauthorized: a valid API key is needed (Authorization: Bearer <key>)",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
             await response(scope, receive, send)
             return
         await self.app(scope, receive, send)
@@ -81,18 +86,37 @@ class APIKeyMiddleware:
         return scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), self.expected)
 
 
-def build_openai_app(backend: GenerationBackend, tokenizer: Any, served_model_name: str,
-                     max_model_len: int, api_key: str | None = None,
-                     metrics: Metrics | None = None,
-                     sampling_defaults: Mapping[str, float] | None = None) -> FastAPI:
+def build_openai_app(
+    backend: GenerationBackend,
+    tokenizer: Any,
+    served_model_name: str,
+    max_model_len: int,
+    api_key: str | None = None,
+    metrics: Metrics | None = None,
+    sampling_defaults: Mapping[str, float] | None = None,
+    board: MetricsBoard | None = None,
+) -> FastAPI:
     """The app for one served model; `tokenizer` is the model's transformers tokenizer.
 
     `sampling_defaults` fills omitted temperature / top_p / top_k / min_p (vLLM reads them from
     generation_config.json); `metrics` defaults to a fresh `Metrics` with its own registry.
+    `board` (one of several router replicas) shares the request metrics with the other replicas,
+    so /metrics covers them all; without it /metrics shows this process's requests.
     """
     prompts = Prompts(tokenizer, max_model_len)
     metrics = metrics or Metrics(served_model_name)
-    app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        # Post in the background, not per request, so an unscraped replica still counts.
+        task = None if board is None else asyncio.create_task(board.run(metrics.request_stats))
+        try:
+            yield
+        finally:
+            if task is not None:
+                task.cancel()
+
+    app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.backend, app.state.metrics = backend, metrics
     install_error_handlers(app)
     if api_key:
@@ -131,14 +155,17 @@ def build_openai_app(backend: GenerationBackend, tokenizer: Any, served_model_na
     async def chat_completions(req: ChatCompletionRequest) -> Response:
         check_model(req.model)
         check_supported(req)
-        ids = prompts.chat_prompt(req.messages, req.add_generation_prompt,
-                                  req.continue_final_message, req.chat_template_kwargs)
+        ids = prompts.chat_prompt(
+            req.messages,
+            req.add_generation_prompt,
+            req.continue_final_message,
+            req.chat_template_kwargs,
+        )
         return await run(req, [ids])
 
     @v1.get("/models")
     async def models() -> ModelList:
-        card = ModelCard(id=served_model_name, root=served_model_name,
-                         max_model_len=max_model_len)
+        card = ModelCard(id=served_model_name, root=served_model_name, max_model_len=max_model_len)
         return ModelList(data=[card])
 
     app.include_router(v1)
@@ -159,7 +186,8 @@ def build_openai_app(backend: GenerationBackend, tokenizer: Any, served_model_na
             snapshot = await backend.stats()
         except Exception:  # noqa: BLE001 - still serve the router's own metrics
             logger.exception("backend stats failed")
-        return Response(metrics.render(snapshot), media_type=CONTENT_TYPE_LATEST)
+        peers: list[RequestStats] = [] if board is None else await board.peers()
+        return Response(metrics.render(snapshot, peers), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> TokenizeResponse:
@@ -182,8 +210,11 @@ def build_openai_app(backend: GenerationBackend, tokenizer: Any, served_model_na
     return app
 
 
-async def _collect(job: Job, first: tuple[int, RequestOutput],
-                   rest: AsyncGenerator[tuple[int, RequestOutput], None]) -> None:
+async def _collect(
+    job: Job,
+    first: tuple[int, RequestOutput],
+    rest: AsyncGenerator[tuple[int, RequestOutput], None],
+) -> None:
     """Run a non-streaming job to its end; an engine error fails the whole request (500)."""
     try:
         item: tuple[int, RequestOutput] | None = first

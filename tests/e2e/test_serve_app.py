@@ -1,7 +1,7 @@
 """The real thing: `serve run` in a subprocess, HTTP on localhost, the official openai client.
 
-One application for the whole module (Serve takes ~20 s to start here): 1 prefill + 1 decode
-replica of SmolLM2 on CPU, KV handed over by NIXL, an API key configured.
+One application for the whole module (Serve takes ~20 s to start here): 2 router replicas,
+1 prefill + 1 decode replica of SmolLM2 on CPU, KV handed over by NIXL, an API key configured.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     args["engine"]["max_model_len"] = 512
     for pool in ("prefill", "decode"):
         args[pool]["num_cpus_per_rank"] = 0.5
+    args["router"]["num_replicas"] = 2  # /metrics must sum the request metrics of both
     path = tmp_path_factory.mktemp("serve") / "app.yaml"
     path.write_text(yaml.safe_dump(config))
     log = open(path.with_suffix(".log"), "w")  # noqa: SIM115 - closed at teardown
@@ -250,3 +251,30 @@ def test_client_disconnect_mid_stream_frees_pages_on_both_roles(server: str) -> 
     assert m[("pdserve:kv_pages_pinned", "decode")] == 0
     # Aborted: far fewer than the 480 tokens asked for were generated.
     assert m[("pdserve:generation_tokens_total", "decode")] - before < 240
+
+
+def request_totals(base: str) -> tuple[float, float]:
+    """(request_success_total over all reasons, e2e_request_latency_seconds_count) of a scrape."""
+    text = httpx.get(f"{base}/metrics", timeout=10).text
+    success = count = 0.0
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "pdserve:request_success_total":
+                success += s.value
+            elif s.name == "pdserve:e2e_request_latency_seconds_count":
+                count += s.value
+    return success, count
+
+
+def test_every_router_replica_reports_the_requests_of_both(server: str) -> None:
+    wait_idle(server)
+    time.sleep(1.5)  # both replicas have posted their latest counts
+    before = request_totals(server)
+    assert before[0] == before[1]
+    n = 6
+    for _ in range(n):
+        client(server).completions.create(model=MODEL, prompt="Hi", max_tokens=1)
+    time.sleep(1.5)  # a replica's posted counts may be up to 1 s old
+    # Scrapes land on either replica: each must count the requests that both of them served.
+    for _ in range(6):
+        assert request_totals(server) == (before[0] + n, before[1] + n)

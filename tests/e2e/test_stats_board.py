@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 
 import pytest
 
 ray = pytest.importorskip("ray")
 
+from router.metrics import Metrics, RequestStats  # noqa: E402
+from router.metrics_board import MetricsBoard  # noqa: E402
 from workers import stats_board  # noqa: E402
 from workers.engine_core import EngineStats  # noqa: E402
 
@@ -48,3 +52,26 @@ def test_every_replica_of_a_role_is_read_and_stale_ones_drop_out(local_ray) -> N
     assert stats_board.read_pool("other-app", "decode") == []
     later = time.time() + stats_board.STALE_AFTER_S + 1
     assert stats_board.read_pool("app", "decode", now=later) == []
+
+
+def test_router_replicas_render_each_others_request_metrics(local_ray) -> None:
+    a, b = Metrics("m"), Metrics("m")
+    a.success.labels("m", "stop").inc()
+    a.ttft.labels("m").observe(0.2)
+    b.success.labels("m", "stop").inc(2)
+    board_a, board_b = MetricsBoard("router-app", "ra"), MetricsBoard("router-app", "rb")
+
+    async def scenario() -> tuple[list[RequestStats], list[RequestStats]]:
+        await board_a.post(a.request_stats())
+        with contextlib.suppress(TimeoutError):  # the background loop: one post, then cancelled
+            await asyncio.wait_for(board_b.run(b.request_stats), timeout=0.3)
+        b.success.labels("m", "stop").inc()  # b's own live values win over its posted entry
+        return await board_a.peers(), await board_b.peers()
+
+    peers_a, peers_b = asyncio.run(scenario())
+    assert [p.success["stop"] for p in peers_a] == [2]
+    assert [p.success["stop"] for p in peers_b] == [1]
+    text = b.render(peers=peers_b).decode()
+    assert 'pdserve:request_success_total{finished_reason="stop",model_name="m"} 4.0' in text
+    assert 'pdserve:time_to_first_token_seconds_count{model_name="m"} 1.0' in text
+    assert 'pdserve:time_to_first_token_seconds_bucket{le="0.25",model_name="m"} 1.0' in text
