@@ -81,8 +81,8 @@ def engine_ms(engine: Engine, batch: int, context: int) -> float:
     """Wall milliseconds per `Engine.step()` once `batch` random prompts of `context` tokens
     are prefilled and decoding."""
     rng = random.Random(batch + context)
-    params = SamplingParams(temperature=0.0, max_tokens=ENGINE_WARMUP + ENGINE_STEPS + 8)
-    params = params.model_copy(update={"ignore_eos": True})
+    steps = ENGINE_WARMUP + ENGINE_STEPS + 8
+    params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
     for i in range(batch):
         ids = tuple(rng.randrange(1000, 30000) for _ in range(context))
         engine.add_request(GenerateRequest(request_id=f"e{i}", prompt_token_ids=ids, params=params))

@@ -64,9 +64,7 @@ class Scheduler:
             if seq.num_tokens - seq.num_prompt_tokens >= seq.params.max_tokens:
                 continue  # its last token is still being sampled: nothing more to compute
             n = min(seq.num_uncomputed_tokens, budget)
-            if not preempt and not self.kv.reserve(seq, seq.num_computed_tokens + n):
-                continue
-            if not self._reserve_or_preempt(seq, n, step):
+            if not self._reserve(seq, n, step, preempt):
                 continue
             step.seqs.append(seq)
             step.num_new_tokens.append(n)
@@ -86,9 +84,12 @@ class Scheduler:
             budget -= n
         return step if step.seqs else None
 
-    def _reserve_or_preempt(self, seq: Sequence, n: int, step: StepInput) -> bool:
-        """Reserve pages for `seq`'s next `n` tokens, preempting newer sequences to make room."""
+    def _reserve(self, seq: Sequence, n: int, step: StepInput, preempt: bool) -> bool:
+        """Reserve pages for `seq`'s next `n` tokens, preempting newer sequences to make room
+        (or, without `preempt`, giving up)."""
         while not self.kv.reserve(seq, seq.num_computed_tokens + n):
+            if not preempt:
+                return False
             victim = next((s for s in reversed(self.running) if s not in step.seqs), None)
             self._preempt(victim)
             if victim is seq:
