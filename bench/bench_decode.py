@@ -9,7 +9,8 @@ the same process. Three ways of timing it:
 - `overlap_ms`: `ModelRunner.launch` of step n+1 before reading step n, back to back;
 - `sync_ms`: `ModelRunner.execute`, which waits for each step (the engine without overlap).
 Parts are timed too: the graph replay (forward, LM head and argmax; CUDA events), the host's
-input plan and FlashInfer's plan; `--profile` adds the top kernels and host ops of two cases.
+input plan and FlashInfer's plan; `--profile` adds, for two cases, where the graph replay's
+device time goes and the top kernels and host ops of an eager step.
 
     python -m bench.bench_decode --tokenizer-dir DIR [--shape llama3-8b] [--json out.json]
 """
@@ -28,6 +29,7 @@ from bench.gpu_common import (
     cuda_ms,
     dummy_model_dir,
     read_bandwidth_gbps,
+    step_timeline,
     top_kernels,
     wall_ms,
     write_json,
@@ -143,7 +145,7 @@ def main() -> None:
     if args.cases:
         cases = [tuple(int(v) for v in c.split("x")) for c in args.cases.split(",")]
     page_size = 16
-    pages = max(b * -(-c // page_size) for b, c in CASES) + 1
+    pages = max(b * -(-c // page_size) for b, c in CASES + cases) + 1
     cfg = EngineConfig(
         model=str(dummy_model_dir(args.shape, args.tokenizer_dir, args.work)),
         load_format="dummy",
@@ -152,7 +154,7 @@ def main() -> None:
         num_kv_pages=pages,
         max_num_seqs=256,
         max_num_batched_tokens=16384,
-        cuda_graph_batch_sizes=tuple(sorted({b for b, _ in CASES})),
+        cuda_graph_batch_sizes=tuple(sorted({b for b, _ in CASES + cases})),
     )
     engine = Engine(cfg)
     assert engine.overlap
@@ -196,6 +198,7 @@ def main() -> None:
         rows.append(row)
         print("DECODE", row, flush=True)
         if args.profile and (batch, context) in ((1, 1024), (64, 2048)):
+            print(step_timeline(graphs.graphs[batch].replay), flush=True)
             runner.graphs = None
             print(top_kernels(lambda: runner.execute(step)), flush=True)  # noqa: B023
             runner.graphs = graphs

@@ -155,3 +155,57 @@ def top_kernels(fn: Callable[[], object], limit: int = 12) -> str:
         return f"{table}\n{len(kernels)} kernels, {total_ms:.2f} ms of device time"
     except (AttributeError, TypeError) as e:  # profiler event fields vary across versions
         return f"{table}\n(no kernel count: {e!r})"
+
+
+# Kernel name fragment -> what it does, for `step_timeline` (first match wins).
+KERNEL_KINDS = (
+    ("_gemv_kernel", "gemm: triton gemv"),
+    ("_dot_kernel", "gemm: triton dot"),
+    ("rms_norm", "norm"),
+    ("rotary", "rope + kv write"),
+    ("silu", "silu"),
+    ("Prefill", "attention"),
+    ("Decode", "attention"),
+    ("Merge", "attention"),
+    ("gemm", "gemm: cublas"),
+    ("nvjet", "gemm: cublas"),
+    ("splitK", "gemm: cublas"),
+    ("argmax", "lm head argmax"),
+)
+
+
+def step_timeline(fn: Callable[[], object]) -> str:
+    """Where the device time of `fn` (e.g. a CUDA-graph replay) goes: per kind of kernel, the
+    count and summed duration; and over the whole span, the time no kernel ran. Kernels that
+    overlap (programmatic dependent launch) make the sum exceed the busy time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    spans = sorted(
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in prof.events()
+        if e.device_type.name == "CUDA" and "emcpy" not in e.name and "emset" not in e.name
+    )
+    if not spans:
+        return "no kernels recorded"
+    kinds: dict[str, list[float]] = {}
+    busy, reach = 0.0, spans[0][0]
+    for start, end, name in spans:
+        kind = next((k for frag, k in KERNEL_KINDS if frag in name), "other: " + name[:40])
+        kinds.setdefault(kind, []).append(end - start)
+        busy += max(0.0, end - max(start, reach))
+        reach = max(reach, end)
+    span = reach - spans[0][0]
+    lines = [f"{'kernel kind':<48} {'count':>6} {'sum µs':>9}"]
+    for kind, durs in sorted(kinds.items(), key=lambda kv: -sum(kv[1])):
+        lines.append(f"{kind:<48} {len(durs):>6} {sum(durs):>9.1f}")
+    total = sum(sum(d) for d in kinds.values())
+    lines.append(
+        f"{len(spans)} kernels over {span:.1f} µs: summed {total:.1f} µs, busy {busy:.1f} µs, "
+        f"idle {span - busy:.1f} µs"
+    )
+    return "\n".join(lines)

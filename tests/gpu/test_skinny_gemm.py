@@ -100,20 +100,38 @@ def test_skinny_linear_replays_in_a_cuda_graph(m: int, cfg: dict | None) -> None
         assert torch.equal(y, y2)
 
 
-def test_layers_use_the_kernel_only_where_it_was_measured_to_win() -> None:
-    from workers.model import skinny_gemm
-    from workers.model.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
+@pytest.mark.parametrize("dependent_launch", [True, False])
+def test_layers_use_the_kernel_only_where_it_was_measured_to_win(
+    dependent_launch: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With PDL: every measured (shape, rows) cell, the gated GEMV for gate_up where its config
+    is a GEMV; without: the cells that won on their own. Unmeasured shapes: F.linear."""
+    from workers.model import fused, pdl, skinny_gemm
+    from workers.model.layers import (
+        ColumnParallelLinear,
+        ParallelLMHead,
+        RowParallelLinear,
+        silu_and_mul_linear,
+    )
 
+    if not dependent_launch:
+        monkeypatch.setattr(pdl, "_supported", lambda device_index: False)
+    elif not pdl.enabled(torch.device("cuda")):
+        pytest.skip("this GPU has no programmatic dependent launch")
     tp = TPGroup()
     qkv = ColumnParallelLinear(4096, [4096, 1024, 1024], bias=True, tp=tp)  # Llama-3-8B's
     o_proj = RowParallelLinear(4096, 4096, bias=False, tp=tp)
+    gate_up = ColumnParallelLinear(4096, [14336, 14336], bias=False, tp=tp)
     head = ParallelLMHead(128256, 4096, tp)
     small = ColumnParallelLinear(512, [300], bias=False, tp=tp)  # not measured: F.linear
-    for mod in (qkv, o_proj, head, small):
+    for mod in (qkv, o_proj, gate_up, head, small):
         mod.cuda().to(torch.bfloat16)
         torch.nn.init.normal_(mod.weight, std=0.02)
     torch.nn.init.normal_(qkv.bias)
-    assert skinny_gemm.applies(1, qkv.weight) and not skinny_gemm.applies(16, qkv.weight)
+    assert skinny_gemm.applies(1, qkv.weight)
+    assert skinny_gemm.applies(16, qkv.weight) == dependent_launch
+    assert skinny_gemm.applies(1, gate_up.weight, gated=True) == dependent_launch
+    assert not skinny_gemm.applies(16, gate_up.weight, gated=True)  # a dot config
     assert skinny_gemm.applies(64, head.weight) and not skinny_gemm.applies(65, head.weight)
     assert not skinny_gemm.applies(1, small.weight)
     for m in (1, 3, 16, 64, 300):  # 300 rows is prefill: F.linear
@@ -127,5 +145,92 @@ def test_layers_use_the_kernel_only_where_it_was_measured_to_win() -> None:
             used = skinny_gemm.applies(m, w)
             expect = skinny_gemm.skinny_linear(x, w, b) if used else F.linear(x, w, b)
             assert torch.equal(out, expect), (m, tuple(w.shape), used)
+        act = silu_and_mul_linear(x, gate_up.weight)
+        if skinny_gemm.applies(m, gate_up.weight, gated=True):
+            expect = skinny_gemm.skinny_linear(x, gate_up.weight, gated=True)
+        else:
+            expect = fused.silu_and_mul(
+                skinny_gemm.skinny_linear(x, gate_up.weight)
+                if skinny_gemm.applies(m, gate_up.weight)
+                else F.linear(x, gate_up.weight)
+            )
+        assert torch.equal(act, expect), m
     x = torch.randn(1, 512, device="cuda", dtype=torch.bfloat16)
     assert torch.equal(small(x), F.linear(x, small.weight))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k", [(14336, 4096), (1536, 576), (100, 300), (7, 64)])
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_gated_product_equals_the_gemm_then_silu_and_mul(
+    m: int, n: int, k: int, dtype: torch.dtype
+) -> None:
+    """One GEMV launch for [gate; up] gives silu(gate) * up rounded where the unfused path
+    rounds (gate and up, then silu), and what the GEMM (same config) followed by
+    `fused.silu_and_mul` gives, to 16-bit rounding (the fp32 sums may reduce in another order)."""
+    from workers.model import fused
+    from workers.model.skinny_gemm import config_for, skinny_linear
+
+    x = torch.randn(m, k, device="cuda").to(dtype)
+    w = (torch.randn(2 * n, k, device="cuda") / k**0.5).to(dtype)
+    cfg = config_for(1, 2 * n, k)  # a GEMV config
+    out = skinny_linear(x, w, config=cfg, gated=True)
+    assert out.shape == (m, n)
+    gate, up = (part.to(dtype).double() for part in reference(x, w).chunk(2, dim=-1))
+    assert_close(out, F.silu(gate).to(dtype).double() * up, dtype)
+    assert_close(out, fused.silu_and_mul(skinny_linear(x, w, config=cfg)).double(), dtype)
+
+
+def test_gated_product_refuses_what_the_gemv_kernel_cannot_do() -> None:
+    from workers.model.skinny_gemm import Config, skinny_linear
+
+    x = torch.randn(2, 256, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+    for cfg in (Config(16, 64, dot=True), Config(8, 64, split_k=2)):
+        with pytest.raises(ValueError, match="gated"):
+            skinny_linear(x, w, config=cfg, gated=True)
+
+
+def _decoder_chain(
+    x: torch.Tensor, weights: list[torch.Tensor], norm: torch.Tensor
+) -> torch.Tensor:  # noqa: E501
+    """A decode layer's kernel sequence, each reading the one before: norm, GEMV, gated GEMV."""
+    from workers.model import fused
+    from workers.model.skinny_gemm import skinny_linear
+
+    residual = x
+    for up, down in zip(weights[::2], weights[1::2], strict=True):
+        h, residual = fused.add_rms_norm(x, residual, norm, 1e-5)
+        x = skinny_linear(skinny_linear(h, up, gated=True), down)
+    return x + residual
+
+
+def test_dependent_launches_give_the_serial_results(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With programmatic dependent launch each kernel starts during its predecessor and reads
+    weights early: a chain of 36 of them, captured and replayed on fresh inputs, must equal the
+    same chain launched without it, bit for bit (a read before `gdc_wait` would see stale x)."""
+    from workers.model import pdl
+
+    hidden, inter = 4096, 14336
+    torch.manual_seed(0)
+    weights = []
+    for _ in range(12):
+        weights.append((torch.randn(2 * inter, hidden, device="cuda") / 64).to(torch.bfloat16))
+        weights.append((torch.randn(hidden, inter, device="cuda") / 120).to(torch.bfloat16))
+    norm = torch.rand(hidden, device="cuda", dtype=torch.bfloat16) + 0.5
+    x = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
+    assert pdl.launch_options(x)["PDL"] == (torch.cuda.get_device_capability()[0] >= 9)
+    _decoder_chain(x, weights, norm)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = _decoder_chain(x, weights, norm)
+    inputs = [torch.randn_like(x) for _ in range(5)]
+    replayed = []
+    for value in inputs:
+        x.copy_(value)
+        graph.replay()
+        replayed.append(out.clone())
+    monkeypatch.setattr(pdl, "_supported", lambda device_index: False)
+    for value, got in zip(inputs, replayed, strict=True):
+        assert torch.equal(got, _decoder_chain(value, weights, norm))

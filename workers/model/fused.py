@@ -12,6 +12,7 @@ here is one kernel and rounds where the torch code rounds, so results match it t
 - `rotary_store`: `rotary` of q and k, with the rotated k and the untouched v written straight
   into their KV pool slots (what `AttentionBackend.store_kv` does), in one kernel;
 - `silu_and_mul`: `silu(gate)` rounded to the input dtype, times `up`, as torch computes it.
+Each launches with programmatic dependent launch where the GPU has it (`workers/model/pdl.py`).
 Callers (`workers/model/layers.py`, `rotary.py`, `llama.py`, `attention/flashinfer.py`) use them
 only when `applies(x)`, so float32 and CPU runs keep the exact torch arithmetic that the
 HF-equality tests pin.
@@ -23,20 +24,27 @@ import torch
 import triton
 import triton.language as tl
 
+from workers.model import pdl
+from workers.model.pdl import start_dependents, wait_for_inputs
+
 
 def applies(x: torch.Tensor) -> bool:
     return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, x_stride, out_stride, n, eps, BLOCK: tl.constexpr):
+def _rms_norm_kernel(
+    x_ptr, w_ptr, out_ptr, x_stride, out_stride, n, eps, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
+    start_dependents(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    wait_for_inputs(PDL)
     x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
     inv = tl.rsqrt(tl.sum(x * x, axis=0) / n + eps)
     normed = (x * inv).to(out_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     out = (normed * w).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * out_stride + cols, out, mask=mask)
 
@@ -51,18 +59,31 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if rows.shape[0]:
         block, warps = triton.next_power_of_2(n), 4 if n <= 2048 else 8
         _rms_norm_kernel[(rows.shape[0],)](
-            rows, weight, out, rows.stride(0), n, n, eps, BLOCK=block, num_warps=warps
+            rows,
+            weight,
+            out,
+            rows.stride(0),
+            n,
+            n,
+            eps,
+            BLOCK=block,
+            num_warps=warps,
+            **pdl.launch_options(x),
         )
     return out.view(x.shape)
 
 
 @triton.jit
 def _add_rms_norm_kernel(
-    x_ptr, r_ptr, w_ptr, out_ptr, r_out_ptr, x_stride, r_stride, n, eps, BLOCK: tl.constexpr
-):
+    x_ptr, r_ptr, w_ptr, out_ptr, r_out_ptr, x_stride, r_stride, n, eps,
+    BLOCK: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    start_dependents(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    wait_for_inputs(PDL)
     x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
     r = tl.load(r_ptr + row * r_stride + cols, mask=mask, other=0.0).to(tl.float32)
     total = (r + x).to(out_ptr.dtype.element_ty)
@@ -70,7 +91,6 @@ def _add_rms_norm_kernel(
     s = total.to(tl.float32)
     inv = tl.rsqrt(tl.sum(s * s, axis=0) / n + eps)
     normed = (s * inv).to(out_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * n + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -97,6 +117,7 @@ def add_rms_norm(
             eps,
             BLOCK=block,
             num_warps=warps,
+            **pdl.launch_options(x),
         )
     return out, total
 
@@ -113,7 +134,10 @@ def _rotary_kernel(
     num_heads,
     HALF: tl.constexpr,
     HEADS_BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    start_dependents(PDL)
+    wait_for_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
     heads = tl.arange(0, HEADS_BLOCK)[:, None]
     dims = tl.arange(0, HALF)[None, :]
@@ -146,6 +170,7 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
             HALF=dim // 2,
             HEADS_BLOCK=triton.next_power_of_2(heads),
             num_warps=4,
+            **pdl.launch_options(x),
         )
     return out
 
@@ -177,7 +202,10 @@ def _rotary_store_kernel(
     HALF: tl.constexpr,
     Q_BLOCK: tl.constexpr,
     KV_BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    start_dependents(PDL)
+    wait_for_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
     dims = tl.arange(0, HALF)[None, :]
     cos = tl.load(cos_ptr + token * cs_stride + dims).to(tl.float32)  # first half == second half
@@ -256,12 +284,15 @@ def rotary_store(
             Q_BLOCK=triton.next_power_of_2(num_q_heads),
             KV_BLOCK=triton.next_power_of_2(num_kv_heads),
             num_warps=4,
+            **pdl.launch_options(q),
         )
     return out
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride, n, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    start_dependents(PDL)
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n
@@ -279,5 +310,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     block = 1024
     if rows:
-        _silu_and_mul_kernel[(rows, triton.cdiv(n, block))](x, out, x.stride(0), n, BLOCK=block)
+        _silu_and_mul_kernel[(rows, triton.cdiv(n, block))](
+            x, out, x.stride(0), n, BLOCK=block, **pdl.launch_options(x)
+        )
     return out

@@ -9,19 +9,18 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from workers.attention.base import AttentionBackend
 from workers.model.config import ModelConfig
 from workers.model.layers import (
-    HALF_DTYPES,
     ColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
     RMSNorm,
     RowParallelLinear,
     VocabParallelEmbedding,
+    silu_and_mul_linear,
 )
 from workers.model.rotary import RotaryEmbedding, apply_rotary
 from workers.tp import TPGroup
@@ -79,13 +78,7 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(size, cfg.hidden_size, False, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if gate_up.is_cuda and gate_up.dtype in HALF_DTYPES:
-            from workers.model import fused  # Triton: imported on first CUDA use
-
-            return self.down_proj(fused.silu_and_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul_linear(x, self.gate_up_proj.weight))
 
 
 class DecoderLayer(nn.Module):

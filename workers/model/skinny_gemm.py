@@ -1,26 +1,28 @@
 """Skinny GEMM (Triton): y = x W^T for a few 16-bit rows of x, at the weight-read bandwidth.
 
 A decode step multiplies 1-64 rows by every weight of the model once, so its GEMMs are bound by
-reading W, not by arithmetic. cuBLAS leaves part of the bandwidth unused on some of them: the
-kernel is 4-8% faster on Llama-3-8B's LM head at every M <= 64, 7-17% on q/k/v and o_proj at
-M = 1 and 3-5% on o_proj at M = 4-32; it is not faster on gate_up, nor on down below M = 64
-(an H200, bench/bench_gemm_decode.py). Two kernels, one accumulation rule
-(fp32, one rounding to x's dtype at the end, bias added in fp32 before it):
-- `_gemv_kernel` (one row, M = 1): each program streams BLOCK_N rows of W with wide loads and
+reading W, not by arithmetic. On its own the kernel beats cuBLAS on some of Llama-3-8B's shapes
+only (4-8% on the LM head at every M <= 64, 7-17% on q/k/v and o_proj at M = 1, 3-5% on o_proj
+at M = 4-32; an H200, bench/bench_gemm_decode.py). Inside a decode step it also launches with
+programmatic dependent launch (`workers/model/pdl.py`): it loads its first K tile of W before
+waiting for x, so the weight stream starts while the previous kernel ends; there it beat cuBLAS
+on every measured shape (see WINS). Two kernels, one accumulation rule (fp32, one rounding to
+x's dtype at the end, bias added in fp32 before it):
+- `_gemv_kernel` (M <= 8): each program streams BLOCK_N rows of W with wide loads and
   multiplies them elementwise into a [BLOCK_N, BLOCK_K] fp32 accumulator, reduced once at the
   end, so the loop holds no shuffles; a small BLOCK_N gives enough programs to keep every
-  multiprocessor's loads in flight.
+  multiprocessor's loads in flight. GATED computes silu(gate) * up of a [gate; up] weight
+  (an MLP's gate_up projection) in the same pass, so no activation kernel follows.
 - `_dot_kernel` (M > 1): tensor-core tiles, W pipelined through shared memory (num_stages deep);
   SWAP puts N on the MMA's M side (y^T = W x^T), which lets wide N tiles use the larger MMA.
 
-`CONFIGS` holds the launch config per (N, K, M bucket) measured for Llama-3-8B and `WINS` the
-cells where it beat F.linear; `applies` says where the kernel is used, and callers
-(`workers/model/layers.py`) use F.linear everywhere else, unmeasured shapes included.
-Split-K configs (several programs per output tile, each over a K range) give the shapes with
-few output tiles (N = 4096) enough programs; the last program of a tile adds the partials.
-Nothing here tunes at run time, syncs the host or allocates beyond the output (the split-K
-buffers are allocated once, on the first split-K call), so calls can be captured in CUDA graphs
-once each config has compiled, which the engine's warm-up forwards do.
+`CONFIGS` holds the launch config per (N, K, M bucket) measured for Llama-3-8B; `applies` says
+where the kernel is used, and callers (`workers/model/layers.py`) use F.linear everywhere else,
+unmeasured shapes included. Split-K configs (several programs per output tile, each over a K
+range) give the shapes with few output tiles (N = 4096) enough programs; the last program of a
+tile adds the partials. Nothing here tunes at run time, syncs the host or allocates beyond the
+output (the split-K buffers are allocated once, on the first split-K call), so calls can be
+captured in CUDA graphs once each config has compiled, which the engine's warm-up forwards do.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 import triton.language as tl
+
+from workers.model import pdl
+from workers.model.pdl import start_dependents, wait_for_inputs
 
 
 @dataclass(frozen=True)
@@ -78,11 +83,32 @@ def _epilogue(
 
 
 @triton.jit
+def _k_tile(ptrs, k0, K, offs_k, EVEN_K: tl.constexpr, WEIGHT: tl.constexpr):
+    """Columns [k0, k0 + BLOCK_K) of a row block of x or W (zeros past K). W is read once per
+    step, so it goes first when L2 evicts, keeping x and the KV cache there."""
+    if EVEN_K:
+        if WEIGHT:  # noqa: SIM108 - constexpr branches
+            tile = tl.load(ptrs, eviction_policy="evict_first")
+        else:
+            tile = tl.load(ptrs)
+    else:
+        mask = (k0 + offs_k < K)[None, :]
+        if WEIGHT:  # noqa: SIM108 - constexpr branches
+            tile = tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
+        else:
+            tile = tl.load(ptrs, mask=mask, other=0.0)
+    return tile
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, K_PER, stride_x, stride_w, stride_y,
-    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr, GATED: tl.constexpr,
+    PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
+    """GATED: W holds [gate; up] (2N rows) and y = silu(gate x) * (up x), rounded as
+    `fused.silu_and_mul` rounds the unfused product."""
+    start_dependents(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     k_start = tl.program_id(2) * K_PER
@@ -90,29 +116,53 @@ def _gemv_kernel(
     rows_x = offs_m % M
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + rows_w[:, None] * stride_w + (k_start + offs_k)[None, :]
+    u_ptrs = w_ptrs + N * stride_w  # GATED: the up row of each gate row
     x_ptrs = x_ptr + rows_x[:, None] * stride_x + (k_start + offs_k)[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(k_start, k_start + K_PER, BLOCK_K):
-        if EVEN_K:
-            w = tl.load(w_ptrs, eviction_policy="evict_first")
-            x = tl.load(x_ptrs)
-        else:
-            k_mask = k0 + offs_k < K
-            w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0, eviction_policy="evict_first")
-            x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
-        acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    # The first K tile of W streams in before x, the previous kernel's output, is ready (PDL).
+    w = _k_tile(w_ptrs, k_start, K, offs_k, EVEN_K, True)
+    if GATED:
+        up = _k_tile(u_ptrs, k_start, K, offs_k, EVEN_K, True)
+    wait_for_inputs(PDL)
+    x = _k_tile(x_ptrs, k_start, K, offs_k, EVEN_K, False).to(tl.float32)[:, None, :]
+    acc += w.to(tl.float32)[None, :, :] * x
+    if GATED:
+        acc_up += up.to(tl.float32)[None, :, :] * x
+    for k0 in range(k_start + BLOCK_K, k_start + K_PER, BLOCK_K):
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+        w = _k_tile(w_ptrs, k0, K, offs_k, EVEN_K, True)
+        x = _k_tile(x_ptrs, k0, K, offs_k, EVEN_K, False).to(tl.float32)[:, None, :]
+        acc += w.to(tl.float32)[None, :, :] * x
+        if GATED:
+            u_ptrs += BLOCK_K
+            acc_up += _k_tile(u_ptrs, k0, K, offs_k, EVEN_K, True).to(tl.float32)[None, :, :] * x
     y = tl.sum(acc, axis=2)
+    if GATED:
+        dtype = y_ptr.dtype.element_ty
+        gate = y.to(dtype).to(tl.float32)
+        act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
+        y = act * tl.sum(acc_up, axis=2).to(dtype).to(tl.float32)
     _epilogue(y, y_ptr, b_ptr, ws_ptr, lock_ptr, offs_m, offs_n, M, N, stride_y, HAS_BIAS, SPLIT_K)
+
+
+@triton.jit
+def _dot_step(acc, x, w, SWAP: tl.constexpr):
+    if SWAP:  # noqa: SIM108 - a constexpr branch
+        acc = tl.dot(w, tl.trans(x), acc)
+    else:
+        acc = tl.dot(x, tl.trans(w), acc)
+    return acc
 
 
 @triton.jit
 def _dot_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, K_PER, stride_x, stride_w, stride_y,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr, SWAP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
+    start_dependents(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     k_start = tl.program_id(2) * K_PER
@@ -125,20 +175,15 @@ def _dot_kernel(
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(k_start, k_start + K_PER, BLOCK_K):
-        if EVEN_K:
-            w = tl.load(w_ptrs, eviction_policy="evict_first")
-            x = tl.load(x_ptrs)
-        else:
-            k_mask = k0 + offs_k < K
-            w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0, eviction_policy="evict_first")
-            x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
-        if SWAP:  # noqa: SIM108 - a constexpr branch
-            acc = tl.dot(w, tl.trans(x), acc)
-        else:
-            acc = tl.dot(x, tl.trans(w), acc)
+    # The first K tile of W streams in before x, the previous kernel's output, is ready (PDL).
+    w = _k_tile(w_ptrs, k_start, K, offs_k, EVEN_K, True)
+    wait_for_inputs(PDL)
+    acc = _dot_step(acc, _k_tile(x_ptrs, k_start, K, offs_k, EVEN_K, False), w, SWAP)
+    for k0 in range(k_start + BLOCK_K, k_start + K_PER, BLOCK_K):
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+        w = _k_tile(w_ptrs, k0, K, offs_k, EVEN_K, True)
+        acc = _dot_step(acc, _k_tile(x_ptrs, k0, K, offs_k, EVEN_K, False), w, SWAP)
     if SWAP:
         acc = tl.trans(acc)
     _epilogue(
@@ -173,17 +218,18 @@ CONFIGS: dict[tuple[int, int, int], Config] = {
     **{(128256, 4096, m): _SWAP128 for m in (2, 4, 64)},
     **{(128256, 4096, m): _SWAP64 for m in (8, 16, 32)},
 }
-# Where the config above is used: it beat F.linear by >= 2% both in the sweep and in a second
-# H200 run of the plain benchmark. Elsewhere (q/k/v, gate_up and down at most M, where cuBLAS
-# already reads at 88-98% of the copy bandwidth) and for shapes not in CONFIGS, which were not
-# measured (DEFAULT_MAX_ROWS = 0), callers use F.linear.
+# Where the kernel is used. With programmatic dependent launch (Hopper on; `pdl.py`) every
+# CONFIGS cell: each kernel then streams its first weights while the one before it ends, and
+# whole decode steps ran faster with it than with cuBLAS at every batch size measured (1-64, a
+# Llama-3-8B step on an H200: graph replay 1-4% shorter). Without PDL only the cells where it beat
+# F.linear by >= 2% on its own, in the sweep and in a second H200 run (WINS). Shapes not in
+# CONFIGS were not measured and always use F.linear.
 WINS: set[tuple[int, int, int]] = {
     (6144, 4096, 1),
     *[(4096, 4096, m) for m in (1, 4, 8, 16, 32)],
     (4096, 14336, 64),
     *[(128256, 4096, m) for m in (1, 2, 4, 8, 16, 32, 64)],
 }
-DEFAULT_MAX_ROWS = 0
 MAX_GEMV_ROWS = 8  # its fp32 accumulator holds BLOCK_M x BLOCK_N x BLOCK_K
 
 
@@ -198,13 +244,17 @@ def config_for(m: int, n: int, k: int) -> Config:
     return CONFIGS.get((n, k, _bucket(m))) or default_config(m, n, k)
 
 
-def applies(m: int, weight: torch.Tensor) -> bool:
-    """Whether `skinny_linear` beats F.linear for `m` rows times this [N, K] weight."""
+def applies(m: int, weight: torch.Tensor, gated: bool = False) -> bool:
+    """Whether `skinny_linear` beats F.linear for `m` rows times this [N, K] weight (`gated`:
+    beats F.linear and `fused.silu_and_mul` for a [gate; up] weight, where the GEMV kernel does
+    both)."""
     n, k = weight.shape
-    if weight.stride(1) != 1 or not 0 < m <= 64:
-        return False
     key = (n, k, _bucket(m))
-    return key in WINS if key in CONFIGS else m <= DEFAULT_MAX_ROWS
+    if weight.stride(1) != 1 or not 0 < m <= 64 or key not in CONFIGS:
+        return False
+    if gated and (CONFIGS[key].dot or CONFIGS[key].split_k > 1):
+        return False
+    return key in WINS or pdl.enabled(weight.device)
 
 
 WORKSPACE_FLOATS = 8 * 2**20  # split-K partials: split_k * M * N fp32 values at most
@@ -225,14 +275,18 @@ def _buffers(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
 
 def skinny_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-    config: Config | None = None,
+    config: Config | None = None, gated: bool = False,
 ) -> torch.Tensor:  # fmt: skip
-    """`F.linear(x, weight, bias)` for 2-D 16-bit `x` [M, K] and a row-major `weight` [N, K]."""
+    """`F.linear(x, weight, bias)` for 2-D 16-bit `x` [M, K] and a row-major `weight` [N, K].
+    `gated`: `weight` is [gate; up] ([2N, K], no bias) and the result `silu(gate) * up` [M, N],
+    with the GEMV kernel only (M <= MAX_GEMV_ROWS, no split-K)."""
     m, k = x.shape
-    n = weight.shape[0]
+    n = weight.shape[0] // 2 if gated else weight.shape[0]
     if x.stride(1) != 1:
         x = x.contiguous()
-    cfg = config or config_for(m, n, k)
+    cfg = config or config_for(m, weight.shape[0], k)
+    if gated and (cfg.dot or cfg.split_k > 1 or bias is not None):
+        raise ValueError("the gated product runs on the GEMV kernel, without split-K or bias")
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     b = bias if bias is not None else y  # an unused pointer when HAS_BIAS is off
     block_m = _bucket(m) if not cfg.dot else max(16, min(64, _bucket(m)))
@@ -246,11 +300,11 @@ def skinny_linear(
         if cfg.split_k * m * n > ws.numel() or grid[0] * grid[1] > locks.numel():
             raise ValueError(f"split-K {cfg.split_k} of a {m}x{n} output exceeds its buffers")
     kernel = _dot_kernel if cfg.dot else _gemv_kernel
-    extra = dict(SWAP=cfg.swap) if cfg.dot else {}
+    extra = dict(SWAP=cfg.swap) if cfg.dot else dict(GATED=gated)
     kernel[grid](
         x, weight, b, y, ws, locks, m, n, k, k_per, x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, EVEN_K=k % (cfg.split_k * cfg.block_k) == 0,
         SPLIT_K=cfg.split_k, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra, **pdl.launch_options(x),
     )  # fmt: skip
     return y

@@ -1,0 +1,58 @@
+"""Programmatic dependent launch (PDL, Hopper and newer) for the Triton kernels of a forward.
+
+A kernel launched with PDL may start while the kernel before it in the stream is still running:
+its blocks take the multiprocessors that kernel's last blocks leave idle, load what no kernel of
+the forward writes (weights), then wait (`wait_for_inputs`) until the previous kernel has ended
+and its writes are visible. On a batch-1 decode step the ~10 kernel boundaries of each layer
+otherwise leave the memory system idle for a few microseconds each: the ramp-down of one
+kernel's last wave plus the next one's launch and first loads.
+
+Rules every kernel here follows, so that chains of them stay correct:
+- `start_dependents` first: the next kernel may be scheduled once every block of this one has
+  started (a multi-wave grid reaches that in its last wave);
+- before `wait_for_inputs`, read only weights and write nothing. Once it returns, every earlier
+  kernel of the stream has ended: the previous one has, and it waited for its own predecessor.
+Kernels that are not ours (cuBLAS, torch) are launched without PDL and serialise as usual.
+`PDSERVE_PDL=0` turns it off (for a comparison, or a driver that mishandles it).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+@functools.cache
+def _supported(device_index: int) -> bool:
+    if os.environ.get("PDSERVE_PDL", "1") == "0" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether kernels on `device` launch with PDL."""
+    if device.type != "cuda":
+        return False
+    return _supported(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def launch_options(x: torch.Tensor) -> dict[str, bool]:
+    """Keyword arguments for a launch of a kernel that takes the `PDL` constexpr."""
+    on = enabled(x.device)
+    return {"PDL": on, "launch_pdl": on}
+
+
+@triton.jit
+def start_dependents(PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def wait_for_inputs(PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
