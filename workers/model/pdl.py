@@ -12,7 +12,8 @@ Rules every kernel here follows, so that chains of them stay correct:
   started (a multi-wave grid reaches that in its last wave);
 - before `wait_for_inputs`, read only weights and write nothing. Once it returns, every earlier
   kernel of the stream has ended: the previous one has, and it waited for its own predecessor.
-Kernels that are not ours (cuBLAS, torch) are launched without PDL and serialise as usual.
+cuBLAS and torch kernels launch without PDL and serialise as usual; FlashInfer's kernels use PDL
+by their own default on Hopper and wait for their inputs the same way.
 `PDSERVE_PDL=0` turns it off (for a comparison, or a driver that mishandles it).
 """
 

@@ -101,6 +101,23 @@ def _k_tile(ptrs, k0, K, offs_k, EVEN_K: tl.constexpr, WEIGHT: tl.constexpr):
 
 
 @triton.jit
+def _tile(
+    x_ptr, w_ptr, M, N, K_PER, stride_x, stride_w,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """This program's rows of x and y (offs_m), rows of W (offs_n), first K column and pointers
+    to its first K tile of x and W. A tail tile re-reads valid rows (modulo); its results are
+    never stored."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    k_start = tl.program_id(2) * K_PER
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + (offs_n % N).to(tl.int64)[:, None] * stride_w + (k_start + offs_k)[None, :]
+    x_ptrs = x_ptr + (offs_m % M)[:, None] * stride_x + (k_start + offs_k)[None, :]
+    return offs_m, offs_n, offs_k, k_start, w_ptrs, x_ptrs
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, K_PER, stride_x, stride_w, stride_y,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr, GATED: tl.constexpr,
@@ -109,15 +126,10 @@ def _gemv_kernel(
     """GATED: W holds [gate; up] (2N rows) and y = silu(gate x) * (up x), rounded as
     `fused.silu_and_mul` rounds the unfused product."""
     start_dependents(PDL)
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
-    k_start = tl.program_id(2) * K_PER
-    rows_w = (offs_n % N).to(tl.int64)  # the tail tile re-reads valid rows; its store is masked
-    rows_x = offs_m % M
-    offs_k = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + rows_w[:, None] * stride_w + (k_start + offs_k)[None, :]
+    offs_m, offs_n, offs_k, k_start, w_ptrs, x_ptrs = _tile(
+        x_ptr, w_ptr, M, N, K_PER, stride_x, stride_w, BLOCK_M, BLOCK_N, BLOCK_K
+    )
     u_ptrs = w_ptrs + N * stride_w  # GATED: the up row of each gate row
-    x_ptrs = x_ptr + rows_x[:, None] * stride_x + (k_start + offs_k)[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     # The first K tile of W streams in before x, the previous kernel's output, is ready (PDL).
@@ -163,14 +175,9 @@ def _dot_kernel(
     PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     start_dependents(PDL)
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    k_start = tl.program_id(2) * K_PER
-    rows_w = (offs_n % N).to(tl.int64)
-    rows_x = offs_m % M  # padding rows re-read row data; their results are never stored
-    offs_k = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + rows_w[:, None] * stride_w + (k_start + offs_k)[None, :]
-    x_ptrs = x_ptr + rows_x[:, None] * stride_x + (k_start + offs_k)[None, :]
+    offs_m, offs_n, offs_k, k_start, w_ptrs, x_ptrs = _tile(
+        x_ptr, w_ptr, M, N, K_PER, stride_x, stride_w, BLOCK_M, BLOCK_N, BLOCK_K
+    )
     if SWAP:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
