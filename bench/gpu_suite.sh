@@ -7,6 +7,12 @@
 #   suite.log, tests.xml and one JSON per benchmark go to $OUT (or /tmp/pdserve-gpu). SUITE="tests decode prefill offline" picks
 #   parts. Each part has its own time limit so one hang cannot eat the whole call; all four
 #   together may outlast one 600 s call, so split them over two (the machine stays warm between).
+# SmolLM2's real weights (tests/gpu/test_smollm2_gpu.py): its GGUF (98 MB) exceeds what one call
+#   carries, so `prepare` splits it into .gpu_model_a and .gpu_model_b. While the machine stays
+#   warm, before the suite's call: one call carrying [".gpu_model_a"] and one carrying
+#   [".gpu_model_b"], each running `bash bench/gpu_suite.sh stash` (a later call's copy drops
+#   paths an earlier call carried, so each part is kept in /tmp there); the suite joins them.
+#   Without them those tests skip.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -15,7 +21,28 @@ if [ "${1:-}" = prepare ]; then
   mkdir -p .gpu_assets/tokenizer
   dir=$(python3 -c 'from workers.model.loader import resolve_model, DEFAULT_MODEL; print(resolve_model(DEFAULT_MODEL))')
   cp "$dir"/tokenizer.json "$dir"/tokenizer_config.json "$dir"/chat_template.jinja .gpu_assets/tokenizer/
-  du -sh .gpu_assets
+  # The GGUF reader transformers needs, which the GPU machine's image lacks (pure Python).
+  rm -rf .gpu_assets/site && mkdir -p .gpu_assets/site
+  site=$(python3 -c 'import gguf, os; print(os.path.dirname(os.path.dirname(gguf.__file__)))')
+  cp -r "$site"/gguf "$site"/gguf-*.dist-info .gpu_assets/site/  # its version: transformers checks it
+  gguf=$(python3 -c 'from workers.model.loader import DEFAULT_MODEL, _embedded_gguf; print(_embedded_gguf(DEFAULT_MODEL))')
+  for part in a b; do
+    grep -qx "/.gpu_model_$part/" .git/info/exclude || echo "/.gpu_model_$part/" >> .git/info/exclude
+    mkdir -p .gpu_model_$part
+  done
+  head -c $((56 * 2**20)) "$gguf" > .gpu_model_a/part
+  tail -c +$((56 * 2**20 + 1)) "$gguf" > .gpu_model_b/part
+  du -sh .gpu_assets .gpu_model_a .gpu_model_b
+  exit 0
+fi
+
+SMOLLM2_PARTS=/tmp/pdserve-smollm2
+if [ "${1:-}" = stash ]; then  # there: keep the GGUF part this call carried
+  mkdir -p "$SMOLLM2_PARTS"
+  for part in a b; do
+    if [ -s .gpu_model_$part/part ]; then cp .gpu_model_$part/part "$SMOLLM2_PARTS/part_$part"; fi
+  done
+  ls -l "$SMOLLM2_PARTS"
   exit 0
 fi
 
@@ -26,6 +53,11 @@ SUITE=${SUITE:-tests decode prefill offline}  # also: decode_tc (tensor-core dec
 KIT_ONLY="flashinfer deps nixl ray" source .kit/setup.sh  # nixl, ray: the VRAM hand-off
 export PYTHONUNBUFFERED=1 PDSERVE_TOKENIZER_DIR=$PWD/.gpu_assets/tokenizer
 export PDSERVE_CACHE=/tmp/pdserve-cache TOKENIZERS_PARALLELISM=false
+export PYTHONPATH=$PWD/.gpu_assets/site:$PYTHONPATH
+if [ -s "$SMOLLM2_PARTS/part_a" ] && [ -s "$SMOLLM2_PARTS/part_b" ]; then
+  export PDSERVE_SMOLLM2_GGUF=$SMOLLM2_PARTS/SmolLM2-135M-Instruct.Q4_1.gguf
+  cat "$SMOLLM2_PARTS/part_a" "$SMOLLM2_PARTS/part_b" > "$PDSERVE_SMOLLM2_GGUF"
+fi
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader
 python3 -c 'import torch, transformers, flashinfer; print("torch", torch.__version__,
   "transformers", transformers.__version__, "flashinfer", flashinfer.__version__)'

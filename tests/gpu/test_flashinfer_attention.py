@@ -29,25 +29,28 @@ def random_batch(
     head_dim: int,
     seed: int,
     pool: KVPool | None = None,
+    kv_lens: list[int] | None = None,
 ) -> tuple[KVPool, AttentionBatch]:
     """A pool of fresh random KV (`pool` if given) and a batch whose sequences own shuffled pages.
 
     prefill: every sequence computes a suffix of 1..kv_len tokens (a cached prefix or none);
-    decode: one token each; mixed: both in one step.
+    decode: one token each; mixed: both in one step. `kv_lens`: these sequences (prefill: all
+    tokens new) instead of NUM_SEQS random ones.
     """
     gen = torch.Generator().manual_seed(seed)
-    num_seqs = NUM_SEQS
-    kv_lens = torch.randint(1, MAX_KV, (num_seqs,), generator=gen).tolist()
-    kv_lens[0] = 1  # a sequence whose only token is the new one
+    if kv_lens is None:
+        kv_lens = torch.randint(1, MAX_KV, (NUM_SEQS,), generator=gen).tolist()
+        kv_lens[0] = 1  # a sequence whose only token is the new one
+    num_seqs = len(kv_lens)
     if kind == "decode":
         q_lens = [1] * num_seqs
     else:
         q_lens = [int(torch.randint(1, kv + 1, (1,), generator=gen)) for kv in kv_lens]
-        q_lens[1] = kv_lens[1]  # no cached prefix
+        q_lens[min(1, num_seqs - 1)] = kv_lens[min(1, num_seqs - 1)]  # no cached prefix
         if kind == "mixed":
             q_lens[::2] = [1] * len(q_lens[::2])
     pages_per_seq = [-(-kv // page_size) for kv in kv_lens]
-    num_pages = NUM_SEQS * -(-MAX_KV // page_size) + 5
+    num_pages = num_seqs * -(-max(MAX_KV, *kv_lens) // page_size) + 5
     if pool is None:
         layout = KVLayout(
             num_layers=3,
@@ -178,3 +181,29 @@ def test_both_decode_kernels_match_reference_for_gqa_32_8(
     ref_backend.plan(batch)
     ref = ref_backend.forward(2, q.float(), k.float(), v.float())
     assert rel_err(out, ref) < BF16_TOLERANCE
+
+
+@pytest.mark.parametrize("heads", sorted(HEADS))
+@pytest.mark.parametrize("kv_len", [1, 7, 16, 17, 36, 100, 1000])
+def test_one_short_prompt_prefill_matches_reference_with_sharp_attention(
+    heads: str, kv_len: int
+) -> None:
+    """What serving one chat prompt asks of the prefill kernels: a single sequence, all of it
+    new, attention as peaked as a trained model's (random q scaled up), every query row right.
+    Real SmolLM2 in bf16 answered wrongly on the H200 (`test_smollm2_gpu.py`) while the batches
+    above passed; this is the case they lacked."""
+    from workers.attention.flashinfer import FlashInferAttention
+
+    hq, hkv, d = HEADS[heads]
+    pool, batch = random_batch("prefill", 16, hkv, d, seed=kv_len, kv_lens=[kv_len])
+    assert batch.q_lens == [kv_len]
+    q, k, v = qkv(batch.num_tokens, hq, hkv, d, seed=kv_len)
+    q = (q.float() * 20).bfloat16()
+    fast = FlashInferAttention(pool, hq, d**-0.5)
+    fast.plan(batch)
+    out = fast.forward(0, q, k, v)
+    ref_backend = TorchAttention(pool, hq, d**-0.5)
+    ref_backend.plan(batch)
+    ref = ref_backend.forward(0, q.float(), k.float(), v.float())
+    per_row = (out.float() - ref).norm(dim=(1, 2)) / ref.norm(dim=(1, 2))
+    assert float(per_row.max()) < BF16_TOLERANCE, f"worst query row {int(per_row.argmax())}"
