@@ -185,18 +185,20 @@ def test_both_decode_kernels_match_reference_for_gqa_32_8(
 
 @pytest.mark.parametrize("heads", sorted(HEADS))
 @pytest.mark.parametrize("kv_len", [1, 7, 16, 17, 36, 100, 1000])
-def test_one_short_prompt_prefill_matches_reference_with_sharp_attention(
-    heads: str, kv_len: int
+@pytest.mark.parametrize("kind", ["prefill", "decode"])
+def test_one_sequence_matches_reference_with_sharp_attention(
+    heads: str, kv_len: int, kind: str
 ) -> None:
-    """What serving one chat prompt asks of the prefill kernels: a single sequence, all of it
-    new, attention as peaked as a trained model's (random q scaled up), every query row right.
-    Real SmolLM2 in bf16 answered wrongly on the H200 (`test_smollm2_gpu.py`) while the batches
-    above passed; this is the case they lacked."""
+    """What serving one chat request asks of the kernels: a single sequence (prefill: all of it
+    new), attention as peaked as a trained model's (random q scaled up), every query row right.
+    Real SmolLM2 in bf16 answered wrongly on the H200 (`test_smollm2_gpu.py`) while the
+    nine-sequence batches above passed; these are the cases they lacked (FlashInfer splits the
+    KV of small batches across blocks)."""
     from workers.attention.flashinfer import FlashInferAttention
 
     hq, hkv, d = HEADS[heads]
-    pool, batch = random_batch("prefill", 16, hkv, d, seed=kv_len, kv_lens=[kv_len])
-    assert batch.q_lens == [kv_len]
+    pool, batch = random_batch(kind, 16, hkv, d, seed=kv_len, kv_lens=[kv_len])
+    assert batch.q_lens == [kv_len if kind == "prefill" else 1]
     q, k, v = qkv(batch.num_tokens, hq, hkv, d, seed=kv_len)
     q = (q.float() * 20).bfloat16()
     fast = FlashInferAttention(pool, hq, d**-0.5)
