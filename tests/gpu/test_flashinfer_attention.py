@@ -209,3 +209,30 @@ def test_one_sequence_matches_reference_with_sharp_attention(
     ref = ref_backend.forward(0, q.float(), k.float(), v.float())
     per_row = (out.float() - ref).norm(dim=(1, 2)) / ref.norm(dim=(1, 2))
     assert float(per_row.max()) < BF16_TOLERANCE, f"worst query row {int(per_row.argmax())}"
+
+
+@pytest.mark.parametrize("kind", ["prefill", "decode"])
+def test_one_plan_serves_every_layer_of_a_deep_pool(kind: str) -> None:
+    """The engine's pattern: one plan per step, then a forward per layer, each over its own
+    layer view of a 30-layer pool (pages strided by all layers' K/V). Every layer must read its
+    own K/V: distinct data per layer, each checked against the reference."""
+    from workers.attention.flashinfer import FlashInferAttention
+
+    hq, hkv, d = HEADS["smollm2-9/3-d64"]
+    layers, page_size = 30, 16
+    layout = KVLayout(
+        num_layers=layers, page_size=page_size, num_kv_heads=hkv, head_dim=d, dtype="bfloat16"
+    )
+    pool = KVPool(layout, 64, "cuda")
+    pool.pages.normal_(generator=torch.Generator("cuda").manual_seed(3))
+    _, batch = random_batch(kind, page_size, hkv, d, seed=3, kv_lens=[37], pool=None)
+    fast = FlashInferAttention(pool, hq, d**-0.5)
+    fast.plan(batch)
+    ref_backend = TorchAttention(pool, hq, d**-0.5)
+    ref_backend.plan(batch)
+    for layer in range(layers):
+        q, k, v = qkv(batch.num_tokens, hq, hkv, d, seed=100 + layer)
+        q = (q.float() * 20).bfloat16()
+        out = fast.forward(layer, q, k, v)
+        ref = ref_backend.forward(layer, q.float(), k.float(), v.float())
+        assert rel_err(out, ref) < BF16_TOLERANCE, f"layer {layer}"
