@@ -31,6 +31,9 @@ import triton.language as tl
 def _supported(device_index: int) -> bool:
     if os.environ.get("PDSERVE_PDL", "1") == "0" or os.environ.get("TRITON_INTERPRET") == "1":
         return False
+    cuda = getattr(getattr(tl, "extra", None), "cuda", None)
+    if not hasattr(cuda, "gdc_wait"):  # a Triton without the PDL instructions
+        return False
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
@@ -43,8 +46,9 @@ def enabled(device: torch.device) -> bool:
 
 def launch_options(x: torch.Tensor) -> dict[str, bool]:
     """Keyword arguments for a launch of a kernel that takes the `PDL` constexpr."""
-    on = enabled(x.device)
-    return {"PDL": on, "launch_pdl": on}
+    if enabled(x.device):
+        return {"PDL": True, "launch_pdl": True}
+    return {"PDL": False}  # no launch_pdl: a Triton without PDL does not know the option
 
 
 @triton.jit
