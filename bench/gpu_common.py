@@ -170,7 +170,7 @@ KERNEL_KINDS = (
     ("gemm", "gemm: cublas"),
     ("nvjet", "gemm: cublas"),
     ("splitK", "gemm: cublas"),
-    ("argmax", "lm head argmax"),
+    ("reduce_kernel", "argmax (torch reduction)"),
 )
 
 
