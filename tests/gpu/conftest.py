@@ -92,11 +92,18 @@ def hf_greedy_gpu(model, prompt: list[int], max_new_tokens: int) -> list[int]:  
     return tokens
 
 
-def hf_log_probs(model, prompt: list[int], generated: list[int]) -> torch.Tensor:  # noqa: ANN001
-    """HF's float32 log-probabilities `[len(generated), vocab]` for each generated position,
-    teacher-forced on `prompt + generated`."""
+def hf_judge(
+    model,  # noqa: ANN001 - a transformers model
+    prompt: list[int],
+    generated: list[int],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's float32 view of each generated token, teacher-forced on `prompt + generated`: its
+    log-probability, and how far it falls short of HF's best token there (log-prob units, i.e.
+    logit differences)."""
     device = next(model.parameters()).device
     ids = torch.tensor([prompt + generated], device=device)
     with torch.inference_mode():
         logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
-    return logits.log_softmax(dim=-1)
+    log_probs = logits.log_softmax(dim=-1)
+    picked = log_probs.gather(1, torch.tensor(generated, device=device)[:, None])[:, 0]
+    return picked, log_probs.max(dim=1).values - picked

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.gpu.conftest import hf_greedy_gpu, hf_log_probs
+from tests.gpu.conftest import hf_greedy_gpu, hf_judge
 from workers import LLM, SamplingParams
 from workers.attention.base import AttentionBatch
 from workers.config import EngineConfig
@@ -68,9 +68,7 @@ def test_bf16_flashinfer_tracks_hf_with_prefix_cache(
     rest = llm.generate(prompts[1:], greedy(logprobs=1))
     assert all(o.num_cached_tokens >= 64 for o in rest)
     for prompt, out in zip(prompts, first + rest):
-        ref = hf_log_probs(hf_fp32_gpu, prompt, out.token_ids)
-        picked = ref.gather(1, torch.tensor(out.token_ids, device="cuda")[:, None])[:, 0]
-        shortfall = ref.max(dim=1).values - picked  # in log-prob units: logit differences
+        picked, shortfall = hf_judge(hf_fp32_gpu, prompt, out.token_ids)
         assert float(shortfall.max()) < LOGIT_SLACK, f"token far from HF's best: {shortfall}"
         assert out.logprobs is not None
         ours = torch.tensor([lp.logprob for lp in out.logprobs], device="cuda")
