@@ -63,6 +63,29 @@ def test_split_k_sums_the_partials_of_every_split(m: int, n: int, k: int, cfg: d
         assert_close(skinny_linear(x, w, b, Config(**cfg)), reference(x, w, b), torch.bfloat16)
 
 
+def assert_float32_close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """A float32 result of 16-bit inputs: summed in fp32, so far inside one bf16 rounding."""
+    assert out.dtype == torch.float32 and out.shape == ref.shape
+    err = (out.double() - ref).abs().max() / ref.abs().max()
+    assert err <= 1e-5, f"relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("cfg", [None, dict(block_n=64, block_k=128, dot=True), *SPLIT_CONFIGS])
+@pytest.mark.parametrize("m", [1, 5, 64])
+def test_float32_output_keeps_what_16_bit_rounding_drops(m: int, cfg: dict | None) -> None:
+    """Logits: the fp32 sums of every kernel (GEMV, tensor-core, split-K) come out unrounded."""
+    from workers.model.skinny_gemm import MAX_GEMV_ROWS, Config, skinny_linear
+
+    if cfg is not None and not cfg.get("dot") and m > MAX_GEMV_ROWS:
+        pytest.skip("the GEMV kernel takes few rows")
+    x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(3000, 4096, device="cuda") / 64).to(torch.bfloat16)
+    config = Config(**cfg) if cfg is not None else None
+    assert_float32_close(
+        skinny_linear(x, w, config=config, out_dtype=torch.float32), reference(x, w)
+    )
+
+
 @pytest.mark.parametrize("m", [1, 4, 24])
 def test_skinny_linear_adds_bias_and_reads_strided_rows(m: int) -> None:
     from workers.model.skinny_gemm import skinny_linear
@@ -136,11 +159,14 @@ def test_layers_use_the_kernel_only_where_it_was_measured_to_win(
     assert not skinny_gemm.applies(1, small.weight)
     for m in (1, 3, 16, 64, 300):  # 300 rows is prefill: F.linear
         x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
-        for out, w, b in [
-            (qkv(x), qkv.weight, qkv.bias),
-            (o_proj(x), o_proj.weight, None),
-            (head.logits(x), head.weight, None),
-        ]:
+        logits = head.logits(x)  # float32, from either kernel
+        assert_float32_close(logits, reference(x, head.weight))
+        if skinny_gemm.applies(m, head.weight):
+            expect = skinny_gemm.skinny_linear(x, head.weight, out_dtype=torch.float32)
+        else:
+            expect = torch.mm(x, head.weight.t(), out_dtype=torch.float32)
+        assert torch.equal(logits, expect), m
+        for out, w, b in [(qkv(x), qkv.weight, qkv.bias), (o_proj(x), o_proj.weight, None)]:
             assert_close(out, reference(x, w, b), torch.bfloat16)
             used = skinny_gemm.applies(m, w)
             expect = skinny_gemm.skinny_linear(x, w, b) if used else F.linear(x, w, b)

@@ -19,16 +19,25 @@ HALF_DTYPES = (torch.bfloat16, torch.float16)  # CUDA: workers/model/fused.py, s
 WeightLoader = Callable[[nn.Parameter, torch.Tensor, "int | str | None"], None]
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """`F.linear`, except for a few 16-bit rows on CUDA (decode batches), where the Triton skinny
     GEMM reads the weight faster than cuBLAS; `skinny_gemm.applies` says where it was measured
-    to win."""
+    to win. `out_dtype=torch.float32` keeps 16-bit products in float32 (they accumulate there):
+    the logits, where bf16's rounding (0.125 apart at 16-32) would tie close tokens."""
     if x.is_cuda and x.dtype in HALF_DTYPES and x.dim() == 2:
         from workers.model import skinny_gemm  # Triton: imported on first CUDA use
 
         if skinny_gemm.applies(x.shape[0], weight):
-            return skinny_gemm.skinny_linear(x, weight, bias)
-    return F.linear(x, weight, bias)
+            return skinny_gemm.skinny_linear(x, weight, bias, out_dtype=out_dtype)
+        if out_dtype == torch.float32 and bias is None:
+            return torch.mm(x, weight.t(), out_dtype=torch.float32)
+    y = F.linear(x, weight, bias)
+    return y if out_dtype is None else y.to(out_dtype)
 
 
 def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -216,5 +225,5 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Logits over the vocabulary: each rank computes its vocab slice, then all-gather."""
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        local = linear(hidden, self.weight)
+        local = linear(hidden, self.weight, out_dtype=torch.float32)
         return self.tp.all_gather_last_dim(local)[..., : self.vocab_size]

@@ -144,7 +144,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm.add_forward(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.logits(hidden).float()
+        return self.lm_head.logits(hidden)  # float32
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters(remove_duplicate=False))

@@ -282,9 +282,10 @@ def _buffers(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
 
 def skinny_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-    config: Config | None = None, gated: bool = False,
+    config: Config | None = None, gated: bool = False, out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """`F.linear(x, weight, bias)` for 2-D 16-bit `x` [M, K] and a row-major `weight` [N, K].
+    """`F.linear(x, weight, bias)` for 2-D 16-bit `x` [M, K] and a row-major `weight` [N, K],
+    in `out_dtype` (default x's; the product accumulates in float32 either way).
     `gated`: `weight` is [gate; up] ([2N, K], no bias) and the result `silu(gate) * up` [M, N],
     with the GEMV kernel only (M <= MAX_GEMV_ROWS, no split-K)."""
     m, k = x.shape
@@ -292,9 +293,11 @@ def skinny_linear(
     if x.stride(1) != 1:
         x = x.contiguous()
     cfg = config or config_for(m, weight.shape[0], k)
-    if gated and (cfg.dot or cfg.split_k > 1 or bias is not None):
-        raise ValueError("the gated product runs on the GEMV kernel, without split-K or bias")
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if gated and (cfg.dot or cfg.split_k > 1 or bias is not None or out_dtype is not None):
+        raise ValueError(
+            "the gated product runs on the GEMV kernel, in x's dtype, without split-K or bias"
+        )
+    y = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
     b = bias if bias is not None else y  # an unused pointer when HAS_BIAS is off
     block_m = _bucket(m) if not cfg.dot else max(16, min(64, _bucket(m)))
     if not cfg.dot and m > MAX_GEMV_ROWS:
