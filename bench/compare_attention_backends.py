@@ -3,9 +3,8 @@
 Runs one chat prompt through the engine (eager, so every layer's attention is a Python call)
 and, inside each layer, also attends the same q, k and v with `TorchAttention` in float32 over
 the same pool and batch. Prints each step's relative difference per layer: a healthy bf16 run
-stays near 1e-3 at every layer. Written for the bf16 FlashInfer answers on SmolLM2's real
-weights that went wrong on the H200 (README, known issue): with real weights, unlike random
-ones, attention is sharp enough that a wrong kernel input or plan shows.
+stays near 2e-3 at every layer (SmolLM2's real weights on an H200, 2026-11-29). With real
+weights, unlike random ones, attention is sharp enough that a wrong kernel input or plan shows.
 
     python -m bench.compare_attention_backends [--model DIR_OR_GGUF] [--device cuda|cpu]
 
