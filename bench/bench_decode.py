@@ -32,6 +32,7 @@ from bench.gpu_common import (
     step_timeline,
     top_kernels,
     wall_ms,
+    weight_bytes_read,
     write_json,
 )
 from workers.config import EngineConfig
@@ -103,16 +104,6 @@ def engine_ms(engine: Engine, batch: int, context: int) -> float:
     while engine.has_work():
         engine.step()
     return ms
-
-
-def weight_bytes_read(runner: ModelRunner, batch: int) -> int:
-    params = {p.data_ptr(): p for p in runner.model.parameters()}.values()
-    total = sum(p.numel() * p.element_size() for p in params)
-    cfg = runner.model_config
-    if not cfg.tie_word_embeddings:  # the table is only gathered from: `batch` rows
-        embed = runner.model.model.embed_tokens.weight
-        total -= embed.numel() * embed.element_size() - batch * cfg.hidden_size * 2
-    return total
 
 
 def top_host_ops(fn: Callable[[], object], limit: int = 15) -> str:

@@ -1,10 +1,11 @@
 """Prefill throughput against the bf16 GEMM peak: random weights, bf16, one GPU.
 
-A step is `ModelRunner.execute` over whole prompts (no cached prefix): 1 x 8192 and 16 x 512
-tokens. Its work: 2 FLOPs per weight per token for every linear layer, causal attention
-(QK^T and PV: 4 * heads * head_dim per query-key pair, half the square), and the LM head for
-the last token of each prompt. Reported against an 8192^3 bf16 matmul measured in the same
-process.
+A step is `ModelRunner.execute` over whole prompts (no cached prefix). 1 x 8192 and 16 x 512
+tokens: against an 8192^3 bf16 matmul measured in the same process, counting 2 FLOPs per weight
+per token for every linear layer, causal attention (QK^T and PV: 4 * heads * head_dim per
+query-key pair, half the square) and the LM head for the last token of each prompt.
+1 x 32 and 1 x 256 tokens, a chat turn's time to first token: against reading the weights once
+at the read bandwidth measured in the same process (GEMMs that thin wait on their weights).
 
     python -m bench.bench_prefill --tokenizer-dir DIR [--shape llama3-8b] [--json out.json]
 """
@@ -17,8 +18,10 @@ from bench.gpu_common import (
     bench_parser,
     dummy_model_dir,
     gemm_peak_tflops,
+    read_bandwidth_gbps,
     top_kernels,
     wall_ms,
+    weight_bytes_read,
     write_json,
 )
 from workers.config import EngineConfig
@@ -28,6 +31,7 @@ from workers.protocol import SamplingParams
 from workers.sequence import Sequence
 
 CASES = [(1, 8192), (16, 512)]  # (prompts, tokens each)
+SHORT_CASES = [(1, 32), (1, 256)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 
 
@@ -88,7 +92,16 @@ def main() -> None:
         print("PREFILL", row, flush=True)
         if args.profile and prompts == 1:
             print(top_kernels(lambda: runner.execute(step)), flush=True)  # noqa: B023
-    write_json(args.json, dict(gemm_peak_tflops=peak, rows=rows))
+    read_gbps = read_bandwidth_gbps()
+    for prompts, tokens in SHORT_CASES:
+        step = prefill_step(runner, prompts, tokens)
+        ms = wall_ms(lambda: runner.execute(step), warmup=2, iters=10)  # noqa: B023
+        floor_ms = weight_bytes_read(runner, prompts * tokens) / read_gbps / 1e6
+        row = dict(shape=args.shape, prompts=prompts, tokens=tokens, step_ms=round(ms, 2),
+                   floor_ms=round(floor_ms, 2), x_floor=round(ms / floor_ms, 2))  # fmt: skip
+        rows.append(row)
+        print("PREFILL", row, flush=True)
+    write_json(args.json, dict(gemm_peak_tflops=peak, read_gbps=read_gbps, rows=rows))
 
 
 if __name__ == "__main__":

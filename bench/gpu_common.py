@@ -14,9 +14,12 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from workers.engine import ModelRunner
 
 # HF config fields of the shapes the issue names; weights are random (load_format="dummy").
 SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -132,6 +135,18 @@ def gemm_peak_tflops(n: int = 8192) -> float:
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     ms = cuda_ms(lambda: a @ b, warmup=3, iters=10)
     return 2 * n**3 / ms / 1e9
+
+
+def weight_bytes_read(runner: ModelRunner, batch: int) -> int:
+    """Bytes of weights a step of `batch` rows (or tokens) reads: all, but of an untied
+    embedding only those rows."""
+    params = {p.data_ptr(): p for p in runner.model.parameters()}.values()
+    total = sum(p.numel() * p.element_size() for p in params)
+    cfg = runner.model_config
+    if not cfg.tie_word_embeddings:  # the table is only gathered from: `batch` rows
+        embed = runner.model.model.embed_tokens.weight
+        total -= embed.numel() * embed.element_size() - batch * cfg.hidden_size * 2
+    return total
 
 
 def write_json(path: str | None, rows: object) -> None:

@@ -50,7 +50,8 @@ OUT=${OUT:-/tmp/pdserve-gpu}
 mkdir -p "$OUT"
 SUITE=${SUITE:-tests decode prefill offline}  # also: decode_tc (tensor-core decode, JIT ~80 s),
 # kv2 (NIXL between two GPUs: a kind with 2+ GPUs), compare (each layer's FlashInfer attention in
-# the engine against the torch reference, on SmolLM2's real weights: needs the stashed GGUF)
+# the engine against the torch reference, on SmolLM2's real weights: needs the stashed GGUF),
+# attn (FlashInfer's decode attention alone, planned each way it can be, against its KV floor)
 KIT_ONLY="flashinfer deps nixl ray" source .kit/setup.sh  # nixl, ray: the VRAM hand-off
 export PYTHONUNBUFFERED=1 PDSERVE_TOKENIZER_DIR=$PWD/.gpu_assets/tokenizer
 export PDSERVE_CACHE=/tmp/pdserve-cache TOKENIZERS_PARALLELISM=false
@@ -85,6 +86,7 @@ part offline 170 python3 -m bench.bench_offline_gpu "${tok[@]}" --json "$OUT/off
 part kv2 150 python3 bench/bench_kv_transfer.py --device cuda --num-gpus 1 --layout llama3-8b \
   --tokens 512,2048,8192 --json
 part compare 120 python3 -m bench.compare_attention_backends
+part attn 90 python3 -m bench.bench_decode_attention --json "$OUT/attn.json"
 PDSERVE_FLASHINFER_DECODE_TC=1 part decode_tc 240 python3 -m bench.bench_decode "${tok[@]}" \
   --json "$OUT/decode_tc.json"
 if compgen -G "$FLASHINFER_WORKSPACE_BASE/.cache/flashinfer/*/*/cached_ops/*/*.so" >/dev/null; then
