@@ -5,7 +5,8 @@ tokens: against an 8192^3 bf16 matmul measured in the same process, counting 2 F
 per token for every linear layer, causal attention (QK^T and PV: 4 * heads * head_dim per
 query-key pair, half the square) and the LM head for the last token of each prompt.
 1 x 32 and 1 x 256 tokens, a chat turn's time to first token: against reading the weights once
-at the read bandwidth measured in the same process (GEMMs that thin wait on their weights).
+at the read bandwidth measured in the same process (GEMMs that thin wait on their weights),
+as the engine runs them (on a decode CUDA graph, one row a token) and eagerly.
 
     python -m bench.bench_prefill --tokenizer-dir DIR [--shape llama3-8b] [--json out.json]
 """
@@ -71,7 +72,6 @@ def main() -> None:
         load_format="dummy",
         dtype="bfloat16",
         num_kv_pages=pages,
-        enforce_eager=True,
     )
     runner = ModelRunner(cfg)
     rows = []
@@ -95,10 +95,15 @@ def main() -> None:
     read_gbps = read_bandwidth_gbps()
     for prompts, tokens in SHORT_CASES:
         step = prefill_step(runner, prompts, tokens)
+        on_graph = runner.plan(step).graph
         ms = wall_ms(lambda: runner.execute(step), warmup=2, iters=10)  # noqa: B023
+        graphs, runner.graphs = runner.graphs, None
+        eager_ms = wall_ms(lambda: runner.execute(step), warmup=2, iters=10)  # noqa: B023
+        runner.graphs = graphs
         floor_ms = weight_bytes_read(runner, prompts * tokens) / read_gbps / 1e6
         row = dict(shape=args.shape, prompts=prompts, tokens=tokens, step_ms=round(ms, 2),
-                   floor_ms=round(floor_ms, 2), x_floor=round(ms / floor_ms, 2))  # fmt: skip
+                   on_graph=on_graph, eager_ms=round(eager_ms, 2), floor_ms=round(floor_ms, 2),
+                   x_floor=round(ms / floor_ms, 2))  # fmt: skip
         rows.append(row)
         print("PREFILL", row, flush=True)
     write_json(args.json, dict(gemm_peak_tflops=peak, read_gbps=read_gbps, rows=rows))

@@ -42,7 +42,10 @@ def main(out: Path) -> None:
         for r in prefill["rows"]:
             shape = f"{r['prompts']} x {r['tokens']}"
             if "floor_ms" in r:  # a short prompt: against reading the weights once
-                print(f"{shape:>16}  {r['step_ms']:7.1f}  ({r['x_floor']:.2f}x the weight read)")
+                print(
+                    f"{shape:>16}  {r['step_ms']:7.1f}  ({r['x_floor']:.2f}x the weight read; "
+                    f"eager {r['eager_ms']:.1f} ms)"
+                )
                 continue
             print(
                 f"{shape:>16}  {r['step_ms']:7.1f}  {r['tflops']:7.1f}  "

@@ -3,8 +3,10 @@
 A graph holds the whole device side of a greedy decode step: the forward, the LM head (float32
 logits) and the argmax. Other sampling reads the logits after the replay.
 
-A decode step of n sequences runs the graph of the smallest captured size b >= n. The runner pads
-the step to b rows before it gets here (`ModelRunner.plan`): padding rows hold
+A decode step of n sequences runs the graph of the smallest captured size b >= n; so does a step
+with prefill chunks of n new tokens in all, laid out one row per token (`ModelRunner.plan`): a
+row is one query attending to its sequence up to itself, which is what decode attention does.
+The runner pads the step to b rows before it gets here: padding rows hold
 token 0 at position 0, write their K/V into slot 0 of scratch page 0 and attend to that one
 token, so they touch no sequence's pages. Their outputs are ignored.
 

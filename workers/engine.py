@@ -58,7 +58,8 @@ class StepPlan:
     q_lens: list[int]  # per row (sequences, then CUDA-graph padding rows)
     kv_lens: list[int]
     unseen: np.ndarray  # [2, k] int64: index in the token ids, row of the last launch's ids
-    rows: list[int]  # the rows that sample a token
+    rows: list[int]  # the sequences (indices into the step's) that sample a token
+    sample_rows: list[int]  # their last rows: where their logits come from
     graph: bool  # replay the CUDA graph of len(q_lens) rows
 
 
@@ -127,6 +128,11 @@ class ModelRunner:
             self.graphs = DecodeCudaGraphs(
                 self.model, self.pool, attn.num_heads, scale, graph_sizes, max_pages
             )
+        # KV tokens the rows of prefill chunks run as decode rows may read in one step: as many
+        # bytes as the weights (a step of few tokens reads those once).
+        params = {p.data_ptr(): p for p in self.model.parameters()}.values()
+        weight_bytes = sum(p.numel() * p.element_size() for p in params)
+        self._token_row_reads = weight_bytes * cfg.page_size // self.kv_layout.page_bytes
 
     def _num_pages(self) -> int:
         if self.cfg.num_kv_pages is not None:
@@ -169,17 +175,24 @@ class ModelRunner:
         return LaunchedStep(step, plan.rows, sampled)
 
     def plan(self, step: StepInput) -> StepPlan:
-        """`step`'s inputs as host arrays, padded to a CUDA graph's batch size where one
-        applies. A padding row is token 0 at position 0 with one KV token in slot 0 of scratch
-        page 0."""
+        """`step`'s inputs as host arrays, laid out for a CUDA graph where one applies
+        (`_graph_layout`)."""
+        token_rows, pad_to = self._graph_layout(step)
+        return self.build_plan(step, token_rows, pad_to)
+
+    def build_plan(self, step: StepInput, token_rows: bool, pad_to: int | None) -> StepPlan:
+        """`step`'s inputs as host arrays. `token_rows`: every new token is a row of its own
+        (one query attending to its sequence up to itself), so prefill chunks run as decode
+        rows; `pad_to`: rows padded to that CUDA graph's batch size, a padding row being
+        token 0 at position 0 with one KV token in slot 0 of scratch page 0."""
         page_size = self.cfg.page_size
-        pad_to = self._graph_size(step)
-        num_seqs = len(step.seqs)
-        num_rows = num_seqs if pad_to is None else pad_to
         ids: list[int] = []
+        row_seqs: list[Sequence] = []  # the sequence of each row
+        q_lens: list[int] = []
         kv_lens: list[int] = []
+        sample_rows: list[int] = []
         unseen: list[tuple[int, int]] = []  # (index in ids, row of the previous step's tokens)
-        for seq, n in zip(step.seqs, step.num_new_tokens):
+        for i, (seq, n) in enumerate(zip(step.seqs, step.num_new_tokens)):
             start = seq.num_computed_tokens
             known = seq.token_ids[start : start + n]
             if len(known) < n:  # the last token is being sampled by the step still running
@@ -187,15 +200,25 @@ class ModelRunner:
                 unseen.append((len(ids) + n - 1, self._prev[1][seq]))
                 known.append(0)
             ids += known
-            kv_lens.append(start + n)
-        q_lens = list(step.num_new_tokens) + [1] * (num_rows - num_seqs)
-        kv_lens += [1] * (num_rows - num_seqs)
-        ids += [0] * (num_rows - num_seqs)
+            if token_rows:
+                row_seqs += [seq] * n
+                q_lens += [1] * n
+                kv_lens += range(start + 1, start + n + 1)
+            else:
+                row_seqs.append(seq)
+                q_lens.append(n)
+                kv_lens.append(start + n)
+            if step.samples(i):
+                sample_rows.append(len(q_lens) - 1)
+        padding = 0 if pad_to is None else pad_to - len(q_lens)
+        q_lens += [1] * padding
+        kv_lens += [1] * padding
+        ids += [0] * padding
         kv = np.asarray(kv_lens, dtype=np.int64)
         q = np.asarray(q_lens, dtype=np.int64)
-        table = self.page_table.build(step.seqs, -(-kv // page_size))
+        table = self.page_table.build(row_seqs, -(-kv // page_size))
         # Token t of row r sits at position kv_len - q_len + (t - first token of r).
-        row_of_token = np.repeat(np.arange(num_rows), q)
+        row_of_token = np.repeat(np.arange(len(q_lens)), q)
         first = np.cumsum(q) - q
         pos = (kv - q)[row_of_token] + np.arange(len(ids)) - first[row_of_token]
         packed = np.empty((4, len(ids)), dtype=np.int64)
@@ -209,7 +232,8 @@ class ModelRunner:
             q_lens=q_lens,
             kv_lens=kv_lens,
             unseen=np.asarray(unseen, dtype=np.int64).reshape(-1, 2).T.copy(),
-            rows=[i for i in range(num_seqs) if step.samples(i)],
+            rows=[i for i in range(len(step.seqs)) if step.samples(i)],
+            sample_rows=sample_rows,
             graph=pad_to is not None,
         )
 
@@ -220,7 +244,7 @@ class ModelRunner:
 
         """
         input_ids, positions, batch = self.device_inputs(plan)
-        rows = plan.rows
+        rows = plan.sample_rows
         if plan.graph:
             assert self.graphs is not None
             logits, greedy_ids = self.graphs.run(input_ids, positions, batch)
@@ -256,12 +280,26 @@ class ModelRunner:
         )
         return packed[0], packed[1], batch
 
-    def _graph_size(self, step: StepInput) -> int | None:
-        if self.graphs is None or any(n != 1 for n in step.num_new_tokens):
-            return None
+    def _graph_layout(self, step: StepInput) -> tuple[bool, int | None]:
+        """Whether `step` runs a row per token, and the captured size it pads to (None: eager).
+
+        A decode step runs on the graph of its batch size. A step with prefill chunks of few
+        tokens runs on the graph of its token count, one row per token: eagerly its ~10
+        launches a layer take 4-6 times the GPU work on the host (README, short prompts). Rows
+        of a chunk each read their sequence's KV up to themselves, so this is done only while
+        those reads stay within the weights' bytes (`_token_row_reads`)."""
+        if self.graphs is None:
+            return False, None
         ps = self.cfg.page_size
-        max_pages = max(-(-(s.num_computed_tokens + 1) // ps) for s in step.seqs)
-        return self.graphs.padded_size(len(step.seqs), max_pages)
+        pairs = list(zip(step.seqs, step.num_new_tokens))
+        max_pages = max(-(-(s.num_computed_tokens + n) // ps) for s, n in pairs)
+        if all(n == 1 for n in step.num_new_tokens):
+            return False, self.graphs.padded_size(len(step.seqs), max_pages)
+        reads = sum(n * s.num_computed_tokens + n * (n + 1) // 2 for s, n in pairs if n > 1)
+        if reads > self._token_row_reads:
+            return False, None
+        pad_to = self.graphs.padded_size(sum(step.num_new_tokens), max_pages)
+        return pad_to is not None, pad_to
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(array)

@@ -120,7 +120,9 @@ def test_cuda_graph_replay_gives_eager_tokens(smollm2_random: Path, num_seqs: in
     runner = ModelRunner(cfg)
     graphs = runner.graphs
     assert graphs is not None
-    prompts = [PROMPTS[i % len(PROMPTS)][: 3 + 7 * i] for i in range(num_seqs)]
+    # Over 16 prompt tokens in all: both traces prefill eagerly (not as rows of a graph), so
+    # their KV is the same and only the decode steps differ.
+    prompts = [PROMPTS[1 + i % 5][: 17 + 7 * i] for i in range(num_seqs)]
     runner.graphs = None
     eager, eager_top1, eager_gaps = decode_trace(runner, prompts, NEW_TOKENS, None)
     runner.graphs = graphs
@@ -142,6 +144,34 @@ def test_cuda_graph_replay_gives_eager_tokens(smollm2_random: Path, num_seqs: in
             assert abs(graph_top1[t][i] - eager_top1[t][i]) < 0.02
     same = sum(g == e for gs, es in zip(graph, eager) for g, e in zip(gs, es))
     assert same >= 0.95 * NEW_TOKENS * num_seqs
+
+
+def test_short_prefill_replays_a_decode_graph_one_row_a_token(smollm2_random: Path) -> None:
+    """A prompt of few tokens runs on the decode graph of its token count, each token a row
+    attending to the prompt up to itself, with the eager chunk's logits to bf16 rounding; a
+    prompt whose rows would read more KV than the weights' bytes runs eagerly."""
+    runner = ModelRunner(
+        EngineConfig(
+            model=str(smollm2_random), device="cuda", dtype="bfloat16", kv_cache_memory_gb=1
+        )
+    )
+    assert runner.graphs is not None
+    for length, on_graph in ((74, True), (200, False)):  # 200 x 201 / 2 reads: over budget
+        prompt = [(11 * j) % 4000 + 5 for j in range(length)]
+        seq = Sequence(str(length), prompt, length, greedy(), None)
+        seq.pages = list(range(1, 1 + -(-length // runner.cfg.page_size)))
+        step = StepInput([seq], [length])
+        plan = runner.plan(step)
+        assert plan.graph == on_graph
+        if not on_graph:
+            continue
+        assert plan.q_lens == [1] * len(plan.q_lens) and len(plan.q_lens) >= length
+        assert plan.sample_rows == [length - 1]
+        graph_logits, _ = runner.run_plan(plan)
+        eager_logits, _ = runner.run_plan(runner.build_plan(step, False, None))
+        assert graph_logits is not None and eager_logits is not None
+        diff = (graph_logits.log_softmax(-1) - eager_logits.log_softmax(-1)).abs().max()
+        assert float(diff) < LOGPROB_SLACK  # over the whole vocabulary: 0.029 on an H200
 
 
 def test_overlap_scheduling_gives_the_synchronous_tokens(smollm2_random: Path) -> None:
