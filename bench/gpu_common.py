@@ -140,8 +140,7 @@ def gemm_peak_tflops(n: int = 8192) -> float:
 def weight_bytes_read(runner: ModelRunner, batch: int) -> int:
     """Bytes of weights a step of `batch` rows (or tokens) reads: all, but of an untied
     embedding only those rows."""
-    params = {p.data_ptr(): p for p in runner.model.parameters()}.values()
-    total = sum(p.numel() * p.element_size() for p in params)
+    total = runner.weight_bytes
     cfg = runner.model_config
     if not cfg.tie_word_embeddings:  # the table is only gathered from: `batch` rows
         embed = runner.model.model.embed_tokens.weight

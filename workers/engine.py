@@ -106,6 +106,8 @@ class ModelRunner:
             dtype=str(self.dtype).removeprefix("torch."),
             kv_head_offset=attn.qkv_proj.kv_head_offset,
         )
+        params = {p.data_ptr(): p for p in self.model.parameters()}.values()  # tied: once
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in params)
         self.pool = KVPool(self.kv_layout, self._num_pages(), self.device)
         backend = cfg.resolved_backend(self.device, self.dtype)
         scale = attn.head_dim**-0.5
@@ -128,11 +130,6 @@ class ModelRunner:
             self.graphs = DecodeCudaGraphs(
                 self.model, self.pool, attn.num_heads, scale, graph_sizes, max_pages
             )
-        # KV tokens the rows of prefill chunks run as decode rows may read in one step: as many
-        # bytes as the weights (a step of few tokens reads those once).
-        params = {p.data_ptr(): p for p in self.model.parameters()}.values()
-        weight_bytes = sum(p.numel() * p.element_size() for p in params)
-        self._token_row_reads = weight_bytes * cfg.page_size // self.kv_layout.page_bytes
 
     def _num_pages(self) -> int:
         if self.cfg.num_kv_pages is not None:
@@ -285,9 +282,9 @@ class ModelRunner:
 
         A decode step runs on the graph of its batch size. A step with prefill chunks of few
         tokens runs on the graph of its token count, one row per token: eagerly its ~10
-        launches a layer take 4-6 times the GPU work on the host (README, short prompts). Rows
-        of a chunk each read their sequence's KV up to themselves, so this is done only while
-        those reads stay within the weights' bytes (`_token_row_reads`)."""
+        launches a layer take several times its GPU work on the host (README, short prompts).
+        Rows of a chunk each read their sequence's KV up to themselves, so this is done only
+        while those reads stay within as many bytes as the weights (read once a step)."""
         if self.graphs is None:
             return False, None
         ps = self.cfg.page_size
@@ -296,7 +293,7 @@ class ModelRunner:
         if all(n == 1 for n in step.num_new_tokens):
             return False, self.graphs.padded_size(len(step.seqs), max_pages)
         reads = sum(n * s.num_computed_tokens + n * (n + 1) // 2 for s, n in pairs if n > 1)
-        if reads > self._token_row_reads:
+        if reads * self.kv_layout.page_bytes > self.weight_bytes * ps:  # KV tokens vs weights
             return False, None
         pad_to = self.graphs.padded_size(sum(step.num_new_tokens), max_pages)
         return pad_to is not None, pad_to
