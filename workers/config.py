@@ -35,8 +35,9 @@ class EngineConfig(BaseModel):
     enforce_eager: bool = Field(False, description="never capture or replay CUDA graphs")
     cuda_graph_batch_sizes: tuple[int, ...] | None = Field(
         None,
-        description="decode batch sizes to capture; None: 1, 2, 4, 8, then steps of 16 "
-        "(32 past 128) up to max_num_seqs. Larger decode batches run eagerly",
+        description="rows of the decode steps to capture (a row: a decoding sequence, or one "
+        "token of a short prefill chunk); None: 1, 2, 4, 8, then steps of 16 (32 past 128) up "
+        "to max_num_seqs. Larger steps run eagerly",
     )
     overlap_scheduling: bool | None = Field(
         None,
