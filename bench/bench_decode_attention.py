@@ -21,6 +21,7 @@ import flashinfer
 import torch
 
 from bench.gpu_common import cuda_ms, read_bandwidth_gbps, write_json
+from workers.attention.flashinfer import new_workspace
 
 LAYERS, Q_HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 32, 8, 128, 16  # Llama-3-8B
 
@@ -49,7 +50,7 @@ def layer_graph(
     indices = torch.randperm(num_pages, dtype=torch.int32)
     last = torch.full((batch,), context - (pages_per_seq - 1) * PAGE, dtype=torch.int32)
     wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-        torch.zeros(256 * 2**20, dtype=torch.uint8, device="cuda"),
+        new_workspace(torch.device("cuda")),
         "NHD",
         use_cuda_graph=True,
         paged_kv_indptr_buffer=indptr.cuda(),
