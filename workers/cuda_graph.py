@@ -109,6 +109,15 @@ class DecodeCudaGraphs:
         logits = self.model.compute_logits(self.model(ids, pos, attn))
         return logits, logits.argmax(dim=-1)
 
+    def release(self) -> None:
+        """Free the graphs. A TP group must do this before it destroys its NCCL communicator:
+        a live graph holding the communicator's collectives makes the destroy wait forever
+        (measured on two H200s; pytorch/pytorch#115388)."""
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.outputs.clear()
+
     def run(
         self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,7 +11,6 @@ the one this step samples. Such a token is taken from this step's output on the 
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -33,7 +32,6 @@ from workers.tp import SINGLE, TPGroup
 if TYPE_CHECKING:
     from workers.cuda_graph import DecodeCudaGraphs
 
-logger = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_GB = 1.0
 
@@ -119,11 +117,7 @@ class ModelRunner:
         self._prev: tuple[torch.Tensor, dict[Sequence, int]] | None = None
         self.graphs: DecodeCudaGraphs | None = None
         graph_sizes = cfg.resolved_graph_batch_sizes()
-        if graph_sizes and tp.size > 1:
-            # NCCL collectives inside captured graphs are not verified yet (a TP=2 bf16 run
-            # with graphs on two H200s did not finish): TP groups decode eagerly for now.
-            logger.warning("tensor_parallel_size > 1: decode steps run without CUDA graphs")
-        elif graph_sizes and backend == "flashinfer" and self.device.type == "cuda":
+        if graph_sizes and backend == "flashinfer" and self.device.type == "cuda":
             from workers.cuda_graph import DecodeCudaGraphs  # CUDA only
 
             max_pages = -(-self.max_model_len // cfg.page_size)

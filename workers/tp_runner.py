@@ -36,6 +36,7 @@ from workers.model.loader import load_model_config
 from workers.tp import SINGLE, TPGroup, destroy_group, free_port, init_group
 
 if TYPE_CHECKING:
+    from workers.cuda_graph import DecodeCudaGraphs
     from workers.tp_ranks import RankActors, TPRankError
 
 logger = logging.getLogger(__name__)
@@ -117,11 +118,11 @@ class TPDriverRunner(RankRunner):
             ranks.serve()
         except BaseException:
             ranks.stop()
-            destroy_group()
+            _leave_group(getattr(self, "graphs", None))
             raise
         self._ranks: RankActors = ranks
         self._error: TPRankError | None = None
-        self._finalizer = weakref.finalize(self, _shutdown, self.tp, ranks)
+        self._finalizer = weakref.finalize(self, _shutdown, self.tp, ranks, self.graphs)
         logger.info("tensor parallel engine: %d ranks on %s", size, address)
 
     @torch.inference_mode()
@@ -164,10 +165,23 @@ class TPDriverRunner(RankRunner):
         self._finalizer()
 
 
-def _shutdown(tp: TPGroup, ranks: RankActors) -> None:
+def _leave_group(graphs: DecodeCudaGraphs | None) -> None:
+    """Destroy this process's TP communicator, once no CUDA graph holds its collectives (see
+    `DecodeCudaGraphs.release`)."""
+    if graphs is not None:
+        graphs.release()
+    destroy_group()
+
+
+def _shutdown(tp: TPGroup, ranks: RankActors, graphs: DecodeCudaGraphs | None) -> None:
+    left = False
     try:
         if not ranks.broken and ranks.actors:
-            tp.broadcast_object(None)  # ranks leave their loops
+            tp.broadcast_object(None)  # ranks leave their loops, then the group
+            # NCCL's destroy waits for every rank's (two H200s: rank 0's took 5 s behind a rank
+            # 5 s late), so rank 0 leaves with them, before it waits for them.
+            _leave_group(graphs)
+            left = True
             ranks.join()
     except Exception as e:  # noqa: BLE001 - the ranks are killed below either way
         logger.warning("TP stop broadcast failed: %s", e)
@@ -175,7 +189,8 @@ def _shutdown(tp: TPGroup, ranks: RankActors) -> None:
         ranks.stop()
     except Exception as e:  # noqa: BLE001 - Ray may already be down at interpreter exit
         logger.warning("stopping TP ranks failed: %s", e)
-    destroy_group()
+    if not left:
+        _leave_group(graphs)
 
 
 def _die(what: str) -> None:
@@ -218,5 +233,5 @@ class RankWorker:
                     self.runner.follow(step)  # type: ignore[arg-type]
         except BaseException:  # noqa: BLE001 - see _die
             _die(f"TP rank {self.rank} failed a step")
-        destroy_group()
+        _leave_group(self.runner.graphs)
         logger.info("TP rank %d stopped", self.rank)

@@ -11,11 +11,16 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
 
 from tests.conftest import make_random_checkpoint
+
+if TYPE_CHECKING:
+    from workers.attention.base import AttentionBatch
+    from workers.cuda_graph import DecodeCudaGraphs
 
 SMOLLM2_SHAPE = dict(
     hidden_size=576,
@@ -107,3 +112,18 @@ def hf_judge(
     log_probs = logits.log_softmax(dim=-1)
     picked = log_probs.gather(1, torch.tensor(generated, device=device)[:, None])[:, 0]
     return picked, log_probs.max(dim=1).values - picked
+
+
+def count_replays(graphs: DecodeCudaGraphs) -> list[int]:
+    """From now on, the row count of each replay of `graphs`, appended to the returned list."""
+    replays: list[int] = []
+    replay = graphs.run
+
+    def counted_run(
+        ids: torch.Tensor, pos: torch.Tensor, batch: AttentionBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        replays.append(len(batch.q_lens))
+        return replay(ids, pos, batch)
+
+    graphs.run = counted_run  # type: ignore[method-assign,assignment]
+    return replays

@@ -13,9 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.gpu.conftest import hf_greedy_gpu, hf_judge
+from tests.gpu.conftest import count_replays, hf_greedy_gpu, hf_judge
 from workers import LLM, SamplingParams
-from workers.attention.base import AttentionBatch
 from workers.config import EngineConfig
 from workers.engine import ModelRunner, StepInput
 from workers.sequence import Sequence
@@ -126,16 +125,7 @@ def test_cuda_graph_replay_gives_eager_tokens(smollm2_random: Path, num_seqs: in
     runner.graphs = None
     eager, eager_top1, eager_gaps = decode_trace(runner, prompts, NEW_TOKENS, None)
     runner.graphs = graphs
-    replays: list[int] = []
-    replay = graphs.run
-
-    def counted_run(
-        ids: torch.Tensor, pos: torch.Tensor, batch: AttentionBatch
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        replays.append(len(batch.q_lens))
-        return replay(ids, pos, batch)
-
-    graphs.run = counted_run  # type: ignore[method-assign,assignment]
+    replays = count_replays(graphs)
     graph, graph_top1, _ = decode_trace(runner, prompts, NEW_TOKENS, eager)
     assert replays == [graphs.padded_size(num_seqs, 1)] * NEW_TOKENS
     for t in range(NEW_TOKENS):

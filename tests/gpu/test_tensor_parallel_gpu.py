@@ -1,21 +1,23 @@
 """Tensor parallelism over two GPUs: NCCL all-reduces between the ranks' steps.
 
 A random Llama with 8 query / 4 KV heads of 64 splits into two ranks of 4 / 2. float32 with the
-torch backend must give the single GPU's greedy tokens; bf16 with FlashInfer and overlap
-scheduling must pick, at every position, one of HF float32's best tokens. TP groups run without
-CUDA graphs for now (see `ModelRunner.__init__`).
+torch backend must give the single GPU's greedy tokens; bf16 with FlashInfer, overlap scheduling
+and CUDA graphs (each rank replays its own, the all-reduces captured inside) must pick, at every
+position, one of HF float32's best tokens.
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.conftest import make_random_checkpoint
-from tests.gpu.conftest import hf_judge
+from tests.gpu.conftest import count_replays, hf_judge
 from workers import LLM, SamplingParams
+from workers.tp_ranks import STOP_TIMEOUT_S
 
 pytestmark = [
     pytest.mark.gpu,
@@ -51,18 +53,28 @@ def test_two_gpus_float32_give_the_single_gpu_tokens(llama: str) -> None:
 def test_two_gpus_bf16_flashinfer_track_hf(llama: str) -> None:
     from transformers import AutoModelForCausalLM
 
-    with LLM(
+    llm = LLM(
         llama,
         tensor_parallel_size=2,
         device="cuda",
         dtype="bfloat16",
         kv_cache_memory_gb=1,
         overlap_scheduling=True,
-    ) as llm:
+    )
+    try:
         runner = llm.engine.runner
-        assert runner.tp.size == 2 and runner.graphs is None
+        graphs = runner.graphs
+        assert runner.tp.size == 2 and graphs is not None
         assert llm.engine.overlap  # unseen ids travel rank 0 -> rank 1 on the device
+        replays = count_replays(graphs)
         outs = llm.generate(PROMPTS, GREEDY)
+    finally:
+        start = time.perf_counter()
+        llm.close()
+    # The ranks leave the NCCL group together, after freeing the graphs that captured its
+    # collectives; otherwise the destroy waits forever, or rank 0 waits out the join's timeout.
+    assert time.perf_counter() - start < STOP_TIMEOUT_S
+    assert len(replays) >= GREEDY.max_tokens - 1, replays  # every decode step replays
     hf = AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32).to("cuda").eval()
     for prompt, out in zip(PROMPTS, outs):
         assert len(out.token_ids) == GREEDY.max_tokens
