@@ -1,18 +1,20 @@
-"""Decode step time against the HBM floor: random weights, bf16, one GPU.
+"""Decode step time against the HBM floor: random weights, bf16, one GPU or a TP group.
 
 A step is what the engine runs per generated token on `batch` sequences of `context` tokens
 each. Its floor is the bytes it must read, the weights once (of the embedding only the batch's
 rows, unless tied to the LM head) plus every sequence's KV, over the copy bandwidth measured in
-the same process. Three ways of timing it:
+the same process; with `--tp N` each rank reads its shard of both in parallel, so the floor is one
+rank's bytes (the all-reduces between the ranks are part of the gap). Three ways of timing it:
 - `engine_ms`: the real `Engine.step()` loop (overlap scheduling, scheduler, detokeniser, stop
   checks) on `batch` requests that have been prefilled to `context` tokens: wall time per step;
 - `overlap_ms`: `ModelRunner.launch` of step n+1 before reading step n, back to back;
 - `sync_ms`: `ModelRunner.execute`, which waits for each step (the engine without overlap).
-Parts are timed too: the graph replay (forward, LM head and argmax; CUDA events), the host's
-input plan and FlashInfer's plan; `--profile` adds, for two cases, where the graph replay's
-device time goes and the top kernels and host ops of an eager step.
+Parts are timed too: the graph replay (forward, LM head and argmax; CUDA events; one GPU only:
+a rank cannot replay its graph alone), the host's input plan and FlashInfer's plan, and the
+eager step; `--profile` adds, for two cases, where the graph replay's device time goes (with
+`--tp`, a whole step's on rank 0) and the top kernels and host ops of an eager step.
 
-    python -m bench.bench_decode --tokenizer-dir DIR [--shape llama3-8b] [--json out.json]
+    python -m bench.bench_decode --tokenizer-dir DIR [--shape llama3-8b] [--tp 2] [--json F]
 """
 
 from __future__ import annotations
@@ -125,6 +127,7 @@ def main() -> None:
     ap = bench_parser(__doc__)
     ap.add_argument("--profile", action="store_true", help="top kernels of eager 1x1024, 64x2048")
     ap.add_argument("--cases", help="only these, e.g. 1x1024,64x2048")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (GPUs)")
     args = ap.parse_args()
     bandwidth = copy_bandwidth_gbps()
     print(
@@ -146,6 +149,7 @@ def main() -> None:
         max_num_seqs=256,
         max_num_batched_tokens=16384,
         cuda_graph_batch_sizes=tuple(sorted({b for b, _ in CASES + cases})),
+        tensor_parallel_size=args.tp,
     )
     engine = Engine(cfg)
     assert engine.overlap
@@ -159,7 +163,8 @@ def main() -> None:
         step = decode_step(runner, batch, context)
         sync_ms = wall_ms(lambda: runner.execute(step))  # noqa: B023 - called here only
         pipelined_ms = overlapped_ms(runner, step)
-        replay_ms = cuda_ms(graphs.graphs[batch].replay)  # GPU time of the captured step
+        # GPU time of the captured step
+        replay_ms = cuda_ms(graphs.graphs[batch].replay) if args.tp == 1 else None
         plan_ms = wall_ms(lambda: runner.plan(step))  # noqa: B023 - host only
         _, _, batch_in = runner.device_inputs(runner.plan(step))
         fi_plan_ms = wall_ms(lambda: graphs.attn[batch].plan(batch_in))  # noqa: B023
@@ -172,23 +177,27 @@ def main() -> None:
         best = in_engine if in_engine is not None else pipelined_ms
         row = dict(
             shape=args.shape,
+            tp=args.tp,
             batch=batch,
             context=context,
             engine_ms=None if in_engine is None else round(in_engine, 3),
             overlap_ms=round(pipelined_ms, 3),
             sync_ms=round(sync_ms, 3),
-            graph_replay_ms=round(replay_ms, 3),
+            graph_replay_ms=None if replay_ms is None else round(replay_ms, 3),
             host_plan_ms=round(plan_ms, 3),
             flashinfer_plan_ms=round(fi_plan_ms, 3),
             eager_step_ms=round(eager_ms, 3),
             floor_ms=round(floor_ms, 3),
             x_floor=round(best / floor_ms, 3),
-            replay_x_floor=round(replay_ms / floor_ms, 3),
+            replay_x_floor=None if replay_ms is None else round(replay_ms / floor_ms, 3),
             tokens_per_s=round(batch / best * 1e3),
         )
         rows.append(row)
         print("DECODE", row, flush=True)
-        if args.profile and (batch, context) in ((1, 1024), (64, 2048)):
+        if args.profile and args.tp > 1 and (batch, context) in ((1, 1024), (64, 2048)):
+            # rank 0's device time of whole steps (a rank cannot replay its graph alone)
+            print(step_timeline(lambda: runner.execute(step)), flush=True)  # noqa: B023
+        elif args.profile and (batch, context) in ((1, 1024), (64, 2048)):
             print(step_timeline(graphs.graphs[batch].replay), flush=True)
             runner.graphs = None
             print(top_kernels(lambda: runner.execute(step)), flush=True)  # noqa: B023

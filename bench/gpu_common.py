@@ -185,6 +185,9 @@ KERNEL_KINDS = (
     ("nvjet", "gemm: cublas"),
     ("splitK", "gemm: cublas"),
     ("reduce_kernel", "argmax (torch reduction)"),
+    ("AllReduce", "tp: nccl all-reduce"),
+    ("AllGather", "tp: nccl all-gather"),
+    ("Broadcast", "tp: nccl broadcast"),
 )
 
 

@@ -49,7 +49,8 @@ fi
 OUT=${OUT:-/tmp/pdserve-gpu}
 mkdir -p "$OUT"
 SUITE=${SUITE:-tests decode prefill offline}  # also: decode_tc (tensor-core decode, JIT ~80 s),
-# kv2 (NIXL between two GPUs: a kind with 2+ GPUs), compare (each layer's FlashInfer attention in
+# kv2 (NIXL between two GPUs: a kind with 2+ GPUs), decode_tp (decode steps over two GPUs, tensor
+# parallel, CUDA graphs against eager: also a kind with 2+ GPUs), compare (each layer's FlashInfer attention in
 # the engine against the torch reference, on SmolLM2's real weights: needs the stashed GGUF),
 # attn (FlashInfer's decode attention alone, planned each way it can be, against its KV floor)
 KIT_ONLY="flashinfer deps nixl ray" source .kit/setup.sh  # nixl, ray: the VRAM hand-off
@@ -78,9 +79,11 @@ part() {  # part NAME SECONDS COMMAND...: run one part with a limit, log it, rem
   echo "SUITE $name rc=$rc in $((SECONDS - t0)) s"
   [ "$rc" = 0 ] || status=1
 }
-part tests 200 python3 -m pytest tests/gpu -m gpu -q -rs -p no:cacheprovider \
+part tests 330 python3 -m pytest tests/gpu -m gpu -q -rs -p no:cacheprovider \
   --junitxml="$OUT/tests.xml"
 part decode 180 python3 -m bench.bench_decode "${tok[@]}" --profile --json "$OUT/decode.json"
+part decode_tp 200 python3 -m bench.bench_decode "${tok[@]}" --tp 2 --cases 1x1024,16x1024,64x2048 --profile \
+  --json "$OUT/decode_tp.json"
 part prefill 80 python3 -m bench.bench_prefill "${tok[@]}" --profile --json "$OUT/prefill.json"
 part offline 170 python3 -m bench.bench_offline_gpu "${tok[@]}" --json "$OUT/offline.json"
 part kv2 150 python3 bench/bench_kv_transfer.py --device cuda --num-gpus 1 --layout llama3-8b \

@@ -22,18 +22,28 @@ def main(out: Path) -> None:
                 f"GPU tests: {a['tests']} run, {a['failures']} failed, {a['errors']} errors, "
                 f"{a['skipped']} skipped, {float(a['time']):.0f} s"
             )
-    for name, label in (("decode", "default kernels"), ("decode_tc", "tensor-core decode forced")):
+    decodes = (
+        ("decode", "default kernels"),
+        ("decode_tc", "tensor-core decode forced"),
+        ("decode_tp", "2 GPUs, tensor parallel"),
+    )
+    for name, label in decodes:
         decode = _load(out / f"{name}.json")
         if not decode:
             continue
         print(f"\ndecode, {label} (copy bandwidth {decode['copy_bandwidth_gbps']:.0f} GB/s)")
-        print("batch  context  engine ms  overlap ms  sync ms  graph ms  floor ms  x floor  tok/s")
+        print(
+            "batch  context  engine ms  overlap ms  sync ms  graph ms  eager ms  floor ms  "
+            "x floor  tok/s"
+        )
         for r in decode["rows"]:
-            engine = "-" if r["engine_ms"] is None else f"{r['engine_ms']:.2f}"
+            engine, graph = (
+                "-" if r[k] is None else f"{r[k]:.2f}" for k in ("engine_ms", "graph_replay_ms")
+            )
             print(
                 f"{r['batch']:5d}  {r['context']:7d}  {engine:>9}  {r['overlap_ms']:10.2f}  "
-                f"{r['sync_ms']:7.2f}  {r['graph_replay_ms']:8.2f}  {r['floor_ms']:8.2f}  "
-                f"{r['x_floor']:7.2f}  {r['tokens_per_s']:8d}"
+                f"{r['sync_ms']:7.2f}  {graph:>8}  {r['eager_step_ms']:8.2f}  "
+                f"{r['floor_ms']:8.2f}  {r['x_floor']:7.2f}  {r['tokens_per_s']:8d}"
             )
     prefill = _load(out / "prefill.json")
     if prefill:
