@@ -1,11 +1,13 @@
 """Decode-step GEMMs: cuBLAS (F.linear) against the Triton skinny GEMM, Llama-3-8B shapes.
 
-    python -m bench.bench_gemm_decode [--json FILE] [--sweep]
+    python -m bench.bench_gemm_decode [--json FILE] [--sweep] [--tp N]
 
 For each weight (q/k/v, o_proj, gate_up, down, LM head) and M in 1..64 rows: weight GB/s of
 each, its fraction of the measured device copy bandwidth, the speedup, and whether
 `workers/model/layers.py` dispatches to the kernel there (`skinny_gemm.applies`). The totals are
-one decode step's GEMM time: the four layer weights x 32 plus the LM head.
+one decode step's GEMM time: the four layer weights x 32 plus the LM head. `--tp N`: one rank's
+shards at N tensor-parallel ranks instead (q/k/v, gate_up and the LM head split N, o_proj and
+down split K).
 
 Every call reads its own copy of the weight from a set larger than the L2 (as a decode step
 reads each weight once), and calls are timed as CUDA-graph replays, as the engine runs decode,
@@ -23,7 +25,7 @@ import torch.nn.functional as F
 
 from bench.gpu_common import copy_bandwidth_gbps, cuda_ms, write_json
 
-# name -> (N, K), bf16, one rank of Llama-3-8B
+# name -> (N, K), bf16, Llama-3-8B unsharded
 SHAPES = {
     "qkv": (6144, 4096),
     "o_proj": (4096, 4096),
@@ -34,6 +36,14 @@ SHAPES = {
 LAYERS = 32
 ROWS = (1, 2, 4, 8, 16, 32, 64)
 WORKING_SET = 256 * 2**20  # > 4x the H200's 60 MB L2
+ROW_SPLIT = ("o_proj", "down")  # RowParallelLinear: TP splits K; the others split N
+
+
+def shard_shapes(tp: int) -> dict[str, tuple[int, int]]:
+    """(N, K) of one rank's shard of each weight at `tp` ranks."""
+    return {
+        name: (n, k // tp) if name in ROW_SPLIT else (n // tp, k) for name, (n, k) in SHAPES.items()
+    }
 
 
 def weights(n: int, k: int) -> list[torch.Tensor]:
@@ -69,11 +79,11 @@ def sweep_candidates(m: int, n: int) -> list[object]:
     return out
 
 
-def sweep(copy_gbps: float) -> list[dict]:
+def sweep(shapes: dict[str, tuple[int, int]]) -> list[dict]:
     from workers.model.skinny_gemm import skinny_linear
 
     rows = []
-    for name, (n, k) in SHAPES.items():
+    for name, (n, k) in shapes.items():
         ws = weights(n, k)
         for m in ROWS:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -100,16 +110,16 @@ def sweep(copy_gbps: float) -> list[dict]:
         del ws
     print("CONFIGS = {")
     for r in rows:
-        n, k = SHAPES[r["shape"]]
+        n, k = shapes[r["shape"]]
         print(f"    ({n}, {k}, {r['m']}): {r['best']},  # {r['cublas_ms'] / r['best_ms']:.3f}x")
     print("}")
-    for name in SHAPES:
+    for name in shapes:
         wins = [r["m"] for r in rows if r["shape"] == name and r["best_ms"] < 0.98 * r["cublas_ms"]]
         print(f"{name}: beats cuBLAS by >2% at M in {wins}")
     return rows
 
 
-def compare(copy_gbps: float) -> list[dict]:
+def compare(shapes: dict[str, tuple[int, int]], copy_gbps: float) -> list[dict]:
     from workers.model import skinny_gemm
 
     rows = []
@@ -117,7 +127,7 @@ def compare(copy_gbps: float) -> list[dict]:
         f"{'shape':8} {'M':>3} {'cuBLAS ms':>10} {'GB/s':>6} {'of copy':>7} "
         f"{'Triton ms':>10} {'GB/s':>6} {'of copy':>7} {'speedup':>7}  used"
     )
-    for name, (n, k) in SHAPES.items():
+    for name, (n, k) in shapes.items():
         ws = weights(n, k)
         gb = n * k * 2 / 1e9
         for m in ROWS:
@@ -141,7 +151,7 @@ def step_totals(rows: list[dict]) -> None:
     """One decode step's GEMMs: 32 layers of q/k/v, o_proj, gate_up, down, plus the LM head."""
     for m in ROWS:
         at = {r["shape"]: r for r in rows if r["m"] == m}
-        count = {name: (1 if name == "lm_head" else LAYERS) for name in SHAPES}
+        count = {name: (1 if name == "lm_head" else LAYERS) for name in at}
         cublas = sum(at[s]["cublas_ms"] * c for s, c in count.items())
         triton_ms = sum(at[s]["triton_ms"] * c for s, c in count.items())
         dispatch = sum(
@@ -158,15 +168,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json")
     ap.add_argument("--sweep", action="store_true", help="time launch configs, print the best")
+    ap.add_argument("--tp", type=int, default=1, help="one rank's shards at this many ranks")
     args = ap.parse_args()
+    shapes = shard_shapes(args.tp)
     copy_gbps = copy_bandwidth_gbps()
-    weight_gb = sum(n * k * 2 * (1 if s == "lm_head" else LAYERS) for s, (n, k) in SHAPES.items())
+    weight_gb = sum(n * k * 2 * (1 if s == "lm_head" else LAYERS) for s, (n, k) in shapes.items())
     print(f"device copy bandwidth {copy_gbps:.0f} GB/s; step weights {weight_gb / 1e9:.2f} GB")
     with torch.inference_mode():
         if args.sweep:
-            write_json(args.json, sweep(copy_gbps))
+            write_json(args.json, sweep(shapes))
             return
-        rows = compare(copy_gbps)
+        rows = compare(shapes, copy_gbps)
     step_totals(rows)
     write_json(args.json, dict(copy_gbps=copy_gbps, rows=rows))
 

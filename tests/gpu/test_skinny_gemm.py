@@ -29,7 +29,8 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> No
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     "n,k",
-    [(4096, 4096), (6144, 4096), (100, 300), (1000, 1000), (333, 4104), (4096, 14336), (7, 64)],
+    [(4096, 4096), (6144, 4096), (100, 300), (1000, 1000), (333, 4104), (4096, 14336), (7, 64)]
+    + [(3072, 4096), (4096, 2048), (4096, 7168)],  # shards at TP=2
 )
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 13, 16, 31, 32, 64])
 def test_skinny_linear_matches_fp64_reference(m: int, n: int, k: int, dtype: torch.dtype) -> None:
@@ -186,7 +187,7 @@ def test_layers_use_the_kernel_only_where_it_was_measured_to_win(
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n,k", [(14336, 4096), (1536, 576), (100, 300), (7, 64)])
+@pytest.mark.parametrize("n,k", [(14336, 4096), (7168, 4096), (1536, 576), (100, 300), (7, 64)])
 @pytest.mark.parametrize("m", [1, 3, 8])
 def test_gated_product_equals_the_gemm_then_silu_and_mul(
     m: int, n: int, k: int, dtype: torch.dtype

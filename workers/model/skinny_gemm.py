@@ -224,6 +224,14 @@ CONFIGS: dict[tuple[int, int, int], Config] = {
     (128256, 4096, 1): replace(_SWAP128, num_warps=8),
     **{(128256, 4096, m): _SWAP128 for m in (2, 4, 64)},
     **{(128256, 4096, m): _SWAP64 for m in (8, 16, 32)},
+    # One rank's shards at tensor_parallel_size=2, batch 1 (q/k/v, gate_up and the LM head split
+    # N, o_proj and down K). Not swept: each takes its unsharded shape's kernel with at least as
+    # many programs; with them a whole TP=2 step beat cuBLAS's (README, tensor-parallel decode).
+    (3072, 4096, 1): _GEMV4,
+    (4096, 2048, 1): _GEMV4,
+    (14336, 4096, 1): _GEMV4,
+    (4096, 7168, 1): _GEMV4,
+    (64128, 4096, 1): replace(_SWAP128, num_warps=8),
 }
 # Where the kernel is used. With programmatic dependent launch (Hopper on; `pdl.py`) every
 # CONFIGS cell: each kernel then streams its first weights while the one before it ends, and
