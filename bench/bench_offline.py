@@ -1,4 +1,6 @@
-"""Offline throughput: pdserve's engine vs HF transformers `generate`, same workload, one run.
+"""Offline throughput: pdserve's engine vs HF transformers `generate`, same workload, one run;
+also the engine with every request penalised (frequency, presence, repetition, logit bias)
+against itself without, which is the cost of those rules on the sampling path.
 
 python bench/bench_offline.py                      # SmolLM2 on CPU, batch 8 x 128 in / 64 out
 python bench/bench_offline.py --batch 32 --device cuda --dtype bfloat16
@@ -19,8 +21,13 @@ def workload(vocab: int, batch: int, prompt_len: int, seed: int = 0) -> list[lis
     return torch.randint(100, vocab - 1, (batch, prompt_len), generator=g).tolist()
 
 
-def bench_ours(llm: LLM, prompts: list[list[int]], out_len: int) -> float:
-    params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
+PENALTIES = dict(
+    frequency_penalty=0.5, presence_penalty=0.5, repetition_penalty=1.1, logit_bias={"13": -5.0}
+)
+
+
+def bench_ours(llm: LLM, prompts: list[list[int]], out_len: int, **rules: object) -> float:
+    params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True, **rules)
     llm.generate(prompts[:2], SamplingParams(max_tokens=2))  # warm-up
     t = time.perf_counter()
     outs = llm.generate(prompts, params)
@@ -58,6 +65,7 @@ def main() -> None:
     llm = LLM(args.model, device=args.device, dtype=args.dtype, enable_prefix_caching=False)
     prompts = workload(llm.engine.runner.model_config.vocab_size, args.batch, args.prompt_len)
     ours = bench_ours(llm, prompts, args.output_len)
+    penalised = bench_ours(llm, prompts, args.output_len, **PENALTIES)
     dir_ = str(llm.engine.runner.model_dir)
     del llm
     hf = bench_hf(dir_, prompts, args.output_len, args.device, getattr(torch, args.dtype))
@@ -69,7 +77,10 @@ def main() -> None:
     print(f"{'engine':<14}{'seconds':>10}{'out tok/s':>12}")
     print(f"{'pdserve':<14}{ours:>10.2f}{tokens / ours:>12.1f}")
     print(f"{'HF generate':<14}{hf:>10.2f}{tokens / hf:>12.1f}")
-    print(f"ratio pdserve / HF: {hf / ours:.2f}x")
+    print(f"{'penalised':<14}{penalised:>10.2f}{tokens / penalised:>12.1f}")
+    print(
+        f"ratio pdserve / HF: {hf / ours:.2f}x; penalised / plain pdserve: {ours / penalised:.2f}x"
+    )
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from cluster.config import AppConfig, PoolConfig, RouterConfig
 from router.backend import GenerationBackend
 from router.metrics_board import MetricsBoard
 from router.openai_api import build_openai_app
+from router.params import generation_defaults
 from router.pd_backend import DisaggregatedBackend
 from workers.decode_worker import DecodeWorker
 from workers.model.loader import load_model_config, load_tokenizer, resolve_model
@@ -41,6 +42,9 @@ class OpenAIIngress:
         self.max_model_len = load_model_config(model_dir).context_limit(
             self.config.engine.max_model_len
         )
+        self.sampling_defaults = generation_defaults(model_dir)
+        if self.sampling_defaults:
+            logger.info("sampling defaults from generation_config.json: %s", self.sampling_defaults)
 
     def __serve_build_asgi_app__(self) -> Any:
         return build_openai_app(
@@ -49,6 +53,7 @@ class OpenAIIngress:
             self.config.model_name,
             self.max_model_len,
             api_key=self.config.resolved_api_key(),
+            sampling_defaults=self.sampling_defaults,
             board=self.board,
         )
 

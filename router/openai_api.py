@@ -98,8 +98,9 @@ def build_openai_app(
 ) -> FastAPI:
     """The app for one served model; `tokenizer` is the model's transformers tokenizer.
 
-    `sampling_defaults` fills omitted temperature / top_p / top_k / min_p (vLLM reads them from
-    generation_config.json); `metrics` defaults to a fresh `Metrics` with its own registry.
+    `sampling_defaults` fills omitted temperature / top_p / top_k / min_p / repetition_penalty
+    (`params.generation_defaults`: vLLM reads them from generation_config.json); `metrics`
+    defaults to a fresh `Metrics` with its own registry.
     `board` (one of several router replicas) shares the request metrics with the other replicas,
     so /metrics covers them all; without it /metrics shows this process's requests.
     """

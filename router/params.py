@@ -1,14 +1,16 @@
 """OpenAI request fields into the engine's `SamplingParams`, refusing what we cannot honour.
 
 A field that would change the output but that the engine does not implement is answered with 400
-"not supported" rather than ignored: penalties away from their neutral values, `logit_bias`,
-guided decoding, beam search, tools. Unknown fields that do not change the output are ignored.
+"not supported" rather than ignored: guided decoding, beam search, tools. Unknown fields that do
+not change the output are ignored.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
@@ -19,12 +21,12 @@ from workers.protocol import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-SAMPLING_DEFAULTABLE = ("temperature", "top_p", "top_k", "min_p")
-NEUTRAL = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+# Omitted, these take the model's generation_config.json values (as vLLM does), else ours.
+SAMPLING_DEFAULTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+PASSED_IF_SET = ("presence_penalty", "frequency_penalty", "logit_bias")
 
 # Unknown (extra) fields that change the output unless they hold their neutral value.
 UNSUPPORTED_EXTRAS: dict[str, tuple[Any, ...]] = {
-    "logit_bias": (None, {}),
     "suffix": (None, ""),
     "prompt_logprobs": (None,),
     "use_beam_search": (None, False),
@@ -43,13 +45,21 @@ UNSUPPORTED_EXTRAS: dict[str, tuple[Any, ...]] = {
 }
 
 
+def generation_defaults(model_dir: Path) -> dict[str, float]:
+    """The sampling defaults a model's generation_config.json sets (of SAMPLING_DEFAULTABLE)."""
+    path = model_dir / "generation_config.json"
+    if not path.is_file():
+        return {}
+    config = json.loads(path.read_text())
+    return {
+        name: float(config[name])
+        for name in SAMPLING_DEFAULTABLE
+        if isinstance(config.get(name), int | float) and not isinstance(config[name], bool)
+    }
+
+
 def check_supported(req: SamplingFields) -> None:
     """400 for a field that would change the output in a way the engine cannot."""
-    for name, neutral in NEUTRAL.items():
-        value = getattr(req, name)
-        if value is not None and value != neutral:
-            raise BadRequestError(f"{name}={value} is not supported; only {neutral} is",
-                                  param=name)
     extra = req.model_extra or {}
     for name, allowed in UNSUPPORTED_EXTRAS.items():
         if name in extra and not any(extra[name] == v for v in allowed):
@@ -87,11 +97,11 @@ def sampling_params(req: SamplingFields, max_tokens: int, seed_offset: int = 0,
                     defaults: Mapping[str, float] | None = None) -> SamplingParams:
     """The engine's parameters for one choice; `seed_offset` makes n seeded choices differ.
 
-    `defaults` stands in for omitted temperature / top_p / top_k / min_p, as vLLM takes them from
-    the model's generation_config.json.
+    `defaults` stands in for omitted SAMPLING_DEFAULTABLE fields, as vLLM takes them from the
+    model's generation_config.json (`generation_defaults`).
     """
     fields: dict[str, Any] = dict(defaults or {})
-    for name in SAMPLING_DEFAULTABLE:
+    for name in (*SAMPLING_DEFAULTABLE, *PASSED_IF_SET):
         if getattr(req, name) is not None:
             fields[name] = getattr(req, name)
     fields |= {

@@ -56,6 +56,7 @@ class SamplingFields(BaseModel):
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0)
+    logit_bias: dict[str, float] | None = None  # token id (as JSON keys are strings) -> bias
     user: str | None = None
 
     @field_validator("n", "stream", "ignore_eos", "min_tokens", "include_stop_str_in_output",

@@ -56,16 +56,26 @@ def hf_smollm2(smollm2_dir: Path):  # noqa: ANN201 - a transformers model
     return AutoModelForCausalLM.from_pretrained(smollm2_dir, torch_dtype=torch.float32).eval()
 
 
-def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:  # noqa: ANN001
-    """HF transformers' greedy tokens with its own KV cache, never stopping at EOS."""
-    tokens: list[int] = []
+def hf_greedy(
+    model,  # noqa: ANN001 - a transformers model
+    prompt: list[int],
+    max_new_tokens: int,
+    processors=None,  # noqa: ANN001 - a transformers LogitsProcessorList
+) -> list[int]:
+    """HF transformers' greedy tokens with its own KV cache, never stopping at EOS; with
+    `processors` (a `LogitsProcessorList`) the argmax is of the logits they return."""
+    ids = list(prompt)
     with torch.inference_mode():
         out = model(torch.tensor([prompt]), use_cache=True)
         for _ in range(max_new_tokens):
-            nxt = int(out.logits[0, -1].argmax())
-            tokens.append(nxt)
-            out = model(torch.tensor([[nxt]]), past_key_values=out.past_key_values, use_cache=True)
-    return tokens
+            scores = out.logits[:, -1].float()
+            if processors is not None:
+                scores = processors(torch.tensor([ids]), scores)
+            ids.append(int(scores[0].argmax()))
+            out = model(
+                torch.tensor([ids[-1:]]), past_key_values=out.past_key_values, use_cache=True
+            )
+    return ids[len(prompt) :]
 
 
 def make_random_checkpoint(

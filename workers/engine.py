@@ -24,6 +24,7 @@ from workers.kvcache.page_table import PageTable
 from workers.kvcache.pool import KVPool
 from workers.model.dummy import build_dummy_model
 from workers.model.loader import load_model, load_model_config, resolve_model
+from workers.penalties import LogitAdjustments, adjusts_logits
 from workers.protocol import KVLayout
 from workers.sampler import SampledTensors, SampleResult, SamplingBatch, sample
 from workers.sequence import Sequence
@@ -154,14 +155,17 @@ class ModelRunner:
         """
         plan = self.plan(step)
         logits, greedy_ids = self.run_plan(plan)
-        self._prev = None
+        prev, self._prev = self._prev, None
         if logits is None:
             return LaunchedStep(step, plan.rows, None)
         seqs = [step.seqs[i] for i in plan.rows]
-        if all(s.params.temperature == 0 and s.params.logprobs is None for s in seqs):
+        if all(
+            s.params.temperature == 0 and s.params.logprobs is None and not adjusts_logits(s.params)
+            for s in seqs
+        ):
             sampled = SampledTensors(logits.argmax(dim=-1) if greedy_ids is None else greedy_ids)
         else:
-            sampled = sample(logits, self._sampling_batch(seqs))
+            sampled = sample(logits, self._sampling_batch(seqs, prev))
         self._prev = (sampled.token_ids, {seq: r for r, seq in enumerate(seqs)})
         return LaunchedStep(step, plan.rows, sampled)
 
@@ -298,18 +302,34 @@ class ModelRunner:
             t = t.pin_memory()
         return t.to(self.device, non_blocking=True)
 
-    def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
+    def _sampling_batch(
+        self, seqs: list[Sequence], prev: tuple[torch.Tensor, dict[Sequence, int]] | None
+    ) -> SamplingBatch:
+        """The rules of `seqs`' rows; `prev`, the launch before this one, holds the newest
+        output token of each sequence whose token is still pending (for penalties)."""
         for seq in seqs:
             if seq.params.seed is not None and seq.generator is None:
                 seq.generator = torch.Generator(self.device).manual_seed(seq.params.seed % 2**64)
         params = [s.params for s in seqs]
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
         rules = np.array([[p.temperature, p.top_k, p.top_p, p.min_p] for p in params]).T
+        adjust = None
+        if any(adjusts_logits(p) for p in params):
+            pending = [prev[1][s] if prev and s.num_pending_tokens else None for s in seqs]
+            adjust = LogitAdjustments.build(
+                params,
+                prompts=[s.token_ids[: s.num_prompt_tokens] for s in seqs],
+                outputs=[s.output_token_ids for s in seqs],
+                vocab=self.model_config.vocab_size,
+                to_device=self._to_device,
+                in_flight=None if prev is None else (prev[0], pending),
+            )
         return SamplingBatch.from_rules(
             rules,
             generators=[s.generator for s in seqs],
             num_logprobs=max(logprobs) if logprobs else -1,
             to_device=self._to_device,
+            adjust=adjust,
         )
 
 

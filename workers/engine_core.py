@@ -106,8 +106,11 @@ class Engine:
                 f"This model's maximum context length is {self.max_model_len} tokens. However, "
                 f"your request has {n} input tokens. Please reduce the length of the input."
             )
-        if max(req.prompt_token_ids) >= self.runner.model_config.vocab_size:
+        vocab = self.runner.model_config.vocab_size
+        if max(req.prompt_token_ids) >= vocab:
             raise RequestRejectedError("prompt holds token ids outside the model's vocabulary")
+        if any(token >= vocab for token, _ in req.params.logit_bias):
+            raise RequestRejectedError("logit_bias names token ids outside the model's vocabulary")
         longest = min(n + req.params.max_tokens, self.max_model_len)
         pages = -(-longest // self.cfg.page_size)
         if pages > self.allocator.num_usable:

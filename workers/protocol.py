@@ -36,6 +36,37 @@ class SamplingParams(BaseModel):
         None, ge=0, le=MAX_LOGPROBS, description="top-N logprobs per token"
     )
     skip_special_tokens: bool = True
+    presence_penalty: float = Field(
+        0.0, ge=-2.0, le=2.0, description="off the logits of every token the output holds"
+    )
+    frequency_penalty: float = Field(
+        0.0, ge=-2.0, le=2.0, description="off the logits, times each token's count in the output"
+    )
+    repetition_penalty: float = Field(
+        1.0, gt=0.0, description="divides positive, multiplies negative logits of seen tokens"
+    )
+    logit_bias: tuple[tuple[int, float], ...] = Field(
+        (), description="(token id, bias in [-100, 100]) pairs added to the logits"
+    )
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _bias_as_pairs(cls, v: object) -> object:
+        """OpenAI's form, a map from token id (a string in JSON) to bias, as sorted pairs."""
+        if isinstance(v, dict):
+            try:
+                return tuple(sorted((int(k), b) for k, b in v.items()))
+            except ValueError as e:
+                raise ValueError("logit_bias keys must be token ids") from e
+        return () if v is None else v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_in_range(cls, v: tuple[tuple[int, float], ...]) -> tuple[tuple[int, float], ...]:
+        for token, bias in v:
+            if token < 0 or not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias {token}: {bias} outside [-100, 100] or negative id")
+        return v
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -1,4 +1,5 @@
-"""Batched sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
+"""Batched sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs, and
+logit bias and penalties (`workers/penalties.py`) first where rows ask for them.
 
 Sampling draws `argmax(p / q)` with q ~ Exponential(1) per vocabulary entry, which picks token i
 with probability p_i. Seeded requests draw q from their own generator, so their tokens do not
@@ -13,6 +14,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from workers.penalties import LogitAdjustments
 
 
 @dataclass
@@ -29,6 +32,7 @@ class SamplingBatch:
     all_greedy: bool
     need_sort: bool  # some row filters by top-k or top-p
     need_min_p: bool
+    adjust: LogitAdjustments | None = None  # rows with logit bias or penalties
 
     @classmethod
     def from_rules(
@@ -37,6 +41,7 @@ class SamplingBatch:
         generators: list[torch.Generator | None],
         num_logprobs: int,
         to_device: Callable[[np.ndarray], torch.Tensor] = torch.from_numpy,
+        adjust: LogitAdjustments | None = None,
     ) -> SamplingBatch:
         """`rules` `[4, B]` float64: temperature, top_k, top_p and min_p of each row (top_k
         below 2**53 is exact), moved to the device in one copy by `to_device`."""
@@ -51,6 +56,7 @@ class SamplingBatch:
             all_greedy=bool((rules[0] == 0).all()),
             need_sort=bool((rules[1] > 0).any() or (rules[2] < 1).any()),
             need_min_p=bool((rules[3] > 0).any()),
+            adjust=adjust,
         )
 
 
@@ -127,12 +133,13 @@ def apply_filters(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampledTensors:
     """`logits` `[B, V]` float32 -> one token per row (plus logprobs if asked), on the logits'
-    device and without waiting for it."""
-    greedy = logits.argmax(dim=-1)
+    device and without waiting for it. Logprobs are those of the raw `logits`."""
+    adjusted = logits if sb.adjust is None else sb.adjust.apply(logits)
+    greedy = adjusted.argmax(dim=-1)
     if sb.all_greedy:
         tokens = greedy
     else:
-        probs = apply_filters(logits, sb).softmax(dim=-1)
+        probs = apply_filters(adjusted, sb).softmax(dim=-1)
         noise = torch.empty_like(probs).exponential_()
         for row, gen in enumerate(sb.generators):
             if gen is not None:

@@ -43,6 +43,36 @@ def test_smollm2_greedy_batch_equals_hf(smollm2_reference, page_size: int) -> No
         assert out.finish_reason == "length"
 
 
+def test_smollm2_penalties_and_logit_bias_equal_hf_processors(
+    smollm2_reference, hf_smollm2
+) -> None:
+    """Greedy under repetition penalty, then under logit bias, against HF's own processors
+    (`RepetitionPenaltyLogitsProcessor`, `SequenceBiasLogitsProcessor`) on HF's logits."""
+    from transformers import (
+        LogitsProcessorList,
+        RepetitionPenaltyLogitsProcessor,
+        SequenceBiasLogitsProcessor,
+    )
+
+    prompts = smollm2_reference[0][:3]
+    plain = smollm2_reference[1][:3]
+    # Push away each prompt's favourite token: the bias applies to all three rows.
+    bias = {plain[0][0]: -10.0, plain[1][1]: -10.0, plain[2][2]: 3.0}
+    cases = [
+        (dict(repetition_penalty=1.3), RepetitionPenaltyLogitsProcessor(1.3)),
+        (dict(logit_bias={str(t): b for t, b in bias.items()}),
+         SequenceBiasLogitsProcessor({(t,): b for t, b in bias.items()})),
+    ]  # fmt: skip
+    llm = LLM(enable_prefix_caching=False)
+    for fields, processor in cases:
+        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, **fields)
+        outs = llm.generate(prompts, params)
+        for prompt, out, base in zip(prompts, outs, plain):
+            want = hf_greedy(hf_smollm2, prompt, 24, LogitsProcessorList([processor]))
+            assert out.token_ids == want, fields
+            assert want != base[:24]  # the rule changed the greedy text
+
+
 def test_smollm2_answers_the_capital_of_france() -> None:
     llm = LLM()
     [out] = llm.chat(

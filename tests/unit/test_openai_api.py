@@ -20,6 +20,7 @@ import pytest_asyncio
 import uvicorn
 
 from router.openai_api import LocalBackend, build_openai_app
+from router.params import generation_defaults
 from workers.config import EngineConfig
 from workers.engine_core import Engine
 from workers.engine_loop import AsyncEngine
@@ -119,6 +120,30 @@ async def test_greedy_chat_answers_paris_with_right_usage(chat_runs, engine) -> 
     assert r.usage.prompt_tokens_details.cached_tokens >= 0
 
 
+async def test_logit_bias_and_penalties_reach_the_engine(app, engine) -> None:
+    tok = engine.engine.tokenizer
+    paris = {tok.encode(w, add_special_tokens=False)[0] for w in (" Paris", "Paris")}
+    r = await client(app).chat.completions.create(
+        model=MODEL, messages=FRANCE, temperature=0, max_tokens=12, frequency_penalty=0.5,
+        presence_penalty=0.5, logit_bias={str(t): -100 for t in paris},
+        extra_body={"repetition_penalty": 1.1})
+    content = r.choices[0].message.content
+    assert content and "Paris" not in content
+
+
+async def test_generation_config_supplies_omitted_sampling_fields(engine, tmp_path) -> None:
+    assert generation_defaults(tmp_path) == {}
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0, "top_p": 0.9, "do_sample": True, "top_k": None, "eos_token_id": 2}))
+    defaults = generation_defaults(tmp_path)
+    assert defaults == {"temperature": 0.0, "top_p": 0.9}
+    greedy_by_default = build_openai_app(LocalBackend(engine), engine.engine.tokenizer, MODEL,
+                                         engine.engine.max_model_len, sampling_defaults=defaults)
+    oc = client(greedy_by_default)
+    r = await oc.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=12)
+    assert r.choices[0].message.content == PARIS  # temperature 0 though the request had none
+
+
 async def test_chat_stream_concatenates_to_the_non_stream_text(chat_runs) -> None:
     chunks = chat_runs["stream"]
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -210,9 +235,10 @@ BAD_CHAT = [
     ({**CHAT, "top_logprobs": 21, "logprobs": True}, "top_logprobs"),
     ({**CHAT, "top_logprobs": 2}, "top_logprobs"),
     ({**CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
-    ({**CHAT, "presence_penalty": 0.5}, "presence_penalty"),
-    ({**CHAT, "repetition_penalty": 1.2}, "repetition_penalty"),
-    ({**CHAT, "logit_bias": {"5": 10}}, "logit_bias"),
+    ({**CHAT, "presence_penalty": 2.5}, "presence_penalty"),
+    ({**CHAT, "repetition_penalty": 0}, "repetition_penalty"),
+    ({**CHAT, "logit_bias": {"5": 101}}, "logit_bias"),
+    ({**CHAT, "logit_bias": {"five": 1}}, "logit_bias"),
     ({**CHAT, "response_format": {"type": "json_object"}}, "response_format"),
     ({**CHAT, "max_tokens": 9000}, "max_tokens"),
     ({**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
@@ -237,7 +263,8 @@ async def test_bad_completion_requests_are_400(app) -> None:
         for body in ({**base, "prompt": 5}, {**base, "prompt": []}, {**base, "prompt": [-1]},
                      {**base, "logprobs": -1}, {**base, "echo": True, "logprobs": 1},
                      {**base, "max_tokens": 0}, {**base, "suffix": "x"},
-                     {**base, "prompt": [60000]}, {**base, "prompt": [60000], "stream": True}):
+                     {**base, "prompt": [60000]}, {**base, "prompt": [60000], "stream": True},
+                     {**base, "logit_bias": {"60000": 1}}):
             r = await c.post("/v1/completions", json=body)
             assert r.status_code == 400 and "error" in r.json(), body
         r = await c.post("/v1/completions", content=b"{not json", headers={

@@ -19,11 +19,14 @@ from workers.protocol import GenerateRequest
 
 PROMPTS = [f"Item {i}: the history of the number {i} is" for i in range(5)] + [
     "What is the capital of France? Answer:",
+    "Say the word cat many times: cat cat",
+    "Say the word dog many times: dog dog",
 ]
 
 
 def mixed_params() -> list[SamplingParams]:
-    """Greedy, seeded sampling with logprobs, stop strings, EOS and short limits, side by side."""
+    """Greedy, seeded sampling with logprobs, stop strings, EOS and short limits, and penalties
+    (which count the newest token, still on the device under overlap), side by side."""
     return [
         SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True),
         SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=7, logprobs=2),
@@ -31,7 +34,15 @@ def mixed_params() -> list[SamplingParams]:
         SamplingParams(max_tokens=1, temperature=0.0),
         SamplingParams(max_tokens=12, temperature=1.0, top_k=20, min_p=0.05, seed=3),
         SamplingParams(max_tokens=40, temperature=0.0),
-    ]
+        SamplingParams(
+            max_tokens=24, temperature=0.0, ignore_eos=True, frequency_penalty=1.5,
+            presence_penalty=0.5, repetition_penalty=1.2,
+        ),
+        SamplingParams(
+            max_tokens=24, temperature=0.7, seed=5, ignore_eos=True, frequency_penalty=2.0,
+            logit_bias={"13": -100}, logprobs=1,
+        ),
+    ]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
