@@ -160,7 +160,10 @@ class ModelRunner:
             return LaunchedStep(step, plan.rows, None)
         seqs = [step.seqs[i] for i in plan.rows]
         if all(
-            s.params.temperature == 0 and s.params.logprobs is None and not adjusts_logits(s.params)
+            s.params.temperature == 0
+            and s.params.logprobs is None
+            and not adjusts_logits(s.params)
+            and not s.held_back_ids
             for s in seqs
         ):
             sampled = SampledTensors(logits.argmax(dim=-1) if greedy_ids is None else greedy_ids)
@@ -306,7 +309,8 @@ class ModelRunner:
         self, seqs: list[Sequence], prev: tuple[torch.Tensor, dict[Sequence, int]] | None
     ) -> SamplingBatch:
         """The rules of `seqs`' rows; `prev`, the launch before this one, holds the newest
-        output token of each sequence whose token is still pending (for penalties)."""
+        output token of each sequence whose token is still pending (for penalties and
+        `min_tokens`)."""
         for seq in seqs:
             if seq.params.seed is not None and seq.generator is None:
                 seq.generator = torch.Generator(self.device).manual_seed(seq.params.seed % 2**64)
@@ -314,7 +318,8 @@ class ModelRunner:
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
         rules = np.array([[p.temperature, p.top_k, p.top_p, p.min_p] for p in params]).T
         adjust = None
-        if any(adjusts_logits(p) for p in params):
+        held_back = [s.held_back_ids for s in seqs]
+        if any(adjusts_logits(p) for p in params) or any(held_back):
             pending = [prev[1][s] if prev and s.num_pending_tokens else None for s in seqs]
             adjust = LogitAdjustments.build(
                 params,
@@ -323,6 +328,7 @@ class ModelRunner:
                 vocab=self.model_config.vocab_size,
                 to_device=self._to_device,
                 in_flight=None if prev is None else (prev[0], pending),
+                held_back=held_back,
             )
         return SamplingBatch.from_rules(
             rules,

@@ -122,6 +122,8 @@ class Engine:
             token_ids=list(req.prompt_token_ids),
             num_prompt_tokens=n,
             params=req.params,
+            stop_token_ids=frozenset(req.params.stop_token_ids)
+            | (frozenset() if req.params.ignore_eos else self.eos_token_ids),
             detokenizer=IncrementalDetokenizer(
                 self.tokenizer,
                 list(req.prompt_token_ids),
@@ -254,10 +256,9 @@ class Engine:
         p = seq.params
         may_stop = seq.num_output_tokens >= p.min_tokens
         assert seq.detokenizer is not None
-        if may_stop and token in p.stop_token_ids:
-            seq.finish_reason, seq.stop_reason = "stop", token
-        elif may_stop and not p.ignore_eos and token in self.eos_token_ids:
+        if may_stop and token in seq.stop_token_ids:  # EOS has no stop_reason
             seq.finish_reason = "stop"
+            seq.stop_reason = token if token in p.stop_token_ids else None
         elif (stop := seq.detokenizer.add_token(token, match_stop=may_stop)) is not None:
             seq.finish_reason, seq.stop_reason = "stop", stop
         elif seq.num_output_tokens >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:

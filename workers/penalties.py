@@ -1,10 +1,13 @@
-"""Logit bias and the repetition, frequency and presence penalties, applied as vLLM applies them.
+"""Logit bias, the repetition, frequency and presence penalties and `min_tokens`, as vLLM applies
+them.
 
 For the rows that ask for any of them, on the raw logits and before temperature and the top-k /
 top-p / min-p filters: first `logit_bias` is added; then a token seen in the prompt or the
 output has its logit divided by `repetition_penalty` if positive, multiplied by it otherwise;
 then `frequency_penalty` times the token's count in the output and `presence_penalty` (once, if
-it occurs there) are subtracted. Returned logprobs stay those of the raw logits (vLLM's default).
+it occurs there) are subtracted; last, while a row has fewer than `min_tokens` output tokens,
+its stop tokens (EOS, stop_token_ids) get -inf, so it cannot end early. Returned logprobs stay
+those of the raw logits (vLLM's default).
 
 The token lists go to the device once per step, padded with the id `vocab` (a column past the
 vocabulary, cut off after the scatter). With overlap scheduling a sequence's newest output token
@@ -13,7 +16,7 @@ may still be on the device, sampled by the step in flight: `build` takes it from
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,6 +44,7 @@ class LogitAdjustments:
     prompt_ids: torch.Tensor  # [R, P] int64, padded with vocab
     output_ids: torch.Tensor  # [R, O] int64, padded with vocab
     bias: torch.Tensor  # [3, B] float64: adjusted row index (into `rows`), token id, bias
+    banned: torch.Tensor  # [2, N] int64: adjusted row index, token id held back (-inf)
 
     @classmethod
     def build(
@@ -51,12 +55,15 @@ class LogitAdjustments:
         vocab: int,
         to_device: ToDevice = torch.from_numpy,
         in_flight: tuple[torch.Tensor, Sequence[int | None]] | None = None,
+        held_back: Sequence[Collection[int]] | None = None,
     ) -> LogitAdjustments | None:
         """The adjustments of a batch whose row i has `params[i]`, prompt `prompts[i]` and output
         so far `outputs[i]`; None if no row has any. `vocab`: the logits' width. `in_flight`:
         sampled ids on the device and, per row, the index of that row's newest output token
-        among them (None: none pending), which then follows `outputs[i]`."""
-        rows = [i for i, p in enumerate(params) if adjusts_logits(p)]
+        among them (None: none pending), which then follows `outputs[i]`. `held_back`: per row,
+        the token ids it may not sample now (`Sequence.held_back_ids`)."""
+        held = held_back or [()] * len(params)
+        rows = [i for i, p in enumerate(params) if adjusts_logits(p) or held[i]]
         if not rows:
             return None
         pending = [None if in_flight is None else in_flight[1][i] for i in rows]
@@ -82,6 +89,11 @@ class LogitAdjustments:
             prompt_ids=to_device(_padded([prompts[i] for i in rows], vocab)),
             output_ids=to_device(_padded(outs, vocab)),
             bias=to_device(np.ascontiguousarray(bias.T)),
+            banned=to_device(
+                np.array([(r, t) for r, i in enumerate(rows) for t in sorted(held[i])], np.int64)
+                .reshape(-1, 2)
+                .T.copy()
+            ),
         )
         fill = [(r, len(outs[r]) - 1, p) for r, p in enumerate(pending) if p is not None]
         if fill and in_flight is not None:
@@ -104,6 +116,7 @@ class LogitAdjustments:
         repetition, frequency, presence = (r[:, None] for r in self.rules)
         x = torch.where(seen, torch.where(x > 0, x / repetition, x * repetition), x)
         x = x - frequency * counts - presence * in_output
+        x[self.banned[0], self.banned[1]] = float("-inf")
         out = logits.clone()
         out[self.rows] = x
         return out

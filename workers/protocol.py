@@ -22,7 +22,9 @@ class SamplingParams(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     max_tokens: int = Field(16, ge=1, description="new tokens at most")
-    min_tokens: int = Field(0, ge=0, description="EOS and stop tokens are ignored before this")
+    min_tokens: int = Field(
+        0, ge=0, description="output tokens before EOS or a stop token / string may end it"
+    )
     temperature: float = Field(1.0, ge=0.0, description="0 means greedy")
     top_k: int = Field(0, ge=-1, description="0 or -1: off")
     top_p: float = Field(1.0, gt=0.0, le=1.0)

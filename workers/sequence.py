@@ -26,6 +26,7 @@ class Sequence:
     num_prompt_tokens: int
     params: SamplingParams
     detokenizer: IncrementalDetokenizer | None
+    stop_token_ids: frozenset[int] = frozenset()  # its stop_token_ids, and EOS unless ignored
     arrival_time: float = field(default_factory=time.monotonic)
     status: SeqStatus = SeqStatus.WAITING
     pages: list[int] = field(default_factory=list)
@@ -53,6 +54,13 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def held_back_ids(self) -> frozenset[int]:
+        """The stop tokens that `min_tokens` keeps the next sampled token from being."""
+        if self.num_output_tokens + self.num_pending_tokens < self.params.min_tokens:
+            return self.stop_token_ids
+        return frozenset()
 
     @property
     def finished(self) -> bool:

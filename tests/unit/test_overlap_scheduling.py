@@ -21,12 +21,14 @@ PROMPTS = [f"Item {i}: the history of the number {i} is" for i in range(5)] + [
     "What is the capital of France? Answer:",
     "Say the word cat many times: cat cat",
     "Say the word dog many times: dog dog",
+    "What is the capital of Italy? Answer:",
 ]
 
 
 def mixed_params() -> list[SamplingParams]:
-    """Greedy, seeded sampling with logprobs, stop strings, EOS and short limits, and penalties
-    (which count the newest token, still on the device under overlap), side by side."""
+    """Greedy, seeded sampling with logprobs, stop strings, EOS and short limits, penalties and
+    min_tokens (which count the newest token, still on the device under overlap), side by
+    side."""
     return [
         SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True),
         SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=7, logprobs=2),
@@ -42,6 +44,7 @@ def mixed_params() -> list[SamplingParams]:
             max_tokens=24, temperature=0.7, seed=5, ignore_eos=True, frequency_penalty=2.0,
             logit_bias={"13": -100}, logprobs=1,
         ),
+        SamplingParams(max_tokens=20, temperature=0.0, min_tokens=12, stop_token_ids=[28]),
     ]  # fmt: skip
 
 
@@ -134,3 +137,18 @@ def test_random_aborts_with_overlap_leave_nothing_behind() -> None:
         if rng.random() < 0.5:
             engine.abort(live.pop(rng.randrange(len(live))))
     drain_and_check_released(engine)
+
+
+def test_min_tokens_counts_the_token_in_flight() -> None:
+    """EOS becomes possible exactly at output token `min_tokens`, also while the step that
+    sampled the previous token is still running."""
+    llm = LLM(overlap_scheduling=True)
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    [plain] = llm.chat(chat, SamplingParams(max_tokens=20, temperature=0.0))
+    ends_at = len(plain.token_ids) - 1  # the index of its EOS
+    assert plain.token_ids[-1] in llm.engine.eos_token_ids
+    [just] = llm.chat(chat, SamplingParams(max_tokens=20, temperature=0.0, min_tokens=ends_at))
+    assert just.token_ids == plain.token_ids
+    [held] = llm.chat(chat, SamplingParams(max_tokens=20, temperature=0.0, min_tokens=ends_at + 1))
+    assert held.token_ids[:ends_at] == plain.token_ids[:ends_at]
+    assert held.token_ids[ends_at] not in llm.engine.eos_token_ids

@@ -91,6 +91,18 @@ def test_greedy_and_sampling_use_the_adjusted_logits_and_raw_logprobs() -> None:
     assert res.logprobs == pytest.approx(logits.log_softmax(-1)[[0, 1], [1, 0]].tolist())
 
 
+def test_held_back_tokens_get_no_probability_in_their_row_only() -> None:
+    logits = torch.randn(3, VOCAB)
+    params = [SamplingParams(), SamplingParams(), SamplingParams(frequency_penalty=1.0)]
+    held: list[frozenset[int]] = [frozenset(), frozenset({2, 7}), frozenset({7})]
+    adjust = LogitAdjustments.build(params, [[1]] * 3, [[3]] * 3, VOCAB, held_back=held)
+    assert adjust is not None
+    got = adjust.apply(logits)
+    assert torch.equal(got[0], logits[0])
+    assert torch.isinf(got[1, [2, 7]]).all() and (got[1] == -torch.inf).sum() == 2
+    assert got[2, 7] == -torch.inf and got[2, 3] == logits[2, 3] - 1.0
+
+
 def test_defaults_adjust_nothing_and_bad_values_are_refused() -> None:
     assert not adjusts_logits(SamplingParams())
     assert LogitAdjustments.build([SamplingParams()], [[1]], [[2]], VOCAB) is None

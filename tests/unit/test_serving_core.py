@@ -149,6 +149,19 @@ def test_stop_string_before_min_tokens_stays_in_the_text() -> None:
     assert cut.text == "The capital of France is " and cut.stop_reason == "Paris"
 
 
+def test_min_tokens_keeps_stop_tokens_from_being_sampled() -> None:
+    """As vLLM: before `min_tokens` output tokens, EOS (and stop_token_ids) get no probability,
+    so the answer runs on where it would have ended, rather than emitting EOS and going on."""
+    llm = LLM()
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    [plain] = llm.chat(chat, SamplingParams(max_tokens=20, temperature=0))
+    assert len(plain.token_ids) == 8 and plain.token_ids[-1] in llm.engine.eos_token_ids
+    [held] = llm.chat(chat, SamplingParams(max_tokens=20, temperature=0, min_tokens=12))
+    assert len(held.token_ids) >= 12 and held.token_ids[:7] == plain.token_ids[:7]
+    assert not set(held.token_ids[:12]) & llm.engine.eos_token_ids
+    assert held.text.startswith(plain.text)
+
+
 def test_eos_ends_generation_unless_ignored() -> None:
     llm = LLM()
     chat = [{"role": "user", "content": "What is the capital of France?"}]
