@@ -185,3 +185,30 @@ def test_overlap_scheduling_gives_the_synchronous_tokens(smollm2_random: Path) -
         assert llm.engine.overlap == overlap
         outs[overlap] = [o.token_ids for o in llm.generate(PROMPTS, params)]
     assert outs[True] == outs[False]
+
+
+def test_penalties_bias_and_min_tokens_on_the_gpu(smollm2_random: Path) -> None:
+    """float32: with overlap, the newest token is read from the device while its step runs, and
+    the synchronous engine must agree. bf16 with CUDA graphs: a graph's own greedy ids must not
+    stand in for penalised rows (every token plain greedy chose is banned by logit_bias)."""
+    rules = dict(frequency_penalty=1.0, presence_penalty=0.5, repetition_penalty=1.2)
+    params = [
+        SamplingParams(max_tokens=24, temperature=0.0, min_tokens=10, **rules),
+        SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logit_bias={"7": -50}),
+    ] * 3
+    tokens = []
+    for overlap in (False, True):
+        llm = LLM(
+            str(smollm2_random), device="cuda", dtype="float32", attention_backend="torch",
+            enable_prefix_caching=False, kv_cache_memory_gb=1, overlap_scheduling=overlap,
+        )  # fmt: skip
+        tokens.append([o.token_ids for o in llm.generate(PROMPTS, params)])
+    assert tokens[0] == tokens[1]
+    llm = LLM(str(smollm2_random), device="cuda", dtype="bfloat16", kv_cache_memory_gb=1)
+    assert llm.engine.runner.graphs is not None
+    plain = llm.generate(PROMPTS[:2], greedy(8))
+    chosen = {t for o in plain for t in o.token_ids}
+    banned = SamplingParams(
+        max_tokens=8, temperature=0.0, ignore_eos=True, logit_bias={str(t): -100 for t in chosen}
+    )
+    assert not chosen & {t for o in llm.generate(PROMPTS[:2], banned) for t in o.token_ids}
