@@ -36,6 +36,7 @@ class ChoiceState:
     text: str = ""
     num_tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # echo with logprobs
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
@@ -62,6 +63,8 @@ class Job:
         choice.text += out.text
         choice.num_tokens += len(out.token_ids)
         choice.logprobs += out.logprobs or []
+        if out.prompt_logprobs is not None:
+            choice.prompt_logprobs = out.prompt_logprobs
         choice.num_cached_tokens = out.num_cached_tokens
         choice.timer.on_tokens(len(out.token_ids))
         if out.finished:

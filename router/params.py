@@ -74,8 +74,6 @@ def check_supported(req: SamplingFields) -> None:
     if req.stream_options is not None and not req.stream:
         raise BadRequestError("stream_options is only allowed when stream is true",
                               param="stream_options")
-    if isinstance(req, CompletionRequest) and req.echo and req.logprobs is not None:
-        raise BadRequestError("echo with logprobs is not supported", param="echo")
     if isinstance(req, ChatCompletionRequest):
         if extra.get("echo"):
             raise BadRequestError("echo is not supported for chat", param="echo")
@@ -91,6 +89,13 @@ def requested_logprobs(req: SamplingFields) -> int | None:
         return (req.top_logprobs or 0) if req.logprobs else None
     assert isinstance(req, CompletionRequest)
     return req.logprobs
+
+
+def echoed_logprobs(req: SamplingFields) -> int | None:
+    """Completions with echo and logprobs: the prompt's tokens get logprobs too."""
+    if isinstance(req, CompletionRequest) and req.echo:
+        return req.logprobs
+    return None
 
 
 def sampling_params(req: SamplingFields, max_tokens: int, seed_offset: int = 0,
@@ -113,6 +118,7 @@ def sampling_params(req: SamplingFields, max_tokens: int, seed_offset: int = 0,
         "ignore_eos": req.ignore_eos,
         "include_stop_str_in_output": req.include_stop_str_in_output,
         "logprobs": requested_logprobs(req),
+        "prompt_logprobs": echoed_logprobs(req),
         "skip_special_tokens": req.skip_special_tokens,
     }
     try:

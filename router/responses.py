@@ -33,18 +33,26 @@ def _lp(value: float) -> float:
     return max(value, MIN_LOGPROB)
 
 
-def completion_logprobs(choice: ChoiceState, tokens: list[TokenLogprob],
-                        prompts: Prompts) -> CompletionLogprobs:
-    """Logprobs of `tokens`, the choice's newest; advances the choice's text offset."""
+def completion_logprobs(choice: ChoiceState, tokens: list[TokenLogprob], prompts: Prompts,
+                        echo: list[int] | None = None) -> CompletionLogprobs:
+    """Logprobs of `tokens`, the choice's newest, after those of the prompt's tokens `echo`
+    when given (the first has none: null, as vLLM answers); advances the choice's text offset."""
     out = CompletionLogprobs()
-    for t in tokens:
-        text = prompts.token_text(t.token_id)
-        top = {prompts.token_text(i): _lp(lp) for i, lp in t.top.items()}
-        top[text] = _lp(t.logprob)
+    entries: list[tuple[int, TokenLogprob | None]] = [(t.token_id, t) for t in tokens]
+    if echo is not None:
+        entries = [*zip(echo, choice.prompt_logprobs or [None] * len(echo)), *entries]
+    for token_id, t in entries:
+        text = prompts.token_text(token_id)
         out.text_offset.append(choice.text_offset)
-        out.token_logprobs.append(_lp(t.logprob))
         out.tokens.append(text)
-        out.top_logprobs.append(top)
+        if t is None:
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+        else:
+            top = {prompts.token_text(i): _lp(lp) for i, lp in t.top.items()}
+            top[text] = _lp(t.logprob)
+            out.token_logprobs.append(_lp(t.logprob))
+            out.top_logprobs.append(top)
         choice.text_offset += len(text)
     return out
 
@@ -68,7 +76,9 @@ def completion_response(job: Job, prompts: Prompts) -> CompletionResponse:
     choices = []
     for c in job.choices:
         text = (job.echo[c.prompt] if job.echo else "") + c.text
-        logprobs = None if job.logprobs is None else completion_logprobs(c, c.logprobs, prompts)
+        echo = job.prompt_ids[c.prompt] if job.echo else None
+        logprobs = (None if job.logprobs is None
+                    else completion_logprobs(c, c.logprobs, prompts, echo))
         choices.append(CompletionChoice(index=c.index, text=text, logprobs=logprobs,
                                         finish_reason=c.finish_reason,
                                         stop_reason=c.stop_reason))
@@ -118,7 +128,9 @@ def content_chunk(job: Job, choice: ChoiceState, out: RequestOutput, first: bool
                                  logprobs=lp, finish_reason=finish, stop_reason=stop)
         return ChatCompletionChunk(id=job.id, created=job.created, model=job.model,
                                    choices=[delta], usage=usage)
-    clp = completion_logprobs(choice, tokens, prompts) if job.logprobs is not None else None
+    echo = job.prompt_ids[choice.prompt] if first and job.echo else None
+    clp = (completion_logprobs(choice, tokens, prompts, echo) if job.logprobs is not None
+           else None)
     item = CompletionChoice(index=choice.index, text=text, logprobs=clp, finish_reason=finish,
                             stop_reason=stop)
     return CompletionChunk(id=job.id, created=job.created, model=job.model, choices=[item],

@@ -11,7 +11,7 @@ the one this step samples. Such a token is taken from this step's output on the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,7 +26,13 @@ from workers.model.dummy import build_dummy_model
 from workers.model.loader import load_model, load_model_config, resolve_model
 from workers.penalties import LogitAdjustments, adjusts_logits
 from workers.protocol import KVLayout
-from workers.sampler import SampledTensors, SampleResult, SamplingBatch, sample
+from workers.sampler import (
+    SampledTensors,
+    SampleResult,
+    SamplingBatch,
+    prompt_logprobs,
+    sample,
+)
 from workers.sequence import Sequence
 from workers.tp import SINGLE, TPGroup
 
@@ -60,26 +66,48 @@ class StepPlan:
     rows: list[int]  # the sequences (indices into the step's) that sample a token
     sample_rows: list[int]  # their last rows: where their logits come from
     graph: bool  # replay the CUDA graph of len(q_lens) rows
+    # Prompt logprobs: tokens (indices into the token ids) whose logits give the logprob of the
+    # prompt token after them, and for each (sequence index in the step, its position, that
+    # next token).
+    prompt_rows: list[int] = field(default_factory=list)
+    prompt_targets: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 class LaunchedStep:
-    """A step queued on the device; `result()` waits for its sampled rows."""
+    """A step queued on the device; `result()` waits for its sampled rows, `prompt_result()`
+    for its prompt logprobs (`token_ids` there: the prompt tokens they are of)."""
 
-    def __init__(self, step: StepInput, rows: list[int], sampled: SampledTensors | None) -> None:
+    def __init__(
+        self,
+        step: StepInput,
+        rows: list[int],
+        sampled: SampledTensors | None,
+        prompt: SampledTensors | None = None,
+        prompt_seqs: list[tuple[int, int]] | None = None,
+    ) -> None:
         self.step = step
         self.rows = rows  # indices into step.seqs of the sequences that sample a token
+        # (index into step.seqs, position) of each prompt logprob: of the token after it
+        self.prompt_seqs = prompt_seqs or []
         self._host = None if sampled is None else sampled.copy_to_host()
+        self._prompt_host = None if prompt is None else prompt.copy_to_host()
         self._done: torch.cuda.Event | None = None
-        if sampled is not None and sampled.token_ids.is_cuda:
+        if any(t is not None and t.token_ids.is_cuda for t in (sampled, prompt)):
             self._done = torch.cuda.Event()
             self._done.record()
 
     def result(self) -> SampleResult | None:
-        if self._host is None:
+        return self._wait(self._host)
+
+    def prompt_result(self) -> SampleResult | None:
+        return self._wait(self._prompt_host)
+
+    def _wait(self, host: SampledTensors | None) -> SampleResult | None:
+        if host is None:
             return None
         if self._done is not None:
             self._done.synchronize()
-        return self._host.to_host()
+        return host.to_host()
 
 
 class ModelRunner:
@@ -156,8 +184,15 @@ class ModelRunner:
         plan = self.plan(step)
         logits, greedy_ids = self.run_plan(plan)
         prev, self._prev = self._prev, None
+        prompt = None
+        if plan.prompt_rows:
+            assert logits is not None
+            k = len(plan.prompt_rows)
+            prompt = self._prompt_logprobs(step, plan, logits[:k])
+            logits = logits[k:] if plan.rows else None
+        prompt_seqs = [(i, t) for i, t, _ in plan.prompt_targets]
         if logits is None:
-            return LaunchedStep(step, plan.rows, None)
+            return LaunchedStep(step, plan.rows, None, prompt, prompt_seqs)
         seqs = [step.seqs[i] for i in plan.rows]
         if all(
             s.params.temperature == 0
@@ -170,7 +205,15 @@ class ModelRunner:
         else:
             sampled = sample(logits, self._sampling_batch(seqs, prev))
         self._prev = (sampled.token_ids, {seq: r for r, seq in enumerate(seqs)})
-        return LaunchedStep(step, plan.rows, sampled)
+        return LaunchedStep(step, plan.rows, sampled, prompt, prompt_seqs)
+
+    def _prompt_logprobs(
+        self, step: StepInput, plan: StepPlan, logits: torch.Tensor
+    ) -> SampledTensors:
+        """The logprobs of the prompt tokens that `plan`'s prompt rows predict."""
+        targets = np.asarray([t for *_, t in plan.prompt_targets], np.int64)
+        top_n = max(step.seqs[i].params.prompt_logprobs or 0 for i, *_ in plan.prompt_targets)
+        return prompt_logprobs(logits, self._to_device(targets), top_n)
 
     def plan(self, step: StepInput) -> StepPlan:
         """`step`'s inputs as host arrays, laid out for a CUDA graph where one applies
@@ -190,8 +233,14 @@ class ModelRunner:
         kv_lens: list[int] = []
         sample_rows: list[int] = []
         unseen: list[tuple[int, int]] = []  # (index in ids, row of the previous step's tokens)
+        prompt_rows: list[int] = []
+        prompt_targets: list[tuple[int, int, int]] = []
         for i, (seq, n) in enumerate(zip(step.seqs, step.num_new_tokens)):
             start = seq.num_computed_tokens
+            if seq.wants_prompt_logprobs:  # position t's logits give prompt token t + 1's
+                for t in range(start, min(start + n, seq.num_prompt_tokens - 1)):
+                    prompt_rows.append(len(ids) + t - start)
+                    prompt_targets.append((i, t, seq.token_ids[t + 1]))
             known = seq.token_ids[start : start + n]
             if len(known) < n:  # the last token is being sampled by the step still running
                 assert self._prev is not None and len(known) == n - 1, "one unseen token at most"
@@ -233,14 +282,15 @@ class ModelRunner:
             rows=[i for i in range(len(step.seqs)) if step.samples(i)],
             sample_rows=sample_rows,
             graph=pad_to is not None,
+            prompt_rows=prompt_rows,
+            prompt_targets=prompt_targets,
         )
 
     @torch.inference_mode()
     def run_plan(self, plan: StepPlan) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Queue the forward of `plan` on the device: the float32 logits of its sampled rows
-        (None if none samples), and their greedy ids where a CUDA graph computed them.
-
-        """
+        """Queue the forward of `plan` on the device: the float32 logits of its prompt-logprob
+        rows, then of its sampled rows (None if there are none), and the sampled rows' greedy
+        ids where a CUDA graph computed them (never with prompt rows)."""
         input_ids, positions, batch = self.device_inputs(plan)
         rows = plan.sample_rows
         if plan.graph:
@@ -252,13 +302,14 @@ class ModelRunner:
             return logits[index], greedy_ids[index]
         self.attn.plan(batch)
         hidden = self.model(input_ids, positions, self.attn)
-        if not rows:
+        if not rows and not plan.prompt_rows:
             return None, None
         ends = np.cumsum(batch.q_lens)[rows] - 1
-        if ends[-1] == len(ends) - 1:  # rows 0..k-1, one token each: no gather needed
+        picks = np.concatenate([plan.prompt_rows, ends]).astype(np.int64)
+        if not plan.prompt_rows and ends[-1] == len(ends) - 1:  # rows 0..k-1, one token each
             last = hidden[: len(ends)]
         else:
-            last = hidden[self._to_device(ends.astype(np.int64))]
+            last = hidden[self._to_device(picks)]
         return self.model.compute_logits(last), None
 
     def device_inputs(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
@@ -286,7 +337,7 @@ class ModelRunner:
         launches a layer take several times its GPU work on the host (README, short prompts).
         Rows of a chunk each read their sequence's KV up to themselves, so this is done only
         while those reads stay within as many bytes as the weights (read once a step)."""
-        if self.graphs is None:
+        if self.graphs is None or plan_has_prompt_rows(step):
             return False, None
         ps = self.cfg.page_size
         pairs = list(zip(step.seqs, step.num_new_tokens))
@@ -337,6 +388,14 @@ class ModelRunner:
             to_device=self._to_device,
             adjust=adjust,
         )
+
+
+def plan_has_prompt_rows(step: StepInput) -> bool:
+    """Whether some sequence of `step` computes prompt tokens whose logprobs it wants."""
+    return any(
+        s.wants_prompt_logprobs and s.num_computed_tokens < s.num_prompt_tokens - 1
+        for s in step.seqs
+    )
 
 
 def _model_dir(cfg: EngineConfig) -> Path:

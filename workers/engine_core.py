@@ -195,13 +195,21 @@ class Engine:
         seqs = [launched.step.seqs[i] for i in launched.rows]
         outputs = []
         try:
+            prompt = launched.prompt_result()
             result = launched.result()
         except Exception as e:  # noqa: BLE001 - fail the step's requests, keep the engine
             logger.exception("model step failed")
             for seq in seqs:
                 seq.num_pending_tokens -= 1
             outputs = [self._fail(s, f"{type(e).__name__}: {e}") for s in seqs if self._alive(s)]
-            result = None
+            prompt = result = None
+        if prompt is not None:  # before the sampled tokens: the first output carries them
+            for row, (i, position) in enumerate(launched.prompt_seqs):
+                seq = launched.step.seqs[i]
+                # in order; a prompt recomputed after preemption has them already
+                if self._alive(seq) and position + 1 == len(seq.prompt_logprobs):
+                    n = seq.params.prompt_logprobs or 0
+                    seq.prompt_logprobs.append(_token_logprob(prompt, row, n))
         if result is not None:
             for row, seq in enumerate(seqs):
                 seq.num_pending_tokens -= 1
@@ -245,11 +253,7 @@ class Engine:
         if seq.first_token_time is None:
             seq.first_token_time = time.monotonic()
         if result.logprobs is not None and seq.params.logprobs is not None:
-            n = seq.params.logprobs
-            top = {}
-            if n and result.top_ids is not None and result.top_logprobs is not None:
-                top = dict(zip(result.top_ids[row][:n], result.top_logprobs[row][:n]))
-            seq.logprobs.append(TokenLogprob(token_id=token, logprob=result.logprobs[row], top=top))
+            seq.logprobs.append(_token_logprob(result, row, seq.params.logprobs))
         self._check_finish(seq, token)
 
     def _check_finish(self, seq: Sequence, token: int) -> None:
@@ -284,6 +288,9 @@ class Engine:
             stop_reason=seq.stop_reason,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens,
+            prompt_logprobs=seq.prompt_logprobs
+            if start == 0 and seq.params.prompt_logprobs is not None
+            else None,
             error=seq.error,
         )
 
@@ -302,3 +309,12 @@ class Engine:
             prompt_tokens_computed=self.prompt_tokens_computed,
             generation_tokens=self.generation_tokens,
         )
+
+
+def _token_logprob(result: SampleResult, row: int, top_n: int) -> TokenLogprob:
+    """Row `row` of `result` (its token and logprob, and the first `top_n` of its best)."""
+    assert result.logprobs is not None
+    top = {}
+    if top_n and result.top_ids is not None and result.top_logprobs is not None:
+        top = dict(zip(result.top_ids[row][:top_n], result.top_logprobs[row][:top_n]))
+    return TokenLogprob(token_id=result.token_ids[row], logprob=result.logprobs[row], top=top)

@@ -27,6 +27,7 @@ class GenerationOutput(BaseModel):
     stop_reason: str | int | None = None
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # None for the first prompt token
     error: str | None = None
 
 
@@ -82,6 +83,8 @@ class LLM:
                     out.text += chunk.text
                     if out.logprobs is not None and chunk.logprobs:
                         out.logprobs += chunk.logprobs
+                    if chunk.prompt_logprobs is not None:
+                        out.prompt_logprobs = chunk.prompt_logprobs
                     out.num_cached_tokens = chunk.num_cached_tokens
                     if chunk.finished:
                         out.finish_reason, out.stop_reason = chunk.finish_reason, chunk.stop_reason

@@ -37,6 +37,9 @@ class SamplingParams(BaseModel):
     logprobs: int | None = Field(
         None, ge=0, le=MAX_LOGPROBS, description="top-N logprobs per token"
     )
+    prompt_logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS, description="top-N logprobs per prompt token (no prefix cache)"
+    )
     skip_special_tokens: bool = True
     presence_penalty: float = Field(
         0.0, ge=-2.0, le=2.0, description="off the logits of every token the output holds"
@@ -163,6 +166,9 @@ class RequestOutput(BaseModel):
     stop_reason: str | int | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprob | None] | None = Field(
+        None, description="with the first token: one per prompt token, None for the first"
+    )
     error: str | None = None
     kv: KVHandle | None = Field(
         None, description="prefill role: where the prompt's KV waits for the decode worker"

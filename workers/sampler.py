@@ -154,3 +154,16 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampledTensors:
             top = logprobs.topk(sb.num_logprobs, dim=-1)
             result.top_ids, result.top_logprobs = top.indices, top.values
     return result
+
+
+def prompt_logprobs(logits: torch.Tensor, targets: torch.Tensor, top_n: int) -> SampledTensors:
+    """The logprob of each `targets` token (a prompt's next token) under its row of `logits`,
+    and each row's `top_n` best; `token_ids` holds the targets."""
+    logprobs = logits.log_softmax(dim=-1)
+    result = SampledTensors(
+        token_ids=targets, logprobs=logprobs.gather(-1, targets[:, None]).squeeze(-1)
+    )
+    if top_n > 0:
+        top = logprobs.topk(top_n, dim=-1)
+        result.top_ids, result.top_logprobs = top.indices, top.values
+    return result

@@ -41,6 +41,7 @@ class Sequence:
     error: str | None = None
     num_emitted_tokens: int = 0  # output tokens already streamed out
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=lambda: [None])
     first_token_time: float | None = None
 
     @property
@@ -54,6 +55,14 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Whether its prompt's logprobs are asked for and not all computed yet."""
+        return (
+            self.params.prompt_logprobs is not None
+            and len(self.prompt_logprobs) < self.num_prompt_tokens
+        )
 
     @property
     def held_back_ids(self) -> frozenset[int]:

@@ -116,7 +116,11 @@ def test_split_prefill_and_decode_equal_the_single_process_engine(llm, prefill, 
 
 
 def test_logprobs_cover_every_token_across_the_hand_off(llm, prefill, decode) -> None:
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
+    """Sampled tokens' logprobs from both sides; the prompt's come with the prefill side's first
+    chunk, as the single-process engine computes them."""
+    params = SamplingParams(
+        max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2, prompt_logprobs=1
+    )
     req = request(llm, "logprobs", "The capital of France is", params)
     first = ray.get(prefill.prefill.remote(req))
     rest = ray.get(decode.run.remote(req, first))
@@ -125,6 +129,13 @@ def test_logprobs_cover_every_token_across_the_hand_off(llm, prefill, decode) ->
     for c in chunks:
         for t, lp in zip(c.token_ids, c.logprobs or []):
             assert lp.token_id == t and len(lp.top) == 2 and max(lp.top, key=lp.top.get) == t
+    [local] = llm.generate([list(req.prompt_token_ids)], params)
+    assert first.prompt_logprobs is not None and local.prompt_logprobs is not None
+    assert len(first.prompt_logprobs) == len(req.prompt_token_ids)
+    assert [lp and lp.token_id for lp in first.prompt_logprobs] == [
+        lp and lp.token_id for lp in local.prompt_logprobs
+    ]
+    assert all(c.prompt_logprobs is None for c in rest)
 
 
 def test_second_request_with_shared_prefix_reads_only_new_pages(llm, prefill, decode) -> None:

@@ -73,6 +73,27 @@ def test_smollm2_penalties_and_logit_bias_equal_hf_processors(
             assert want != base[:24]  # the rule changed the greedy text
 
 
+def test_smollm2_prompt_logprobs_equal_hf(smollm2_reference, hf_smollm2) -> None:
+    """Each prompt token's logprob given the tokens before it, and the top 2 there, as HF's
+    log-softmax over one forward of the prompt; in prefill chunks of 16 tokens, and again for
+    prompts whose KV is cached (prompt logprobs recompute them)."""
+    import torch
+
+    prompts = smollm2_reference[0][:4]
+    llm = LLM(max_num_batched_tokens=16)
+    params = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=2)
+    for _ in range(2):
+        for prompt, out in zip(prompts, llm.generate(prompts, params)):
+            with torch.inference_mode():
+                ref = hf_smollm2(torch.tensor([prompt])).logits[0].log_softmax(-1)
+            assert out.prompt_logprobs is not None and out.prompt_logprobs[0] is None
+            assert len(out.prompt_logprobs) == len(prompt) and out.num_cached_tokens == 0
+            for t, entry in enumerate(out.prompt_logprobs[1:]):
+                assert entry is not None and entry.token_id == prompt[t + 1]
+                assert abs(entry.logprob - float(ref[t, prompt[t + 1]])) < 1e-4
+                assert list(entry.top) == ref[t].topk(2).indices.tolist()
+
+
 def test_smollm2_answers_the_capital_of_france() -> None:
     llm = LLM()
     [out] = llm.chat(

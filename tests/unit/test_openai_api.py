@@ -193,6 +193,26 @@ async def test_completion_with_logprobs_and_ignored_unknown_fields(completion_ru
         assert token in top and 2 <= len(top) <= 3
 
 
+async def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(app, engine) -> None:
+    """lm-evaluation-harness's loglikelihood request: echo, logprobs=1, max_tokens=1. Every
+    prompt token but the first gets its logprob, in the streamed first chunk too."""
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1, "temperature": 0, "echo": True,
+            "logprobs": 1}
+    ids = engine.engine.tokenizer.encode(PROMPT)
+    async with http(app) as c:
+        whole = (await c.post("/v1/completions", json=body)).json()["choices"][0]
+        chunks = events((await c.post("/v1/completions", json={**body, "stream": True})).text)
+    lp = whole["logprobs"]
+    assert len(lp["tokens"]) == len(ids) + 1 and "".join(lp["tokens"]) == whole["text"]
+    assert whole["text"].startswith(PROMPT)
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert all(x < 0 for x in lp["token_logprobs"][1:])
+    assert all(lp["tokens"][i] in lp["top_logprobs"][i] for i in range(1, len(ids) + 1))
+    first = chunks[0]["choices"][0]["logprobs"]
+    assert first["token_logprobs"] == lp["token_logprobs"][: len(first["token_logprobs"])]
+    assert len(first["tokens"]) >= len(ids)
+
+
 async def test_completion_stream_concatenates_to_the_non_stream_text(completion_runs) -> None:
     chunks = completion_runs["stream"]
     assert "".join(c.choices[0].text for c in chunks) == completion_runs["plain"].choices[0].text
@@ -261,7 +281,7 @@ async def test_bad_completion_requests_are_400(app) -> None:
     base = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1}
     async with http(app) as c:
         for body in ({**base, "prompt": 5}, {**base, "prompt": []}, {**base, "prompt": [-1]},
-                     {**base, "logprobs": -1}, {**base, "echo": True, "logprobs": 1},
+                     {**base, "logprobs": -1}, {**base, "prompt_logprobs": 1},
                      {**base, "max_tokens": 0}, {**base, "suffix": "x"},
                      {**base, "prompt": [60000]}, {**base, "prompt": [60000], "stream": True},
                      {**base, "logit_bias": {"60000": 1}}):

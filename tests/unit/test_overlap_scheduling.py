@@ -104,10 +104,19 @@ def test_aborted_sequence_keeps_its_pages_until_the_running_step_ends() -> None:
 def test_context_limit_and_preemption_with_overlap() -> None:
     ref = LLM(overlap_scheduling=False, enable_prefix_caching=False)
     ps = [ref.tokenizer.encode(f"Item {i}: the history of the number {i} is") for i in range(6)]
-    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
-    expected = [o.token_ids for o in ref.generate(ps, params)]
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
+    want = ref.generate(ps, params)
     llm = LLM(overlap_scheduling=True, page_size=4, num_kv_pages=41)
-    assert [o.token_ids for o in llm.generate(ps, params)] == expected
+    got = llm.generate(ps, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for g, w in zip(got, want):  # a recomputed prompt does not add its logprobs twice
+        assert g.prompt_logprobs is not None and w.prompt_logprobs is not None
+        assert [lp and lp.token_id for lp in g.prompt_logprobs] == [
+            lp and lp.token_id for lp in w.prompt_logprobs
+        ]
+        assert [lp and lp.logprob for lp in g.prompt_logprobs] == pytest.approx(
+            [lp and lp.logprob for lp in w.prompt_logprobs], abs=1e-4
+        )
     stats = llm.engine.stats()
     assert stats.num_preemptions > 0 and stats.kv_pages_pinned == 0
     short = LLM(overlap_scheduling=True, max_model_len=32)

@@ -28,7 +28,9 @@ PROMPTS = [
 PARAMS = [
     SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
     SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True),
-    SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+    SamplingParams(  # logits for prompt rows too: every rank runs the LM head's all-gather
+        max_tokens=20, temperature=0.0, ignore_eos=True, frequency_penalty=0.8, prompt_logprobs=1
+    ),
     SamplingParams(max_tokens=1, temperature=0.0),
 ]
 TINY = dict(num_kv_pages=64, page_size=4, max_num_batched_tokens=16)  # chunked prefill too
@@ -56,6 +58,11 @@ def test_two_ranks_give_the_single_rank_tokens(
     assert [o.token_ids for o in outs] == [o.token_ids for o in single_rank]
     assert [len(o.token_ids) for o in outs] == [24, 16, 20, 1]
     assert stats.kv_pages_pinned == 0 and stats.num_running == 0
+    got, want = outs[2].prompt_logprobs, single_rank[2].prompt_logprobs
+    assert got is not None and want is not None and len(got) == len(want) > 1
+    assert [lp.logprob for lp in got[1:] if lp] == pytest.approx(
+        [lp.logprob for lp in want[1:] if lp], abs=1e-4
+    )
 
 
 def test_three_ranks_of_smollm2_give_the_single_rank_tokens(cluster) -> None:

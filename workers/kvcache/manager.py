@@ -29,7 +29,7 @@ class KVManager:
     def match_prefix(self, seq: Sequence) -> None:
         """Take the longest cached prefix (leaving at least one token to compute)."""
         assert not seq.pages and seq.prefix_node is None
-        if self.radix is None:
+        if self.radix is None or seq.wants_prompt_logprobs:  # those come from computing it
             return
         match = self.radix.match_prefix(seq.token_ids, max_tokens=seq.num_tokens - 1)
         self.radix.lock(match.node)
