@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 
 
 CPU_DEFAULT_KV_GB = 1.0
+PROMPT_ROWS_AT_ONCE = 512  # prompt-logprob rows per LM-head call
 
 
 @dataclass
@@ -71,6 +72,16 @@ class StepPlan:
     # next token).
     prompt_rows: list[int] = field(default_factory=list)
     prompt_targets: list[tuple[int, int, int]] = field(default_factory=list)
+    prompt_top_n: int = 0  # top logprobs per prompt token: the most any sequence asks
+
+
+@dataclass
+class StepOutputs:
+    """What a step's forward leaves on the device."""
+
+    logits: torch.Tensor | None  # [sampled rows, vocab] float32; None if none samples
+    greedy_ids: torch.Tensor | None  # their argmax, where a CUDA graph computed it
+    prompt: SampledTensors | None  # logprobs of the plan's prompt rows' next tokens
 
 
 class LaunchedStep:
@@ -182,14 +193,9 @@ class ModelRunner:
         until `LaunchedStep.result()`.
         """
         plan = self.plan(step)
-        logits, greedy_ids = self.run_plan(plan)
+        out = self.run_plan(plan)
+        logits, greedy_ids, prompt = out.logits, out.greedy_ids, out.prompt
         prev, self._prev = self._prev, None
-        prompt = None
-        if plan.prompt_rows:
-            assert logits is not None
-            k = len(plan.prompt_rows)
-            prompt = self._prompt_logprobs(step, plan, logits[:k])
-            logits = logits[k:] if plan.rows else None
         prompt_seqs = [(i, t) for i, t, _ in plan.prompt_targets]
         if logits is None:
             return LaunchedStep(step, plan.rows, None, prompt, prompt_seqs)
@@ -206,14 +212,6 @@ class ModelRunner:
             sampled = sample(logits, self._sampling_batch(seqs, prev))
         self._prev = (sampled.token_ids, {seq: r for r, seq in enumerate(seqs)})
         return LaunchedStep(step, plan.rows, sampled, prompt, prompt_seqs)
-
-    def _prompt_logprobs(
-        self, step: StepInput, plan: StepPlan, logits: torch.Tensor
-    ) -> SampledTensors:
-        """The logprobs of the prompt tokens that `plan`'s prompt rows predict."""
-        targets = np.asarray([t for *_, t in plan.prompt_targets], np.int64)
-        top_n = max(step.seqs[i].params.prompt_logprobs or 0 for i, *_ in plan.prompt_targets)
-        return prompt_logprobs(logits, self._to_device(targets), top_n)
 
     def plan(self, step: StepInput) -> StepPlan:
         """`step`'s inputs as host arrays, laid out for a CUDA graph where one applies
@@ -235,12 +233,14 @@ class ModelRunner:
         unseen: list[tuple[int, int]] = []  # (index in ids, row of the previous step's tokens)
         prompt_rows: list[int] = []
         prompt_targets: list[tuple[int, int, int]] = []
+        prompt_top_n = 0
         for i, (seq, n) in enumerate(zip(step.seqs, step.num_new_tokens)):
             start = seq.num_computed_tokens
             if seq.wants_prompt_logprobs:  # position t's logits give prompt token t + 1's
                 for t in range(start, min(start + n, seq.num_prompt_tokens - 1)):
                     prompt_rows.append(len(ids) + t - start)
                     prompt_targets.append((i, t, seq.token_ids[t + 1]))
+                    prompt_top_n = max(prompt_top_n, seq.params.prompt_logprobs or 0)
             known = seq.token_ids[start : start + n]
             if len(known) < n:  # the last token is being sampled by the step still running
                 assert self._prev is not None and len(known) == n - 1, "one unseen token at most"
@@ -284,33 +284,48 @@ class ModelRunner:
             graph=pad_to is not None,
             prompt_rows=prompt_rows,
             prompt_targets=prompt_targets,
+            prompt_top_n=prompt_top_n,
         )
 
     @torch.inference_mode()
-    def run_plan(self, plan: StepPlan) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Queue the forward of `plan` on the device: the float32 logits of its prompt-logprob
-        rows, then of its sampled rows (None if there are none), and the sampled rows' greedy
-        ids where a CUDA graph computed them (never with prompt rows)."""
+    def run_plan(self, plan: StepPlan) -> StepOutputs:
+        """Queue the forward of `plan` on the device (every TP rank runs the same LM heads)."""
         input_ids, positions, batch = self.device_inputs(plan)
         rows = plan.sample_rows
-        if plan.graph:
+        if plan.graph:  # never with prompt rows (`_graph_layout`)
             assert self.graphs is not None
             logits, greedy_ids = self.graphs.run(input_ids, positions, batch)
             if rows == list(range(len(rows))):
-                return logits[: len(rows)], greedy_ids[: len(rows)]
+                return StepOutputs(logits[: len(rows)], greedy_ids[: len(rows)], None)
             index = self._to_device(np.asarray(rows, dtype=np.int64))
-            return logits[index], greedy_ids[index]
+            return StepOutputs(logits[index], greedy_ids[index], None)
         self.attn.plan(batch)
         hidden = self.model(input_ids, positions, self.attn)
-        if not rows and not plan.prompt_rows:
-            return None, None
+        prompt = self._prompt_logprobs(hidden, plan) if plan.prompt_rows else None
+        if not rows:
+            return StepOutputs(None, None, prompt)
         ends = np.cumsum(batch.q_lens)[rows] - 1
-        picks = np.concatenate([plan.prompt_rows, ends]).astype(np.int64)
-        if not plan.prompt_rows and ends[-1] == len(ends) - 1:  # rows 0..k-1, one token each
+        if ends[-1] == len(ends) - 1:  # rows 0..k-1, one token each: no gather needed
             last = hidden[: len(ends)]
         else:
-            last = hidden[self._to_device(picks)]
-        return self.model.compute_logits(last), None
+            last = hidden[self._to_device(ends.astype(np.int64))]
+        return StepOutputs(self.model.compute_logits(last), None, prompt)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, plan: StepPlan) -> SampledTensors:
+        """The logprobs of the prompt tokens that `plan`'s prompt rows predict, through the LM
+        head `PROMPT_ROWS_AT_ONCE` rows at a time: a long chunk's logits at once would take
+        rows x vocab float32 (4 GiB for 8192 tokens of Llama-3's 128k)."""
+        rows = self._to_device(np.asarray(plan.prompt_rows, np.int64))
+        targets = self._to_device(np.asarray([t for *_, t in plan.prompt_targets], np.int64))
+        parts = [
+            prompt_logprobs(
+                self.model.compute_logits(hidden[rows[i : i + PROMPT_ROWS_AT_ONCE]]),
+                targets[i : i + PROMPT_ROWS_AT_ONCE],
+                plan.prompt_top_n,
+            )
+            for i in range(0, len(plan.prompt_rows), PROMPT_ROWS_AT_ONCE)
+        ]
+        return SampledTensors.cat(parts)
 
     def device_inputs(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
         """Token ids, positions and the attention batch of `plan` on the device, in one to three

@@ -79,6 +79,20 @@ class SampledTensors:
     top_ids: torch.Tensor | None = None  # [B, N]
     top_logprobs: torch.Tensor | None = None
 
+    @staticmethod
+    def cat(parts: list[SampledTensors]) -> SampledTensors:
+        """Rows of `parts` in order (each part with the same fields set)."""
+
+        def cat(ts: list[torch.Tensor | None]) -> torch.Tensor | None:
+            return None if ts[0] is None else torch.cat(ts)  # type: ignore[arg-type]
+
+        return SampledTensors(
+            torch.cat([p.token_ids for p in parts]),
+            cat([p.logprobs for p in parts]),
+            cat([p.top_ids for p in parts]),
+            cat([p.top_logprobs for p in parts]),
+        )
+
     def copy_to_host(self) -> SampledTensors:
         """Start copying every tensor into pinned host memory (CUDA); the copies are complete
         once the stream reaches this point. On the CPU this is the identity."""

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from workers.config import EngineConfig
-from workers.engine import ModelRunner, StepPlan, _model_dir
+from workers.engine import ModelRunner, StepOutputs, StepPlan, _model_dir
 from workers.model.llama import LlamaForCausalLM
 from workers.model.loader import load_model_config
 from workers.tp import SINGLE, TPGroup, destroy_group, free_port, init_group
@@ -126,7 +126,7 @@ class TPDriverRunner(RankRunner):
         logger.info("tensor parallel engine: %d ranks on %s", size, address)
 
     @torch.inference_mode()
-    def run_plan(self, plan: StepPlan) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def run_plan(self, plan: StepPlan) -> StepOutputs:
         if self._error is not None:
             raise self._error
         try:

@@ -73,12 +73,19 @@ def test_smollm2_penalties_and_logit_bias_equal_hf_processors(
             assert want != base[:24]  # the rule changed the greedy text
 
 
-def test_smollm2_prompt_logprobs_equal_hf(smollm2_reference, hf_smollm2) -> None:
+@pytest.mark.parametrize("rows_at_once", [512, 3])
+def test_smollm2_prompt_logprobs_equal_hf(
+    smollm2_reference, hf_smollm2, rows_at_once: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Each prompt token's logprob given the tokens before it, and the top 2 there, as HF's
-    log-softmax over one forward of the prompt; in prefill chunks of 16 tokens, and again for
-    prompts whose KV is cached (prompt logprobs recompute them)."""
+    log-softmax over one forward of the prompt; in prefill chunks of 16 tokens, through the LM
+    head in one piece or in pieces of 3 rows, and again for prompts whose KV is cached (prompt
+    logprobs recompute them)."""
     import torch
 
+    from workers import engine
+
+    monkeypatch.setattr(engine, "PROMPT_ROWS_AT_ONCE", rows_at_once)
     prompts = smollm2_reference[0][:4]
     llm = LLM(max_num_batched_tokens=16)
     params = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=2)

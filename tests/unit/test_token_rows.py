@@ -54,7 +54,7 @@ def _logits(
     assert plan.rows == [i for i in range(len(step.seqs)) if step.samples(i)]
     if token_rows:
         assert plan.q_lens == [1] * sum(step.num_new_tokens)
-    logits, _ = runner.run_plan(plan)
+    logits = runner.run_plan(plan).logits
     assert logits is not None
     return logits
 
