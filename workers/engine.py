@@ -11,7 +11,6 @@ the one this step samples. Such a token is taken from this step's output on the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,14 +25,9 @@ from workers.model.dummy import build_dummy_model
 from workers.model.loader import load_model, load_model_config, resolve_model
 from workers.penalties import LogitAdjustments, adjusts_logits
 from workers.protocol import KVLayout
-from workers.sampler import (
-    SampledTensors,
-    SampleResult,
-    SamplingBatch,
-    prompt_logprobs,
-    sample,
-)
+from workers.sampler import SampledTensors, SampleResult, SamplingBatch, prompt_logprobs, sample
 from workers.sequence import Sequence
+from workers.step import LaunchedStep, StepInput, StepOutputs, StepPlan
 from workers.tp import SINGLE, TPGroup
 
 if TYPE_CHECKING:
@@ -42,83 +36,6 @@ if TYPE_CHECKING:
 
 CPU_DEFAULT_KV_GB = 1.0
 PROMPT_ROWS_AT_ONCE = 512  # prompt-logprob rows per LM-head call
-
-
-@dataclass
-class StepInput:
-    seqs: list[Sequence]
-    num_new_tokens: list[int]  # tokens of each sequence computed in this step
-
-    def samples(self, i: int) -> bool:
-        """Whether sequence i's step reaches its last token, so a next token is sampled."""
-        seq = self.seqs[i]
-        return seq.num_computed_tokens + self.num_new_tokens[i] == seq.num_tokens
-
-
-@dataclass
-class StepPlan:
-    """One step's inputs as host arrays: what every tensor-parallel rank needs to run it."""
-
-    packed: np.ndarray  # [4, tokens] int64: token ids, positions, KV slot pages, slot offsets
-    page_table: np.ndarray  # [rows, pages] int32
-    q_lens: list[int]  # per row (sequences, then CUDA-graph padding rows)
-    kv_lens: list[int]
-    unseen: np.ndarray  # [2, k] int64: index in the token ids, row of the last launch's ids
-    rows: list[int]  # the sequences (indices into the step's) that sample a token
-    sample_rows: list[int]  # their last rows: where their logits come from
-    graph: bool  # replay the CUDA graph of len(q_lens) rows
-    # Prompt logprobs: tokens (indices into the token ids) whose logits give the logprob of the
-    # prompt token after them, and for each (sequence index in the step, its position, that
-    # next token).
-    prompt_rows: list[int] = field(default_factory=list)
-    prompt_targets: list[tuple[int, int, int]] = field(default_factory=list)
-    prompt_top_n: int = 0  # top logprobs per prompt token: the most any sequence asks
-
-
-@dataclass
-class StepOutputs:
-    """What a step's forward leaves on the device."""
-
-    logits: torch.Tensor | None  # [sampled rows, vocab] float32; None if none samples
-    greedy_ids: torch.Tensor | None  # their argmax, where a CUDA graph computed it
-    prompt: SampledTensors | None  # logprobs of the plan's prompt rows' next tokens
-
-
-class LaunchedStep:
-    """A step queued on the device; `result()` waits for its sampled rows, `prompt_result()`
-    for its prompt logprobs (`token_ids` there: the prompt tokens they are of)."""
-
-    def __init__(
-        self,
-        step: StepInput,
-        rows: list[int],
-        sampled: SampledTensors | None,
-        prompt: SampledTensors | None = None,
-        prompt_seqs: list[tuple[int, int]] | None = None,
-    ) -> None:
-        self.step = step
-        self.rows = rows  # indices into step.seqs of the sequences that sample a token
-        # (index into step.seqs, position) of each prompt logprob: of the token after it
-        self.prompt_seqs = prompt_seqs or []
-        self._host = None if sampled is None else sampled.copy_to_host()
-        self._prompt_host = None if prompt is None else prompt.copy_to_host()
-        self._done: torch.cuda.Event | None = None
-        if any(t is not None and t.token_ids.is_cuda for t in (sampled, prompt)):
-            self._done = torch.cuda.Event()
-            self._done.record()
-
-    def result(self) -> SampleResult | None:
-        return self._wait(self._host)
-
-    def prompt_result(self) -> SampleResult | None:
-        return self._wait(self._prompt_host)
-
-    def _wait(self, host: SampledTensors | None) -> SampleResult | None:
-        if host is None:
-            return None
-        if self._done is not None:
-            self._done.synchronize()
-        return host.to_host()
 
 
 class ModelRunner:
@@ -352,7 +269,7 @@ class ModelRunner:
         launches a layer take several times its GPU work on the host (README, short prompts).
         Rows of a chunk each read their sequence's KV up to themselves, so this is done only
         while those reads stay within as many bytes as the weights (read once a step)."""
-        if self.graphs is None or plan_has_prompt_rows(step):
+        if self.graphs is None or step.scores_prompt():
             return False, None
         ps = self.cfg.page_size
         pairs = list(zip(step.seqs, step.num_new_tokens))
@@ -403,14 +320,6 @@ class ModelRunner:
             to_device=self._to_device,
             adjust=adjust,
         )
-
-
-def plan_has_prompt_rows(step: StepInput) -> bool:
-    """Whether some sequence of `step` computes prompt tokens whose logprobs it wants."""
-    return any(
-        s.wants_prompt_logprobs and s.num_computed_tokens < s.num_prompt_tokens - 1
-        for s in step.seqs
-    )
 
 
 def _model_dir(cfg: EngineConfig) -> Path:

@@ -21,7 +21,6 @@ from pydantic import BaseModel
 
 from workers.config import EngineConfig
 from workers.detokenizer import IncrementalDetokenizer
-from workers.engine import LaunchedStep, StepInput
 from workers.kvcache.allocator import PageAllocator
 from workers.kvcache.manager import KVManager
 from workers.model.loader import load_tokenizer
@@ -29,6 +28,7 @@ from workers.protocol import GenerateRequest, RequestOutput, TokenLogprob
 from workers.sampler import SampleResult
 from workers.scheduler.scheduler import Scheduler
 from workers.sequence import SeqStatus, Sequence
+from workers.step import LaunchedStep, StepInput
 from workers.tp import SINGLE, TPGroup
 from workers.tp_runner import create_runner
 

@@ -30,9 +30,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from workers.config import EngineConfig
-from workers.engine import ModelRunner, StepOutputs, StepPlan, _model_dir
+from workers.engine import ModelRunner, _model_dir
 from workers.model.llama import LlamaForCausalLM
 from workers.model.loader import load_model_config
+from workers.step import StepOutputs, StepPlan
 from workers.tp import SINGLE, TPGroup, destroy_group, free_port, init_group
 
 if TYPE_CHECKING:

@@ -16,8 +16,9 @@ import torch
 from tests.gpu.conftest import count_replays, hf_greedy_gpu, hf_judge
 from workers import LLM, SamplingParams
 from workers.config import EngineConfig
-from workers.engine import ModelRunner, StepInput
+from workers.engine import ModelRunner
 from workers.sequence import Sequence
+from workers.step import StepInput
 
 pytestmark = pytest.mark.gpu
 

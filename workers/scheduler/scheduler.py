@@ -13,9 +13,9 @@ from __future__ import annotations
 import logging
 from collections import deque
 
-from workers.engine import StepInput
 from workers.kvcache.manager import KVManager
 from workers.sequence import SeqStatus, Sequence
+from workers.step import StepInput
 
 logger = logging.getLogger(__name__)
 
