@@ -66,10 +66,16 @@ class LogitAdjustments:
         rows = [i for i, p in enumerate(params) if adjusts_logits(p) or held[i]]
         if not rows:
             return None
-        pending = [None if in_flight is None else in_flight[1][i] for i in rows]
+        # Rows only held back (min_tokens) have neutral penalties: their tokens need no upload.
+        penalised = [adjusts_logits(params[i]) for i in rows]
+        pending = [
+            in_flight[1][i] if in_flight is not None and pen else None
+            for i, pen in zip(rows, penalised)
+        ]
         # a pending token's place holds the padding id until it is filled on the device
         outs = [
-            [*outputs[i], vocab] if p is not None else outputs[i] for i, p in zip(rows, pending)
+            [*outputs[i], vocab] if p is not None else outputs[i] if pen else []
+            for i, p, pen in zip(rows, pending, penalised)
         ]
         rules = np.array(
             [
@@ -86,7 +92,9 @@ class LogitAdjustments:
         adjust = cls(
             rows=to_device(np.asarray(rows, dtype=np.int64)),
             rules=to_device(rules),
-            prompt_ids=to_device(_padded([prompts[i] for i in rows], vocab)),
+            prompt_ids=to_device(
+                _padded([prompts[i] if pen else [] for i, pen in zip(rows, penalised)], vocab)
+            ),
             output_ids=to_device(_padded(outs, vocab)),
             bias=to_device(np.ascontiguousarray(bias.T)),
             banned=to_device(
