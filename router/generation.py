@@ -53,6 +53,7 @@ class Job:
     choices: list[ChoiceState]
     logprobs: int | None
     echo: list[str] | None = None  # completions with echo: each prompt's text
+    prompt_logprobs: bool = False  # vLLM's `prompt_logprobs` field in the response
     include_usage: bool = False
     continuous_usage: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
@@ -113,6 +114,7 @@ def build_job(req: SamplingFields, prompt_ids: list[list[int]], prompts: Prompts
         echo = _prompt_texts(req.prompt, prompt_ids, prompts)
     return Job(id=rid, chat=chat, model=model, prompt_ids=prompt_ids, requests=requests,
                choices=choices, logprobs=requests[0].params.logprobs, echo=echo,
+               prompt_logprobs=req.prompt_logprobs is not None,
                include_usage=bool(opts and opts.include_usage),
                continuous_usage=bool(opts and opts.include_usage and opts.continuous_usage_stats))
 

@@ -28,7 +28,6 @@ PASSED_IF_SET = ("presence_penalty", "frequency_penalty", "logit_bias")
 # Unknown (extra) fields that change the output unless they hold their neutral value.
 UNSUPPORTED_EXTRAS: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
-    "prompt_logprobs": (None,),
     "use_beam_search": (None, False),
     "length_penalty": (None, 1, 1.0),
     "bad_words": (None, []),
@@ -71,6 +70,9 @@ def check_supported(req: SamplingFields) -> None:
     best_of = extra.get("best_of")
     if best_of is not None and (not isinstance(best_of, int) or best_of > req.n):
         raise BadRequestError("best_of greater than n is not supported", param="best_of")
+    if req.prompt_logprobs is not None and req.stream:
+        raise BadRequestError("prompt_logprobs is not supported with stream",
+                              param="prompt_logprobs")
     if req.stream_options is not None and not req.stream:
         raise BadRequestError("stream_options is only allowed when stream is true",
                               param="stream_options")
@@ -91,11 +93,12 @@ def requested_logprobs(req: SamplingFields) -> int | None:
     return req.logprobs
 
 
-def echoed_logprobs(req: SamplingFields) -> int | None:
-    """Completions with echo and logprobs: the prompt's tokens get logprobs too."""
-    if isinstance(req, CompletionRequest) and req.echo:
-        return req.logprobs
-    return None
+def wanted_prompt_logprobs(req: SamplingFields) -> int | None:
+    """Top-N for the prompt's tokens: vLLM's `prompt_logprobs`, or completions with echo and
+    logprobs (whose echoed prompt carries logprobs too); the larger where both ask."""
+    echoed = req.logprobs if isinstance(req, CompletionRequest) and req.echo else None
+    asked = [n for n in (req.prompt_logprobs, echoed) if n is not None]
+    return max(asked) if asked else None
 
 
 def sampling_params(req: SamplingFields, max_tokens: int, seed_offset: int = 0,
@@ -118,7 +121,7 @@ def sampling_params(req: SamplingFields, max_tokens: int, seed_offset: int = 0,
         "ignore_eos": req.ignore_eos,
         "include_stop_str_in_output": req.include_stop_str_in_output,
         "logprobs": requested_logprobs(req),
-        "prompt_logprobs": echoed_logprobs(req),
+        "prompt_logprobs": wanted_prompt_logprobs(req),
         "skip_special_tokens": req.skip_special_tokens,
     }
     try:

@@ -57,6 +57,7 @@ class SamplingFields(BaseModel):
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0)
     logit_bias: dict[str, float] | None = None  # token id (as JSON keys are strings) -> bias
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's extension
     user: str | None = None
 
     @field_validator("n", "stream", "ignore_eos", "min_tokens", "include_stop_str_in_output",
@@ -155,12 +156,24 @@ def _now() -> int:
     return int(time.time())
 
 
+class PromptLogprob(OpenAIModel):
+    """vLLM's entry for one token of a prompt position: its logprob, rank and text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]  # per prompt token; token id -> entry
+
+
 class CompletionChoice(OpenAIModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(OpenAIModel):
@@ -192,6 +205,7 @@ class ChatCompletionResponse(OpenAIModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None  # of the (one) prompt, as vLLM puts it here
 
 
 class DeltaMessage(OpenAIModel):

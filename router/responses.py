@@ -21,6 +21,8 @@ from router.protocol import (
     CompletionLogprobs,
     CompletionResponse,
     DeltaMessage,
+    PromptLogprob,
+    PromptLogprobs,
     TopLogprob,
 )
 from router.tokenizer import Prompts
@@ -81,7 +83,8 @@ def completion_response(job: Job, prompts: Prompts) -> CompletionResponse:
                     else completion_logprobs(c, c.logprobs, prompts, echo))
         choices.append(CompletionChoice(index=c.index, text=text, logprobs=logprobs,
                                         finish_reason=c.finish_reason,
-                                        stop_reason=c.stop_reason))
+                                        stop_reason=c.stop_reason,
+                                        prompt_logprobs=vllm_prompt_logprobs(job, c, prompts)))
     return CompletionResponse(id=job.id, created=job.created, model=job.model, choices=choices,
                               usage=job.usage())
 
@@ -96,7 +99,26 @@ def chat_response(job: Job, prompts: Prompts) -> ChatCompletionResponse:
                                   logprobs=logprobs, finish_reason=c.finish_reason,
                                   stop_reason=c.stop_reason))
     return ChatCompletionResponse(id=job.id, created=job.created, model=job.model,
-                                  choices=choices, usage=job.usage())
+                                  choices=choices, usage=job.usage(),
+                                  prompt_logprobs=vllm_prompt_logprobs(job, job.choices[0],
+                                                                       prompts))
+
+
+def vllm_prompt_logprobs(job: Job, choice: ChoiceState, prompts: Prompts) -> PromptLogprobs | None:
+    """vLLM's `prompt_logprobs`: per prompt token (None for the first) its own entry and the
+    top ones, keyed by token id, each with its rank (1 = most likely) and text."""
+    if not job.prompt_logprobs or choice.prompt_logprobs is None:
+        return None
+    out: PromptLogprobs = []
+    for t in choice.prompt_logprobs:
+        if t is None:
+            out.append(None)
+            continue
+        ranked = [(i, lp, r) for r, (i, lp) in enumerate(t.top.items(), start=1)]
+        out.append({str(i): PromptLogprob(logprob=_lp(lp), rank=r,
+                                          decoded_token=prompts.token_text(i))
+                    for i, lp, r in [*ranked, (t.token_id, t.logprob, t.rank)]})
+    return out
 
 
 # ---- stream chunks ----------------------------------------------------------------------------

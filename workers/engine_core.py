@@ -317,4 +317,7 @@ def _token_logprob(result: SampleResult, row: int, top_n: int) -> TokenLogprob:
     top = {}
     if top_n and result.top_ids is not None and result.top_logprobs is not None:
         top = dict(zip(result.top_ids[row][:top_n], result.top_logprobs[row][:top_n]))
-    return TokenLogprob(token_id=result.token_ids[row], logprob=result.logprobs[row], top=top)
+    rank = None if result.ranks is None else result.ranks[row]
+    return TokenLogprob(
+        token_id=result.token_ids[row], logprob=result.logprobs[row], top=top, rank=rank
+    )

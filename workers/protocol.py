@@ -115,6 +115,7 @@ class TokenLogprob(BaseModel):
     token_id: int
     logprob: float
     top: dict[int, float] = {}
+    rank: int | None = None  # in its distribution, 1 = the most likely (prompt tokens)
 
 
 class KVLayout(BaseModel):

@@ -68,6 +68,7 @@ class SampleResult:
     logprobs: list[float] | None = None  # of the sampled token, from the raw distribution
     top_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
+    ranks: list[int] | None = None  # of each token in its distribution, 1 = the most likely
 
 
 @dataclass
@@ -78,6 +79,7 @@ class SampledTensors:
     logprobs: torch.Tensor | None = None  # [B]
     top_ids: torch.Tensor | None = None  # [B, N]
     top_logprobs: torch.Tensor | None = None
+    ranks: torch.Tensor | None = None  # [B]
 
     @staticmethod
     def cat(parts: list[SampledTensors]) -> SampledTensors:
@@ -91,6 +93,7 @@ class SampledTensors:
             cat([p.logprobs for p in parts]),
             cat([p.top_ids for p in parts]),
             cat([p.top_logprobs for p in parts]),
+            cat([p.ranks for p in parts]),
         )
 
     def copy_to_host(self) -> SampledTensors:
@@ -108,7 +111,11 @@ class SampledTensors:
         token_ids = copy(self.token_ids)
         assert token_ids is not None
         return SampledTensors(
-            token_ids, copy(self.logprobs), copy(self.top_ids), copy(self.top_logprobs)
+            token_ids,
+            copy(self.logprobs),
+            copy(self.top_ids),
+            copy(self.top_logprobs),
+            copy(self.ranks),
         )
 
     def to_host(self) -> SampleResult:
@@ -120,6 +127,7 @@ class SampledTensors:
             lists(self.logprobs),
             lists(self.top_ids),
             lists(self.top_logprobs),
+            lists(self.ranks),
         )
 
 
@@ -171,11 +179,14 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampledTensors:
 
 
 def prompt_logprobs(logits: torch.Tensor, targets: torch.Tensor, top_n: int) -> SampledTensors:
-    """The logprob of each `targets` token (a prompt's next token) under its row of `logits`,
-    and each row's `top_n` best; `token_ids` holds the targets."""
+    """The logprob and rank of each `targets` token (a prompt's next token) under its row of
+    `logits`, and each row's `top_n` best; `token_ids` holds the targets."""
     logprobs = logits.log_softmax(dim=-1)
+    chosen = logprobs.gather(-1, targets[:, None])
     result = SampledTensors(
-        token_ids=targets, logprobs=logprobs.gather(-1, targets[:, None]).squeeze(-1)
+        token_ids=targets,
+        logprobs=chosen.squeeze(-1),
+        ranks=(logprobs > chosen).sum(dim=-1) + 1,
     )
     if top_n > 0:
         top = logprobs.topk(top_n, dim=-1)

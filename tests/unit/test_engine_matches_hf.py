@@ -99,6 +99,9 @@ def test_smollm2_prompt_logprobs_equal_hf(
                 assert entry is not None and entry.token_id == prompt[t + 1]
                 assert abs(entry.logprob - float(ref[t, prompt[t + 1]])) < 1e-4
                 assert list(entry.top) == ref[t].topk(2).indices.tolist()
+                # its rank: 1 + how many tokens are more likely (HF's values within 1e-4)
+                surely, maybe = (int((ref[t] > entry.logprob + d).sum()) for d in (1e-4, -1e-4))
+                assert entry.rank is not None and surely + 1 <= entry.rank <= maybe
 
 
 def test_smollm2_answers_the_capital_of_france() -> None:

@@ -213,6 +213,32 @@ async def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(app, engine)
     assert len(first["tokens"]) >= len(ids)
 
 
+async def test_prompt_logprobs_as_vllm_returns_them(app, engine) -> None:
+    """vLLM's `prompt_logprobs`: per prompt token (null for the first) the token's own entry and
+    the top N, keyed by token id, with ranks; in each completion choice, and once for chat."""
+    ids = engine.engine.tokenizer.encode(PROMPT)
+    async with http(app) as c:
+        comp = (await c.post("/v1/completions", json={
+            "model": MODEL, "prompt": PROMPT, "max_tokens": 1, "prompt_logprobs": 2})).json()
+        chat = (await c.post("/v1/chat/completions", json={**CHAT, "prompt_logprobs": 0})).json()
+        streamed = await c.post("/v1/completions", json={
+            "model": MODEL, "prompt": PROMPT, "stream": True, "prompt_logprobs": 1})
+    plp = comp["choices"][0]["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == len(ids)
+    for t, entry in zip(ids[1:], plp[1:]):
+        mine = entry[str(t)]
+        assert mine["rank"] >= 1 and mine["logprob"] <= 0 and mine["decoded_token"]
+        by_rank = {e["rank"]: e["logprob"] for e in entry.values()}
+        assert len(entry) in (2, 3) and by_rank[1] >= by_rank[2]  # the top 2, and its own
+        assert by_rank[mine["rank"]] == mine["logprob"]
+    assert "prompt_logprobs" in chat and chat["prompt_logprobs"][0] is None
+    assert all(len(e) == 1 for e in chat["prompt_logprobs"][1:])  # its own entry only
+    assert streamed.status_code == 400
+    plain = (await http(app).post("/v1/completions", json={
+        "model": MODEL, "prompt": PROMPT, "max_tokens": 1})).json()
+    assert plain["choices"][0]["prompt_logprobs"] is None
+
+
 async def test_completion_stream_concatenates_to_the_non_stream_text(completion_runs) -> None:
     chunks = completion_runs["stream"]
     assert "".join(c.choices[0].text for c in chunks) == completion_runs["plain"].choices[0].text
@@ -281,7 +307,7 @@ async def test_bad_completion_requests_are_400(app) -> None:
     base = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1}
     async with http(app) as c:
         for body in ({**base, "prompt": 5}, {**base, "prompt": []}, {**base, "prompt": [-1]},
-                     {**base, "logprobs": -1}, {**base, "prompt_logprobs": 1},
+                     {**base, "logprobs": -1}, {**base, "prompt_logprobs": 21},
                      {**base, "max_tokens": 0}, {**base, "suffix": "x"},
                      {**base, "prompt": [60000]}, {**base, "prompt": [60000], "stream": True},
                      {**base, "logit_bias": {"60000": 1}}):
