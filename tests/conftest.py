@@ -62,18 +62,22 @@ def hf_greedy(
     max_new_tokens: int,
     processors=None,  # noqa: ANN001 - a transformers LogitsProcessorList
 ) -> list[int]:
-    """HF transformers' greedy tokens with its own KV cache, never stopping at EOS; with
-    `processors` (a `LogitsProcessorList`) the argmax is of the logits they return."""
+    """HF transformers' greedy tokens with its own KV cache on the model's device, never
+    stopping at EOS; with `processors` (a `LogitsProcessorList`) the argmax is of the logits
+    they return."""
+    device = next(model.parameters()).device
     ids = list(prompt)
     with torch.inference_mode():
-        out = model(torch.tensor([prompt]), use_cache=True)
+        out = model(torch.tensor([prompt], device=device), use_cache=True)
         for _ in range(max_new_tokens):
             scores = out.logits[:, -1].float()
             if processors is not None:
-                scores = processors(torch.tensor([ids]), scores)
+                scores = processors(torch.tensor([ids], device=device), scores)
             ids.append(int(scores[0].argmax()))
             out = model(
-                torch.tensor([ids[-1:]]), past_key_values=out.past_key_values, use_cache=True
+                torch.tensor([ids[-1:]], device=device),
+                past_key_values=out.past_key_values,
+                use_cache=True,
             )
     return ids[len(prompt) :]
 

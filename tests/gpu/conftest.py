@@ -83,20 +83,6 @@ def hf_fp32_gpu(smollm2_random: Path):  # noqa: ANN201 - a transformers model
     return model.to("cuda").eval()  # type: ignore[arg-type]
 
 
-def hf_greedy_gpu(model, prompt: list[int], max_new_tokens: int) -> list[int]:  # noqa: ANN001
-    """HF's greedy tokens with its own KV cache on the model's device, never stopping at EOS."""
-    device = next(model.parameters()).device
-    tokens: list[int] = []
-    with torch.inference_mode():
-        out = model(torch.tensor([prompt], device=device), use_cache=True)
-        for _ in range(max_new_tokens):
-            nxt = int(out.logits[0, -1].argmax())
-            tokens.append(nxt)
-            ids = torch.tensor([[nxt]], device=device)
-            out = model(ids, past_key_values=out.past_key_values, use_cache=True)
-    return tokens
-
-
 def hf_judge(
     model,  # noqa: ANN001 - a transformers model
     prompt: list[int],

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.gpu.conftest import count_replays, hf_greedy_gpu, hf_judge
+from tests.conftest import hf_greedy
+from tests.gpu.conftest import count_replays, hf_judge
 from workers import LLM, SamplingParams
 from workers.config import EngineConfig
 from workers.engine import ModelRunner
@@ -35,7 +36,7 @@ def greedy(max_tokens: int = NEW_TOKENS, logprobs: int | None = None) -> Samplin
 
 
 def test_float32_torch_backend_equals_hf_on_gpu(smollm2_random: Path, hf_fp32_gpu) -> None:
-    expected = [hf_greedy_gpu(hf_fp32_gpu, p, NEW_TOKENS) for p in PROMPTS]
+    expected = [hf_greedy(hf_fp32_gpu, p, NEW_TOKENS) for p in PROMPTS]
     llm = LLM(
         str(smollm2_random),
         device="cuda",

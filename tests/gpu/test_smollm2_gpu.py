@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.gpu.conftest import hf_greedy_gpu, hf_judge
+from tests.conftest import hf_greedy
+from tests.gpu.conftest import hf_judge
 from tests.gpu.test_engine_gpu import PROMPTS, greedy
 from workers import LLM, SamplingParams
 
@@ -72,7 +73,7 @@ def test_float32_engine_gives_hf_greedy_tokens(
     smollm2_dir: Path, hf_real, prompts: list[list[int]]
 ) -> None:
     prompts = [*prompts, *PROMPTS[:3]]
-    expected = [hf_greedy_gpu(hf_real, p, NEW_TOKENS) for p in prompts]
+    expected = [hf_greedy(hf_real, p, NEW_TOKENS) for p in prompts]
     llm = LLM(
         str(smollm2_dir),
         device="cuda",
@@ -102,7 +103,7 @@ def test_bfloat16_log_probs_are_as_close_to_float32_as_hf_bfloat16s(
     reference: list[torch.Tensor] = []  # HF float32's log-probs after each context
     hf_bf16_errors: list[float] = []
     for prompt in prompts:
-        text = prompt + hf_greedy_gpu(hf_real, prompt, TEACHER_TOKENS)
+        text = prompt + hf_greedy(hf_real, prompt, TEACHER_TOKENS)
         fp32, bf16 = _hf_log_probs(hf_real, text), _hf_log_probs(hf_bf16, text)
         for end in range(len(prompt), len(text)):
             contexts.append(text[:end])
