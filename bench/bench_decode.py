@@ -12,9 +12,12 @@ rank's bytes (the all-reduces between the ranks are part of the gap). Three ways
 Parts are timed too: the graph replay (forward, LM head and argmax; CUDA events; one GPU only:
 a rank cannot replay its graph alone), the host's input plan and FlashInfer's plan, and the
 eager step; `--profile` adds, for two cases, where the graph replay's device time goes (with
-`--tp`, a whole step's on rank 0) and the top kernels and host ops of an eager step.
+`--tp`, a whole step's on rank 0) and the top kernels and host ops of an eager step;
+`--trace DIR` also writes each profiled replay as a Chrome trace (every kernel's start and end:
+a layer's critical path, kernel by kernel).
 
     python -m bench.bench_decode --tokenizer-dir DIR [--shape llama3-8b] [--tp 2] [--json F]
+        [--profile [--trace DIR]]
 """
 
 from __future__ import annotations
@@ -129,6 +132,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="top kernels of eager 1x1024, 64x2048")
     ap.add_argument("--cases", help="only these, e.g. 1x1024,64x2048")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (GPUs)")
+    ap.add_argument("--trace", help="with --profile: a folder for Chrome traces of the replays")
     args = ap.parse_args()
     bandwidth = copy_bandwidth_gbps()
     print(
@@ -199,7 +203,8 @@ def main() -> None:
             # rank 0's device time of whole steps (a rank cannot replay its graph alone)
             print(step_timeline(lambda: runner.execute(step)), flush=True)  # noqa: B023
         elif args.profile and (batch, context) in ((1, 1024), (64, 2048)):
-            print(step_timeline(graphs.graphs[batch].replay), flush=True)
+            trace = args.trace and f"{args.trace}/replay_{batch}x{context}.json"
+            print(step_timeline(graphs.graphs[batch].replay, trace), flush=True)
             runner.graphs = None
             print(top_kernels(lambda: runner.execute(step)), flush=True)  # noqa: B023
             runner.graphs = graphs

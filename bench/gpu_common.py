@@ -191,10 +191,12 @@ KERNEL_KINDS = (
 )
 
 
-def step_timeline(fn: Callable[[], object]) -> str:
+def step_timeline(fn: Callable[[], object], trace: str | None = None) -> str:
     """Where the device time of `fn` (e.g. a CUDA-graph replay) goes: per kind of kernel, the
     count and summed duration; and over the whole span, the time no kernel ran. Kernels that
-    overlap (programmatic dependent launch) make the sum exceed the busy time."""
+    overlap (programmatic dependent launch) make the sum exceed the busy time. `trace`: also
+    write the run as a Chrome trace there (every kernel's start and end, for a layer's critical
+    path)."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -202,6 +204,8 @@ def step_timeline(fn: Callable[[], object]) -> str:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
+    if trace:
+        prof.export_chrome_trace(trace)
     spans = sorted(
         (e.time_range.start, e.time_range.end, e.name)
         for e in prof.events()

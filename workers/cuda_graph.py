@@ -5,14 +5,17 @@ logits) and the argmax. Other sampling reads the logits after the replay.
 
 A decode step of n sequences runs the graph of the smallest captured size b >= n; so does a step
 with prefill chunks of n new tokens in all, laid out one row per token (`ModelRunner.plan`): a
-row is one query attending to its sequence up to itself, which is what decode attention does.
-The runner pads the step to b rows before it gets here: padding rows hold
-token 0 at position 0, write their K/V into slot 0 of scratch page 0 and attend to that one
-token, so they touch no sequence's pages. Their outputs are ignored.
+row is one query attending to its sequence up to itself, which is what decode attention does,
+except in a graph whose attention is one launch per layer (`GraphDecodeAttention.split_kv`,
+batch 1): there a row cannot see K/V that other rows write in the same launch, so such steps
+take the next size up (`padded_size(token_rows=True)`). The runner pads the step to b rows
+before it gets here: padding rows hold token 0 at position 0, write their K/V into slot 0 of
+scratch page 0 and attend to that one token, so they touch no sequence's pages. Their outputs
+are ignored.
 
 Invariants a replay relies on:
-- inputs live in static buffers (`input_ids`, `positions`, each size's slot buffers and FlashInfer
-  metadata buffers) that are filled in place before `replay()`, never reallocated;
+- inputs live in static buffers (`input_ids`, `positions`, each size's slot buffers and page
+  table metadata buffers) that are filled in place before `replay()`, never reallocated;
 - the model's parameters and the KV pool keep their addresses for the runner's lifetime;
 - all sizes share one memory pool and run on one stream, one at a time, so their intermediate
   tensors and FlashInfer's workspace may alias.
@@ -73,12 +76,16 @@ class DecodeCudaGraphs:
             (free_before - torch.cuda.mem_get_info(device)[0]) / 2**20,
         )
 
-    def padded_size(self, num_seqs: int, max_pages: int) -> int | None:
-        """The captured size a decode step of `num_seqs` runs at, or None to run eagerly."""
+    def padded_size(self, rows: int, max_pages: int, token_rows: bool = False) -> int | None:
+        """The captured size a step of `rows` rows runs at, or None to run eagerly.
+        `token_rows`: rows are tokens of prefill chunks (several may be one sequence's), which
+        only graphs whose attention `accepts_token_rows` take."""
         if max_pages > self.max_pages_per_seq:
             return None
-        i = bisect.bisect_left(self.batch_sizes, num_seqs)
-        return self.batch_sizes[i] if i < len(self.batch_sizes) else None
+        for size in self.batch_sizes[bisect.bisect_left(self.batch_sizes, rows) :]:
+            if not token_rows or self.attn[size].accepts_token_rows:
+                return size
+        return None
 
     def _dummy_batch(self, bs: int) -> AttentionBatch:
         device = self.input_ids.device

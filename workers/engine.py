@@ -279,7 +279,7 @@ class ModelRunner:
         reads = sum(n * s.num_computed_tokens + n * (n + 1) // 2 for s, n in pairs if n > 1)
         if reads * self.kv_layout.page_bytes > self.weight_bytes * ps:  # KV tokens vs weights
             return False, None
-        pad_to = self.graphs.padded_size(sum(step.num_new_tokens), max_pages)
+        pad_to = self.graphs.padded_size(sum(step.num_new_tokens), max_pages, token_rows=True)
         return pad_to is not None, pad_to
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:

@@ -130,6 +130,9 @@ def test_cuda_graph_replay_gives_eager_tokens(smollm2_random: Path, num_seqs: in
     replays = count_replays(graphs)
     graph, graph_top1, _ = decode_trace(runner, prompts, NEW_TOKENS, eager)
     assert replays == [graphs.padded_size(num_seqs, 1)] * NEW_TOKENS
+    if num_seqs == 1:  # the batch-1 graph runs the one-launch attention kernel
+        assert graphs.attn[1].split_kv is not None
+        assert graphs.padded_size(1, 1, token_rows=True) == 2  # prefill rows skip it
     for t in range(NEW_TOKENS):
         for i in range(num_seqs):
             assert graph[t][i] == eager[t][i] or eager_gaps[t][i] < 0.02, (t, i)

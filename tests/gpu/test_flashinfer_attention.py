@@ -236,3 +236,98 @@ def test_one_plan_serves_every_layer_of_a_deep_pool(kind: str) -> None:
         out = fast.forward(layer, q, k, v)
         ref = ref_backend.forward(layer, q.float(), k.float(), v.float())
         assert rel_err(out, ref) < BF16_TOLERANCE, f"layer {layer}"
+
+
+def _rotated_reference(
+    pool: KVPool, batch: AttentionBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    cos: torch.Tensor, sin: torch.Tensor, layer: int,
+) -> torch.Tensor:  # fmt: skip
+    """The torch reference in float32 on a copy of `pool`: q and k rotated, k/v written, attend."""
+    from workers.model.rotary import apply_rotary
+
+    ref_pool = KVPool(pool.layout, pool.pages.shape[0], "cuda")
+    ref_pool.pages.copy_(pool.pages)
+    ref = TorchAttention(ref_pool, q.shape[1], q.shape[-1] ** -0.5)
+    ref.plan(batch)
+    q_rot, k_rot = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    out = ref.forward(layer, q_rot.float(), k_rot.float(), v.float())
+    # What the fused kernel must have written: the bf16-rounded rotated k and v (the reference
+    # wrote the same values into its copy).
+    return out
+
+
+def _cos_sin(batch: AttentionBatch, head_dim: int) -> tuple[torch.Tensor, ...]:
+    from workers.model.rotary import RotaryEmbedding
+
+    positions = torch.tensor([kv - 1 for kv in batch.kv_lens], device="cuda")
+    return RotaryEmbedding(head_dim, 500000.0, None).cuda().cos_sin(positions, torch.bfloat16)
+
+
+@pytest.mark.parametrize("heads", sorted(HEADS))
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("kv_lens", [None, [4100], [1, 2, 33, 700, 4097]])
+def test_split_kv_decode_kernel_matches_reference(
+    heads: str, page_size: int, kv_lens: list[int] | None
+) -> None:
+    """The one-launch decode kernel (rotary, K/V write, split-KV attention, merge) equals
+    rotating, writing and attending in float32; its pool slots hold the rotated k and v.
+    Lengths: NUM_SEQS random ones with a sequence of one token; one long sequence (several tiles
+    per split); short and long together (splits with no past tokens)."""
+    from workers.attention.flashinfer import paged_metadata
+    from workers.attention.split_kv_decode import SplitKVDecode
+
+    hq, hkv, d = HEADS[heads]
+    seed = zlib.crc32(f"{heads}/{page_size}/{kv_lens}".encode())
+    pool, batch = random_batch("decode", page_size, hkv, d, seed, kv_lens=kv_lens)
+    q, k, v = qkv(batch.num_tokens, hq, hkv, d, seed)
+    cos, sin = _cos_sin(batch, d)
+    ref = _rotated_reference(pool, batch, q, k, v, cos, sin, layer=2)
+    meta = paged_metadata(batch, page_size)
+    kernel = SplitKVDecode(len(batch.q_lens), hq, hkv, d, d**-0.5, pool.pages.device)
+    out = kernel.forward(
+        q, k, v, cos, sin, pool.layer(2), meta.kv_indptr.cuda(), meta.kv_indices,
+        meta.last_page_len.cuda(), batch.slot_pages, batch.slot_offsets,
+    )  # fmt: skip
+    assert out.shape == q.shape and out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    assert rel_err(out, ref) < BF16_TOLERANCE
+    from workers.model.rotary import apply_rotary
+
+    layer = pool.layer(2)
+    written_k = layer[batch.slot_pages, 0, batch.slot_offsets]
+    torch.testing.assert_close(written_k, apply_rotary(k, cos, sin), atol=0, rtol=2**-7)
+    assert torch.equal(layer[batch.slot_pages, 1, batch.slot_offsets], v)
+    assert not kernel.locks.any()  # the merging programs reset their counters
+
+
+@pytest.mark.parametrize("heads", sorted(HEADS))
+def test_graph_decode_attention_at_batch_one_replays_the_split_kv_kernel(heads: str) -> None:
+    """A batch-1 graph uses the one-launch kernel (and takes no prefill rows); replays after
+    re-plans to other lengths attend to the current sequence."""
+    from workers.attention import split_kv_decode
+    from workers.attention.flashinfer import GraphDecodeAttention, new_workspace
+
+    assert split_kv_decode.MAX_BATCH >= 1
+    hq, hkv, d = HEADS[heads]
+    pool, _ = random_batch("decode", 16, hkv, d, seed=0)
+    indices = torch.zeros(4096, dtype=torch.int32, device="cuda")
+    attn = GraphDecodeAttention(pool, hq, d**-0.5, 1, new_workspace(pool.pages.device), indices)
+    assert attn.split_kv is not None and not attn.accepts_token_rows
+    q, k, v = (torch.zeros_like(t) for t in qkv(1, hq, hkv, d, 0))
+    cos, sin = (torch.zeros((1, 1, d), dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    _, first = random_batch("decode", 16, hkv, d, seed=1, pool=pool, kv_lens=[40])
+    attn.plan(first)
+    attn.forward_rotary(0, q, k, v, cos, sin)  # compile outside the graph
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attn.forward_rotary(0, q, k, v, cos, sin)
+    for seed, length in ((2, 1), (3, 650), (4, 3000)):
+        _, batch = random_batch("decode", 16, hkv, d, seed, pool=pool, kv_lens=[length])
+        new_q, new_k, new_v = qkv(1, hq, hkv, d, seed)
+        new_cos, new_sin = _cos_sin(batch, d)
+        ref = _rotated_reference(pool, batch, new_q, new_k, new_v, new_cos, new_sin, layer=0)
+        for dst, src in ((q, new_q), (k, new_k), (v, new_v), (cos, new_cos), (sin, new_sin)):
+            dst.copy_(src)
+        attn.plan(batch)
+        graph.replay()
+        assert rel_err(out, ref) < BF16_TOLERANCE, length

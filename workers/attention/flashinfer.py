@@ -25,7 +25,9 @@ import flashinfer
 import numpy as np
 import torch
 
+from workers.attention import split_kv_decode
 from workers.attention.base import AttentionBackend, AttentionBatch
+from workers.attention.split_kv_decode import SplitKVDecode
 from workers.kvcache.pool import KVPool
 from workers.model import fused
 from workers.model.rotary import apply_rotary
@@ -199,6 +201,11 @@ class GraphDecodeAttention(_PagedFlashInfer):
     reallocates them, so kernels captured in a CUDA graph after a first `plan` read the current
     step's values on replay. `indices_buffer` must hold the step's total page count; padding rows
     attend to one token in scratch page 0 and write their K/V there.
+
+    Up to `split_kv_decode.MAX_BATCH` rows each layer runs one Triton kernel instead of
+    FlashInfer's (rotary, K/V write, attention and merge in one launch that starts reading KV
+    before its input is ready); such a graph takes decode rows only, one per sequence
+    (`accepts_token_rows` is False).
     """
 
     def __init__(
@@ -216,21 +223,57 @@ class GraphDecodeAttention(_PagedFlashInfer):
         self.slot_pages = torch.zeros(batch_size, dtype=torch.int64, device=device)
         self.slot_offsets = torch.zeros(batch_size, dtype=torch.int64, device=device)
         self._slot_pages, self._slot_offsets = self.slot_pages, self.slot_offsets
+        self.kv_indptr = torch.zeros(batch_size + 1, dtype=torch.int32, device=device)
+        self.last_page_len = torch.ones(batch_size, dtype=torch.int32, device=device)
+        self.kv_indices = indices_buffer
+        self.max_pages = indices_buffer.numel()
+        _, num_kv_heads, head_dim, _ = self._heads
+        self.split_kv: SplitKVDecode | None = None
+        if batch_size <= split_kv_decode.MAX_BATCH and split_kv_decode.applies(
+            num_q_heads, num_kv_heads, head_dim, pool.pages.dtype
+        ):
+            self.split_kv = SplitKVDecode(
+                batch_size, num_q_heads, num_kv_heads, head_dim, scale, device
+            )
+            return
         self._wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             workspace,
             "NHD",
             use_cuda_graph=True,
             use_tensor_cores=self._tensor_cores,
-            paged_kv_indptr_buffer=torch.zeros(batch_size + 1, dtype=torch.int32, device=device),
+            paged_kv_indptr_buffer=self.kv_indptr,
             paged_kv_indices_buffer=indices_buffer,
-            paged_kv_last_page_len_buffer=torch.ones(batch_size, dtype=torch.int32, device=device),
+            paged_kv_last_page_len_buffer=self.last_page_len,
         )
-        self.max_pages = indices_buffer.numel()
+
+    @property
+    def accepts_token_rows(self) -> bool:
+        """Whether rows may be tokens of one sequence (a prefill chunk, one row per token)."""
+        return self.split_kv is None
 
     def plan(self, batch: AttentionBatch) -> None:
         if len(batch.q_lens) != self.batch_size or not batch.is_decode:
             raise ValueError(f"a graph for {self.batch_size} decode rows got {batch.q_lens}")
         self.slot_pages.copy_(batch.slot_pages, non_blocking=True)
         self.slot_offsets.copy_(batch.slot_offsets, non_blocking=True)
-        assert self._wrapper is not None
-        self._plan_decode(self._wrapper, paged_metadata(batch, self.pool.page_size))
+        meta = paged_metadata(batch, self.pool.page_size)
+        if self.split_kv is None:
+            assert self._wrapper is not None
+            self._plan_decode(self._wrapper, meta)
+            return
+        self.kv_indptr.copy_(meta.kv_indptr, non_blocking=True)
+        self.last_page_len.copy_(meta.last_page_len, non_blocking=True)
+        self.kv_indices[: meta.kv_indices.numel()].copy_(meta.kv_indices, non_blocking=True)
+
+    def forward_rotary(
+        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        cos: torch.Tensor, sin: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        """The parent's, or at batch 1 the one-launch kernel (which also writes k and v)."""
+        if self.split_kv is None:
+            return super().forward_rotary(layer_id, q, k, v, cos, sin)
+        kv = self.pool.layer(layer_id)
+        return self.split_kv.forward(
+            q.to(kv.dtype), k.to(kv.dtype), v.to(kv.dtype), cos, sin, kv, self.kv_indptr,
+            self.kv_indices, self.last_page_len, self.slot_pages, self.slot_offsets,
+        )  # fmt: skip
