@@ -34,6 +34,7 @@ from workers.attention.base import AttentionBatch
 from workers.attention.flashinfer import GraphDecodeAttention, new_workspace
 from workers.kvcache.pool import KVPool
 from workers.model.llama import LlamaForCausalLM
+from workers.sampler import argmax_rows
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +115,7 @@ class DecodeCudaGraphs:
         self, ids: torch.Tensor, pos: torch.Tensor, attn: GraphDecodeAttention
     ) -> tuple[torch.Tensor, torch.Tensor]:
         logits = self.model.compute_logits(self.model(ids, pos, attn))
-        return logits, logits.argmax(dim=-1)
+        return logits, argmax_rows(logits)
 
     def release(self) -> None:
         """Free the graphs. A TP group must do this before it destroys its NCCL communicator:

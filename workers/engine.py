@@ -25,7 +25,14 @@ from workers.model.dummy import build_dummy_model
 from workers.model.loader import load_model, load_model_config, resolve_model
 from workers.penalties import LogitAdjustments, adjusts_logits
 from workers.protocol import KVLayout
-from workers.sampler import SampledTensors, SampleResult, SamplingBatch, prompt_logprobs, sample
+from workers.sampler import (
+    SampledTensors,
+    SampleResult,
+    SamplingBatch,
+    argmax_rows,
+    prompt_logprobs,
+    sample,
+)
 from workers.sequence import Sequence
 from workers.step import LaunchedStep, StepInput, StepOutputs, StepPlan
 from workers.tp import SINGLE, TPGroup
@@ -124,7 +131,7 @@ class ModelRunner:
             and not s.held_back_ids
             for s in seqs
         ):
-            sampled = SampledTensors(logits.argmax(dim=-1) if greedy_ids is None else greedy_ids)
+            sampled = SampledTensors(argmax_rows(logits) if greedy_ids is None else greedy_ids)
         else:
             sampled = sample(logits, self._sampling_batch(seqs, prev))
         self._prev = (sampled.token_ids, {seq: r for r, seq in enumerate(seqs)})

@@ -18,6 +18,28 @@ import torch
 from workers.penalties import LogitAdjustments
 
 
+def _argmax_chunks(vocab: int) -> int:
+    """Chunks a row splits into for `argmax_rows`: the largest divisor of `vocab` up to 256 that
+    leaves chunks of at least 256 entries (1: none)."""
+    return next((n for n in range(min(256, vocab // 256), 1, -1) if vocab % n == 0), 1)
+
+
+def argmax_rows(x: torch.Tensor, chunked: bool | None = None) -> torch.Tensor:
+    """`x.argmax(dim=-1)` of 2-D `x`: the first index of each row's maximum (NaN counting as the
+    maximum), as torch gives it. On CUDA torch reduces a row in one thread block (37 µs for one
+    row of Llama-3's 128k logits on an H200, 1% of a batch-1 step), so there (or if `chunked`)
+    each row is cut into chunks reduced in parallel (`max` keeps the first index of each chunk's
+    maximum) and the first chunk holding the row's maximum is picked."""
+    rows, vocab = x.shape
+    chunks = _argmax_chunks(vocab) if (x.is_cuda if chunked is None else chunked) else 1
+    if chunks == 1:
+        return x.argmax(dim=-1)
+    size = vocab // chunks
+    values, within = x.unflatten(-1, (chunks, size)).max(dim=-1)
+    best = values.argmax(dim=-1, keepdim=True)
+    return torch.add(within.gather(-1, best), best, alpha=size).squeeze(-1)
+
+
 @dataclass
 class SamplingBatch:
     """Per-row sampling rules, as tensors on the logits' device, plus what the rows need as a
@@ -157,7 +179,7 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampledTensors:
     """`logits` `[B, V]` float32 -> one token per row (plus logprobs if asked), on the logits'
     device and without waiting for it. Logprobs are those of the raw `logits`."""
     adjusted = logits if sb.adjust is None else sb.adjust.apply(logits)
-    greedy = adjusted.argmax(dim=-1)
+    greedy = argmax_rows(adjusted)
     if sb.all_greedy:
         tokens = greedy
     else:
@@ -166,7 +188,7 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampledTensors:
         for row, gen in enumerate(sb.generators):
             if gen is not None:
                 noise[row] = torch.empty_like(probs[row]).exponential_(generator=gen)
-        sampled = (probs / noise).argmax(dim=-1)
+        sampled = argmax_rows(probs / noise)
         tokens = torch.where(sb.temperatures == 0, greedy, sampled)
     result = SampledTensors(token_ids=tokens)
     if sb.num_logprobs >= 0:
