@@ -30,7 +30,7 @@ def argmax_rows(x: torch.Tensor, chunked: bool | None = None) -> torch.Tensor:
     row of Llama-3's 128k logits on an H200, 1% of a batch-1 step), so there (or if `chunked`)
     each row is cut into chunks reduced in parallel (`max` keeps the first index of each chunk's
     maximum) and the first chunk holding the row's maximum is picked."""
-    rows, vocab = x.shape
+    vocab = x.shape[-1]
     chunks = _argmax_chunks(vocab) if (x.is_cuda if chunked is None else chunked) else 1
     if chunks == 1:
         return x.argmax(dim=-1)

@@ -133,6 +133,7 @@ def _split_kv_decode_kernel(
         kv_ptr + tl.load(slot_page_ptr + b).to(tl.int64) * s_page
         + tl.load(slot_off_ptr + b).to(tl.int64) * s_slot + h * s_head
     )  # fmt: skip
+    # `first & (dh < HALF)`: split 0 only, as a mask of the stored vector's shape.
     tl.store(slot + dh, kn1, mask=first & (dh < HALF))
     tl.store(slot + HALF + dh, kn2, mask=first & (dh < HALF))
     tl.store(slot + s_kv + dd, vn, mask=first & (dd < 2 * HALF))
@@ -206,7 +207,8 @@ class SplitKVDecode:
         `[B, 1, D]`); `kv` one layer's pool `[pages, 2, page_size, Hkv, D]`; the page table in
         FlashInfer's CSR form (device tensors). Returns the attention output `[B, Hq, D]`."""
         b, hq, d = q.shape
-        assert b == self.batch_size and k.shape == v.shape == (b, self.num_kv_heads, d)
+        assert b == self.batch_size and d == self.head_dim  # the split buffers' sizes
+        assert k.shape == v.shape == (b, self.num_kv_heads, d)
         assert q.stride(-1) == k.stride(-1) == v.stride(-1) == kv.stride(-1) == 1
         assert cos.stride() == sin.stride() and cos.stride(-1) == 1 and q.dtype == kv.dtype
         out = torch.empty((b, hq, d), dtype=q.dtype, device=q.device)
