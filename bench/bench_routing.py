@@ -50,7 +50,7 @@ class Policy(Protocol):
         queue_lens: Mapping[Hashable, int],
     ) -> list[Hashable]: ...
     def routed(self, replica: Hashable, request: str, prompt: Sequence[int]) -> None: ...
-    def completed(self, request: str) -> None: ...
+    def completed(self, replica: Hashable, request: str) -> None: ...
 
 
 class Blind:
@@ -76,7 +76,7 @@ class Blind:
     def routed(self, replica: Hashable, request: str, prompt: Sequence[int]) -> None:
         pass
 
-    def completed(self, request: str) -> None:
+    def completed(self, replica: Hashable, request: str) -> None:
         pass
 
 
@@ -182,7 +182,7 @@ class Sim:
             if job.remaining == 0:
                 replica.kv.release(job.seq, cache=True)
                 replica.queue.remove(job)
-                self.policy.completed(job.rid)
+                self.policy.completed(replica.name, job.rid)
                 self.result.ttfts.append(now - job.arrival)
         self.start_step(now, replica)
 

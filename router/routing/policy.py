@@ -27,26 +27,49 @@ from __future__ import annotations
 
 import hashlib
 import random
+from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 
 from router.routing.prefix_index import PrefixIndex, page_hashes
 
 
 class InFlight:
-    """Requests sent and not yet come back, per replica: how many, and their estimated work."""
+    """Requests sent and not yet come back, per replica: how many, and their estimated work.
 
-    def __init__(self) -> None:
+    Serve reports a completion and the routing it completes as two events on the router's loop,
+    and a fast request's completion can come first. Such a completion is remembered (the last
+    `early_limit` of them), and the routing it belongs to is then not counted: else the request
+    would count as pending work on its replica for ever. A request rejected by a replica also
+    completes without being routed there; if Serve then sends it to that same replica, it is
+    not counted while it runs, an error that ends with the request.
+    """
+
+    def __init__(self, early_limit: int = 4096) -> None:
         self._requests: dict[str, tuple[Hashable, int]] = {}
         self._count: dict[Hashable, int] = {}
         self._work: dict[Hashable, int] = {}
+        self._early: OrderedDict[tuple[Hashable, str], None] = OrderedDict()
+        self._early_limit = early_limit
 
     def add(self, replica: Hashable, request: str, work: int) -> None:
-        self.remove(request)  # a retried request is counted once, where it went last
+        self._drop(request)  # a retried request is counted once, where it went last
+        if (replica, request) in self._early:
+            del self._early[(replica, request)]  # it has already come back
+            return
         self._requests[request] = (replica, work)
         self._count[replica] = self._count.get(replica, 0) + 1
         self._work[replica] = self._work.get(replica, 0) + work
 
-    def remove(self, request: str) -> None:
+    def remove(self, replica: Hashable, request: str) -> None:
+        """`request`, sent to `replica`, came back (answered, failed, rejected or cancelled)."""
+        if self._requests.get(request, (None,))[0] == replica:
+            self._drop(request)
+            return
+        self._early[(replica, request)] = None
+        if len(self._early) > self._early_limit:
+            self._early.popitem(last=False)
+
+    def _drop(self, request: str) -> None:
         replica, work = self._requests.pop(request, (None, 0))
         if replica is None:
             return
@@ -59,6 +82,7 @@ class InFlight:
         self._count.pop(replica, None)
         self._work.pop(replica, None)
         self._requests = {k: v for k, v in self._requests.items() if v[0] != replica}
+        self._early = OrderedDict((k, None) for k in self._early if k[0] != replica)
 
     def count(self, replica: Hashable) -> int:
         return self._count.get(replica, 0)
@@ -131,8 +155,8 @@ class PrefixAwarePolicy:
         self.in_flight.add(replica, request, self.uncached_tokens(len(prompt), matched))
         self.index.insert(replica, names)
 
-    def completed(self, request: str) -> None:
-        self.in_flight.remove(request)
+    def completed(self, replica: Hashable, request: str) -> None:
+        self.in_flight.remove(replica, request)
 
     def _page_names(self, prompt: Sequence[int]) -> list[int]:
         """`page_hashes(prompt)`, once for the rank and the routed of the same prompt object."""
@@ -181,8 +205,8 @@ class DecodeLoadPolicy:
     def routed(self, replica: Hashable, request: str) -> None:
         self.in_flight.add(replica, request, 1)
 
-    def completed(self, request: str) -> None:
-        self.in_flight.remove(request)
+    def completed(self, replica: Hashable, request: str) -> None:
+        self.in_flight.remove(replica, request)
 
     def retain(self, replicas: Iterable[Hashable]) -> None:
         for r in self.in_flight.replicas - set(replicas):

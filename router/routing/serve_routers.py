@@ -6,7 +6,8 @@ pool (the ingress replicas hold them) then builds one router per process, and Se
   Serve takes the first whose queue is below `max_ongoing_requests` (probing when unsure);
 - `on_request_routed()` when a replica accepted it, `on_request_completed()` when it finished
   (also for an accepted-then-failed request, and without a prior `on_request_routed()` when the
-  replica rejected it);
+  replica rejected it; for a fast request, sometimes before its `on_request_routed()`: the
+  policy's `InFlight` sorts that out);
 - `update_replicas()` when the pool's membership changes and `on_replica_actor_died()` when a
   call found a replica dead: both make the policy forget what it knew of the replicas gone.
 Calls other than `prefill` / `generate` (stats, release) carry no prompt: all replicas form one
@@ -70,7 +71,7 @@ class _PolicyRouter(RequestRouter):
         raise NotImplementedError
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        self.policy.completed(internal_request_id)
+        self.policy.completed(replica_id, internal_request_id)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from router.routing import DecodeLoadPolicy, PrefixAwarePolicy, PrefixIndex, page_hashes
+from router.routing.policy import InFlight
 
 PS = 4
 REPLICAS = ["r0", "r1", "r2", "r3"]
@@ -28,7 +29,7 @@ def route(policy: PrefixAwarePolicy, prompt: list[int], request: str, **kw: Any)
     """Rank, send to the best, and let it finish at once (an idle pool)."""
     best = policy.rank(REPLICAS, prompt, **kw)[0]
     policy.routed(best, request, prompt)
-    policy.completed(request)
+    policy.completed(best, request)
     return best
 
 
@@ -68,7 +69,7 @@ def test_longest_cached_prefix_wins() -> None:
     base = system_prompt(0)
     policy.routed("r1", "short", base[: 8 * PS])
     policy.routed("r2", "long", base[: 24 * PS])
-    policy.completed("short"), policy.completed("long")
+    policy.completed("r1", "short"), policy.completed("r2", "long")
     assert policy.rank(REPLICAS, base + question(1))[0] == "r2"
 
 
@@ -76,11 +77,11 @@ def test_pending_prefill_work_outweighs_a_short_cached_prefix() -> None:
     policy = PrefixAwarePolicy(PS)
     prompt = system_prompt(0, pages=4) + question(0, n=400)  # 16 cached tokens of 416
     policy.routed("r1", "warm", prompt[: 4 * PS])
-    policy.completed("warm")
+    policy.completed("r1", "warm")
     assert policy.rank(REPLICAS, prompt)[0] == "r1"
     policy.routed("r1", "busy", question(9, n=200))  # 200 tokens still to prefill on r1
     assert policy.rank(REPLICAS, prompt)[0] != "r1"
-    policy.completed("busy")
+    policy.completed("r1", "busy")
     assert policy.rank(REPLICAS, prompt)[0] == "r1"
 
 
@@ -103,9 +104,39 @@ def test_requests_in_flight_count_as_load_until_they_complete() -> None:
     policy.routed(home, "q0", prompt)  # a retry of q0 is counted once
     assert policy.in_flight.count(home) == 3
     assert policy.rank(REPLICAS, prompt)[0] != home
-    policy.completed("q0")
-    policy.completed("never-routed")  # a rejected request completes without being routed
+    policy.completed(home, "q0")
+    policy.completed(home, "never-routed")  # a rejected request completes without being routed
     assert policy.rank(REPLICAS, prompt)[0] == home
+
+
+def test_a_completion_reported_before_its_routing_leaves_no_pending_work() -> None:
+    policy = PrefixAwarePolicy(PS)
+    prompt = system_prompt(0) + question(0)
+    home = route(policy, prompt, "warm")
+    policy.completed(home, "fast")  # Serve's two events for one fast request, out of order
+    policy.routed(home, "fast", prompt)
+    assert policy.in_flight.count(home) == 0 and policy.in_flight.work(home) == 0
+    assert policy.rank(REPLICAS, prompt + question(1))[0] == home
+
+
+def test_a_retry_counts_where_it_went_whatever_order_its_attempts_come_back_in() -> None:
+    policy = PrefixAwarePolicy(PS)
+    prompt = system_prompt(0) + question(0)
+    policy.routed("r0", "q", prompt)  # accepted, then r0 died
+    policy.routed("r1", "q", prompt)  # Serve's retry
+    policy.completed("r0", "q")  # the dead attempt comes back after the retry was routed
+    assert policy.in_flight.count("r1") == 1 and policy.in_flight.count("r0") == 0
+    policy.completed("r1", "q")
+    assert policy.in_flight.replicas == set()
+
+
+def test_early_completions_are_bounded() -> None:
+    in_flight = InFlight(early_limit=8)
+    for i in range(100):
+        in_flight.remove("r0", f"rejected-{i}")  # rejected: never routed
+    in_flight.add("r0", "rejected-0", 1)  # long forgotten: counted
+    in_flight.add("r0", "rejected-99", 1)  # remembered: it already came back
+    assert in_flight.count("r0") == 1
 
 
 def test_a_dead_replica_is_forgotten() -> None:
@@ -118,7 +149,7 @@ def test_a_dead_replica_is_forgotten() -> None:
     policy.index.check_invariants()
     alive = [r for r in REPLICAS if r != home]
     assert policy.rank(alive, prompt)[0] in alive
-    policy.completed("running")  # its answer may still come back: harmless
+    policy.completed(home, "running")  # its answer may still come back: harmless
 
 
 def test_replicas_that_left_the_pool_are_forgotten_and_new_ones_rank_as_uncached() -> None:
@@ -162,7 +193,7 @@ def test_decode_prefers_fewest_running_then_most_free_pages() -> None:
     policy.routed("r2", "a")
     policy.routed("r2", "b")  # our own sends count before the stats catch up
     assert policy.rank(REPLICAS, 200, stats)[0] == "r1"
-    policy.completed("a"), policy.completed("b")
+    policy.completed("r2", "a"), policy.completed("r2", "b")
     assert policy.rank(REPLICAS, 200, stats, queue_lens={"r2": 5})[0] == "r1"
 
 
