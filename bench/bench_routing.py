@@ -26,7 +26,7 @@ import random
 import statistics
 import time
 from collections import deque
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -44,13 +44,10 @@ SCENARIOS = {  # KV tokens per replica: less than the tenants' prompts, or all o
 
 class Policy(Protocol):
     def rank(
-        self,
-        replicas: Sequence[Hashable],
-        prompt: Sequence[int],
-        queue_lens: Mapping[Hashable, int],
-    ) -> list[Hashable]: ...
-    def routed(self, replica: Hashable, request: str, prompt: Sequence[int]) -> None: ...
-    def completed(self, replica: Hashable, request: str) -> None: ...
+        self, replicas: Sequence[str], prompt: Sequence[int], queue_lens: Mapping[str, int]
+    ) -> list[str]: ...
+    def routed(self, replica: str, request: str, prompt: Sequence[int]) -> None: ...
+    def completed(self, replica: str, request: str) -> None: ...
 
 
 class Blind:
@@ -60,11 +57,8 @@ class Blind:
         self.kind, self.rng, self.turn = kind, random.Random(seed), 0
 
     def rank(
-        self,
-        replicas: Sequence[Hashable],
-        prompt: Sequence[int],
-        queue_lens: Mapping[Hashable, int],
-    ) -> list[Hashable]:
+        self, replicas: Sequence[str], prompt: Sequence[int], queue_lens: Mapping[str, int]
+    ) -> list[str]:
         if self.kind == "round-robin":
             self.turn += 1
             return [replicas[self.turn % len(replicas)]]
@@ -73,10 +67,10 @@ class Blind:
         two = self.rng.sample(list(replicas), 2)
         return sorted(two, key=lambda r: queue_lens[r])
 
-    def routed(self, replica: Hashable, request: str, prompt: Sequence[int]) -> None:
+    def routed(self, replica: str, request: str, prompt: Sequence[int]) -> None:
         pass
 
-    def completed(self, replica: Hashable, request: str) -> None:
+    def completed(self, replica: str, request: str) -> None:
         pass
 
 
@@ -223,7 +217,7 @@ def policies(args: argparse.Namespace) -> dict[str, Policy]:
     }
 
 
-def pct(xs: list[float], q: float) -> float:
+def pct(xs: list[float], q: int) -> float:
     return statistics.quantiles(xs, n=100)[q - 1] if len(xs) > 1 else xs[0]
 
 

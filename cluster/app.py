@@ -119,19 +119,18 @@ def build_app(args: dict[str, Any] | AppConfig) -> Application:
     cfg = AppConfig.model_validate(args)
     transfer = cfg.kv_transfer.model_dump()
     prefill_router, decode_router = _request_routers(cfg)
-    decode = serve.deployment(
-        DecodeWorker, **_deployment_options("decode", cfg.decode, decode_router)
+    decode = serve.deployment(**_deployment_options("decode", cfg.decode, decode_router))(
+        DecodeWorker
     ).bind(cfg.decode.engine(cfg.engine).model_dump(), transfer)
     prefill = None
     if cfg.mode == "disaggregated":
-        prefill = serve.deployment(
-            PrefillWorker, **_deployment_options("prefill", cfg.prefill, prefill_router)
+        prefill = serve.deployment(**_deployment_options("prefill", cfg.prefill, prefill_router))(
+            PrefillWorker
         ).bind(cfg.prefill.engine(cfg.engine).model_dump(), transfer)
     router = serve.deployment(
-        OpenAIIngress,
         name="router",
         num_replicas=cfg.router.num_replicas,
         max_ongoing_requests=cfg.router.max_ongoing_requests,
         ray_actor_options={"num_cpus": cfg.router.num_cpus},
-    )
+    )(OpenAIIngress)
     return router.bind(cfg.model_dump(), decode, prefill)

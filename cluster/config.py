@@ -104,16 +104,11 @@ class AppConfig(Strict):
     api_key: str | None = Field(None, description="default: $PDSERVE_API_KEY; none = open")
 
     @model_validator(mode="after")
-    def _tp_handoff(self) -> AppConfig:
+    def _tp_per_pool(self) -> AppConfig:
+        # The pools may differ (each decode rank reads the prefill ranks holding its KV heads);
+        # each pool's size must divide the model's KV heads, which its engine checks at start.
         if self.engine.tensor_parallel_size != 1:
             raise ValueError("set tensor_parallel_size per pool (prefill, decode), not in engine")
-        # Each TP rank holds its own KV heads: decode rank r reads prefill rank r's pool.
-        p, d = self.prefill.tensor_parallel_size, self.decode.tensor_parallel_size
-        if self.mode == "disaggregated" and p != d:
-            raise ValueError(
-                f"prefill.tensor_parallel_size={p} differs from decode.tensor_parallel_size={d}: "
-                "heterogeneous TP hand-off is not supported yet; give both pools the same size"
-            )
         return self
 
     @property

@@ -101,7 +101,7 @@ class EngineStatsCollector(Collector):
             for key, family in counters.items():
                 family.add_metric(values, s[key])
             nixl_bytes.add_metric(values, s["nixl_bytes_transferred"])
-            nixl_time.add_metric(values, s["nixl_transfers"], s["nixl_xfer_time_s"])
+            nixl_time.add_metric(values, int(s["nixl_transfers"]), s["nixl_xfer_time_s"])
         yield from (running, waiting, usage, pinned, *counters.values(), nixl_bytes, nixl_time)
 
 

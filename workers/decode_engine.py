@@ -7,26 +7,32 @@ A request arrives with its first token and the prefill side's `KVHandle`. Its li
 Pages already in this replica's prefix cache are not read again (delta transfer). An aborted
 request keeps its pages until its in-flight read ends, since NIXL may still be writing them.
 
-Tensor parallelism (equal on both sides): rank r reads the same page ids from prefill rank r.
-Rank 0 posts its own read, then ranks 1..N-1's through `self.group` (one command round per
-`poll`, after rank 0's own work); a read is DONE when every rank's is, PROC while any rank's is
-in flight, ERR (then the failure policy) once none is in flight and one failed. The generation
-check reads rank 0's counters only: every rank's pages are allocated by rank 0.
+Tensor parallelism: each rank reads its own KV heads (`transfer.kv_read`): from prefill rank r
+with equal TP on both sides; otherwise, from the prefill ranks holding its heads, staged through
+spare pages of its pool that rank 0 allocates for the read and frees when it ends (heterogeneous
+TP: any two TP degrees that split the model's KV heads). Rank 0 posts its own read, then ranks
+1..N-1's through `self.group` (one command round per `poll`, after rank 0's own work); a read is
+DONE when every rank's is, PROC while any rank's is in flight, ERR (then the failure policy) once
+none is in flight and one failed. The generation check reads prefill rank 0's counters only:
+every rank's pages are allocated by its rank 0. A prompt whose whole pages this replica already
+caches is not read at all.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from workers.engine_core import EngineStats, RequestRejectedError
 from workers.handoff import HandoffEngine
 from workers.protocol import GenerateRequest, KVHandle, RequestOutput
 from workers.sequence import SeqStatus, Sequence
-from workers.transfer import TransferError, TransferHandle
-from workers.transfer.group import combine
+from workers.transfer import KVLayoutMismatchError, TransferError, TransferHandle, XferState
+from workers.transfer.handle import combine
+from workers.transfer.head_slices import head_sources, staging_pages_needed
+from workers.transfer.kv_read import KVRead, ReadSpec
 
 logger = logging.getLogger(__name__)
 
@@ -36,10 +42,15 @@ class PendingRead:
     seq: Sequence
     kv: KVHandle
     deadline: float
-    xfer: TransferHandle | None = None  # the KV pages' READ, then the generations' READ
-    group_read: int | None = None  # ranks 1..N-1's KV READs (TP only), by `group` read id
-    checking: bool = False
+    read: KVRead | None = None  # rank 0's part of the KV read
+    group_read: int | None = None  # ranks 1..N-1's parts (TP only), by `group` read id
+    spare_pages: list[int] = field(default_factory=list)  # staging (heterogeneous TP)
+    check: TransferHandle | None = None  # the generations' READ, once the KV is here
     aborted: bool = False
+
+    @property
+    def started(self) -> bool:
+        return self.read is not None or self.check is not None
 
 
 class DecodeEngine(HandoffEngine):
@@ -56,12 +67,13 @@ class DecodeEngine(HandoffEngine):
         """Admit a request prefilled elsewhere: `first` is the prefill side's first chunk."""
         if first.kv is None or len(first.token_ids) != 1:
             raise RequestRejectedError("a decode request needs the first token and a KV handle")
-        if len(first.kv.agent_names) != self.cfg.tensor_parallel_size:
-            raise RequestRejectedError(
-                f"the KV handle names {len(first.kv.agent_names)} prefill ranks, this replica "
-                f"has {self.cfg.tensor_parallel_size}: heterogeneous TP hand-off is not "
-                "supported yet"
-            )
+        if len(first.kv.agent_names) != len(first.kv.layout):
+            raise RequestRejectedError("the KV handle needs one layout per prefill rank")
+        try:
+            for layout in self.kv_layouts:
+                head_sources(layout, first.kv.layout)
+        except KVLayoutMismatchError as e:
+            raise RequestRejectedError(f"cannot read the prefill replica's KV: {e}") from e
         if first.kv.num_tokens != len(req.prompt_token_ids):
             raise RequestRejectedError("the KV handle does not cover the prompt")
         seq = self._new_sequence(req)
@@ -113,7 +125,7 @@ class DecodeEngine(HandoffEngine):
                 p.aborted = True
                 self.seqs.pop(request_id, None)
                 p.seq.status, p.seq.finish_reason = SeqStatus.FINISHED, "abort"
-                if p.xfer is None:
+                if not p.started:
                     self._drop(p)
                 return self._output(p.seq)
         return super().abort(request_id)
@@ -122,25 +134,20 @@ class DecodeEngine(HandoffEngine):
     def poll(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         for p in list(self.pending):
-            if p.xfer is None:
+            if not p.started:
                 self._start_read(p, outputs)
                 continue
-            state = self.agent.poll(p.xfer)
-            if p.group_read is not None:
-                state = combine([state, self.group.state(p.group_read)])  # type: ignore[union-attr]
+            state = self._state(p)
             if state == "PROC" and time.monotonic() < p.deadline:
                 continue
-            generations = p.xfer.generations
-            self.agent.release(p.xfer)
-            p.xfer = None
-            if p.group_read is not None:
-                self.group.release(p.group_read)  # type: ignore[union-attr]
-                p.group_read = None
+            checked = p.check is not None
+            generations = p.check.generations if p.check is not None else None
+            self._end_reads(p)
             if p.aborted:
                 self._drop(p)
             elif state != "DONE":
                 self._failed(p, f"KV read {'timed out' if state == 'PROC' else 'failed'}", outputs)
-            elif not p.checking:
+            elif not checked:
                 self._start_check(p, outputs)
             else:
                 self._finish_check(p, generations, outputs)
@@ -160,26 +167,60 @@ class DecodeEngine(HandoffEngine):
         first = seq.num_tree_pages
         last = -(-n // self.cfg.page_size)
         self.pages_reused += first
+        if first == last:  # every page is cached here already
+            self._admit(p)
+            return
+        spare = self.kv.allocate(staging_pages_needed(self.kv_layouts, p.kv.layout, last - first))
+        if spare is None:
+            self.kv.release(seq, cache=False)  # no room to stage yet: retry at the next poll
+            if time.monotonic() >= p.deadline:
+                self._failed(p, "no KV pages free to stage the transfer", outputs)
+            return
+        p.spare_pages = spare
+        spec = ReadSpec(
+            list(p.kv.agent_names), list(p.kv.layout), p.kv.page_ids[first:last],
+            seq.pages[first:last], spare,
+        )  # fmt: skip
         try:
-            p.xfer = self.agent.read_pages(
-                p.kv.agent_names[0],
-                p.kv.page_ids[first:last],
-                seq.pages[first:last],
-                remote_layout=p.kv.layout[0],
-            )
+            p.read = KVRead(self.agent, self.runner.pool.pages, spec)
             if self.group is not None:  # after rank 0's post: a failed one leaves no rank's read
-                p.group_read = self.group.post(
-                    p.kv.agent_names, p.kv.page_ids[first:last], seq.pages[first:last], p.kv.layout
-                )
+                p.group_read = self.group.post(spec)
             self.pages_read += last - first
         except (TransferError, ValueError) as e:
             self._failed(p, f"KV read could not start: {e}", outputs)
 
+    def _state(self, p: PendingRead) -> XferState:
+        """The state of `p`'s generation check, or of its KV read on every rank."""
+        if p.check is not None:
+            return self.agent.poll(p.check)
+        assert p.read is not None
+        states = [p.read.poll()]
+        if p.group_read is not None:
+            assert self.group is not None
+            states.append(self.group.state(p.group_read))
+        return combine(states)
+
+    def _end_reads(self, p: PendingRead) -> None:
+        """Free `p`'s reads on every rank (cancelling any in flight) and its spare pages (ranks
+        1..N-1 release theirs at the next sync, before any step or post could reuse them)."""
+        if p.check is not None:
+            self.agent.release(p.check)
+            p.check = None
+        if p.read is not None:
+            p.read.release()
+            p.read = None
+        if p.group_read is not None:
+            assert self.group is not None
+            self.group.release(p.group_read)
+            p.group_read = None
+        if p.spare_pages:
+            self.allocator.free(p.spare_pages)
+            p.spare_pages = []
+
     def _start_check(self, p: PendingRead, outputs: list[RequestOutput]) -> None:
         """The data is here; read the pages' generations to prove they were not reused."""
-        p.checking = True
         try:
-            p.xfer = self.agent.read_generations(p.kv.agent_names[0], p.kv.page_ids)
+            p.check = self.agent.read_generations(p.kv.agent_names[0], p.kv.page_ids)
         except TransferError as e:
             self._failed(p, f"generation check could not start: {e}", outputs)
 
@@ -189,6 +230,10 @@ class DecodeEngine(HandoffEngine):
         if generations != list(p.kv.page_generations):
             self._failed(p, "stale KV: prefill pages were reused before the read", outputs)
             return
+        self._admit(p)
+
+    def _admit(self, p: PendingRead) -> None:
+        """`p`'s KV is all here: it joins the running batch."""
         self.pending.remove(p)
         self._notify(p)
         seq = p.seq
@@ -199,6 +244,7 @@ class DecodeEngine(HandoffEngine):
     def _failed(self, p: PendingRead, why: str, outputs: list[RequestOutput]) -> None:
         if p in self.pending:
             self.pending.remove(p)
+        self._end_reads(p)
         seq = p.seq
         self.kv.release(seq, cache=False)
         self._notify(p)
@@ -220,4 +266,5 @@ class DecodeEngine(HandoffEngine):
     def _drop(self, p: PendingRead) -> None:
         if p in self.pending:
             self.pending.remove(p)
+        self._end_reads(p)
         self.kv.release(p.seq, cache=False)

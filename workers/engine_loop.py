@@ -11,7 +11,7 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any, TypeVar
 
 from workers.engine_core import Engine, EngineStats
@@ -24,12 +24,12 @@ T = TypeVar("T")
 
 class AsyncEngine:
     def __init__(
-        self, engine: Engine, on_stats: Callable[[EngineStats], None] | None = None
+        self, engine: Engine, on_stats: Callable[[EngineStats], object] | None = None
     ) -> None:
         """`on_stats` is called on the loop thread with every fresh stats snapshot."""
         self.engine = engine
         self._on_stats = on_stats
-        self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Callable[[], object]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
         self._stats = engine.stats()
@@ -38,13 +38,13 @@ class AsyncEngine:
         self._thread.start()
 
     # ---- asyncio side ----------------------------------------------------------------------
-    def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
+    def generate(self, req: GenerateRequest) -> AsyncGenerator[RequestOutput, None]:
         """Stream `req`'s chunks; raises what `Engine.add_request` raised for a bad request."""
         return self.stream(req.request_id, lambda: self.engine.add_request(req))
 
     async def stream(
         self, request_id: str, admit: Callable[[], object]
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Run `admit` (which adds `request_id` to the engine) on the loop thread, then stream
         the request's chunks until it finishes. An exception from `admit` is raised here."""
         loop = asyncio.get_running_loop()
@@ -70,7 +70,7 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         return self._stats
 
-    def call(self, fn: Callable[[], None]) -> None:
+    def call(self, fn: Callable[[], object]) -> None:
         """Run `fn` on the loop thread before its next step."""
         self._inbox.put(fn)
         self._wake.set()

@@ -113,7 +113,8 @@ class RankActors:
             ) from None
         if gpu:
             strategy = PlacementGroupSchedulingStrategy(pg, 0)
-            self._holder = _GPUHolder.options(num_gpus=1, scheduling_strategy=strategy).remote()
+            holder = _GPUHolder.options  # type: ignore[attr-defined]  # an ActorClass once decorated
+            self._holder = holder(num_gpus=1, scheduling_strategy=strategy).remote()
             return pg, 1
         return pg, 0
 

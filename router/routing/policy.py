@@ -29,6 +29,7 @@ import hashlib
 import random
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Mapping, Sequence
+from typing import TypeVar
 
 from router.routing.prefix_index import PrefixIndex, page_hashes
 
@@ -101,6 +102,9 @@ def rendezvous(salt: int, replica: Hashable) -> int:
     return int.from_bytes(digest, "little")
 
 
+R = TypeVar("R", bound=Hashable)  # a replica key (Serve's ReplicaID)
+
+
 class PrefixAwarePolicy:
     def __init__(
         self,
@@ -121,10 +125,10 @@ class PrefixAwarePolicy:
 
     def rank(
         self,
-        replicas: Sequence[Hashable],
+        replicas: Sequence[R],
         prompt: Sequence[int],
-        queue_lens: Mapping[Hashable, int] | None = None,
-    ) -> list[Hashable]:
+        queue_lens: Mapping[R, int] | None = None,
+    ) -> list[R]:
         """`replicas` best first. `queue_lens`: requests each replica reported running or
         queued (Serve's cache of them, which counts other routers' requests too)."""
         if not replicas:
@@ -183,16 +187,16 @@ class DecodeLoadPolicy:
 
     def rank(
         self,
-        replicas: Sequence[Hashable],
+        replicas: Sequence[R],
         num_tokens: int,
-        stats: Mapping[Hashable, Mapping[str, float]],
-        queue_lens: Mapping[Hashable, int] | None = None,
-    ) -> list[Hashable]:
+        stats: Mapping[R, Mapping[str, float]],
+        queue_lens: Mapping[R, int] | None = None,
+    ) -> list[R]:
         """`replicas` best first for a request that will hold `num_tokens` tokens of KV.
         `stats`: each replica's last `record_routing_stats()` (num_running, kv_free_pages)."""
         pages = -(-num_tokens // self.page_size)
 
-        def key(r: Hashable) -> tuple[bool, float, float, float]:
+        def key(r: R) -> tuple[bool, float, float, float]:
             s = stats.get(r, {})
             running = max(
                 self.in_flight.count(r), (queue_lens or {}).get(r, 0), s.get("num_running", 0)

@@ -81,7 +81,9 @@ class _PolicyRouter(RequestRouter):
 class PrefillRouter(_PolicyRouter):
     """Prefill pool: longest cached prefix weighed against pending prefill work."""
 
-    def initialize_state(
+    policy: PrefixAwarePolicy
+
+    def initialize_state(  # type: ignore[override]  # Serve passes request_router_kwargs
         self,
         page_size: int = 16,
         load_weight: float = 1.0,
@@ -98,7 +100,6 @@ class PrefillRouter(_PolicyRouter):
     def rank(
         self, req: Any, replicas: dict[ReplicaID, RunningReplica], queue_lens: dict[ReplicaID, int]
     ) -> list[ReplicaID]:
-        assert isinstance(self.policy, PrefixAwarePolicy)
         return self.policy.rank(list(replicas), req.prompt_token_ids, queue_lens)
 
     def on_request_routed(
@@ -118,13 +119,14 @@ class PrefillRouter(_PolicyRouter):
 class DecodeRouter(_PolicyRouter):
     """Decode pool: fewest running requests, then most free KV pages."""
 
-    def initialize_state(self, page_size: int = 16) -> None:
+    policy: DecodeLoadPolicy
+
+    def initialize_state(self, page_size: int = 16) -> None:  # type: ignore[override]
         self.policy = DecodeLoadPolicy(page_size)
 
     def rank(
         self, req: Any, replicas: dict[ReplicaID, RunningReplica], queue_lens: dict[ReplicaID, int]
     ) -> list[ReplicaID]:
-        assert isinstance(self.policy, DecodeLoadPolicy)
         stats = {rid: r.routing_stats or {} for rid, r in replicas.items()}
         num_tokens = len(req.prompt_token_ids) + req.params.max_tokens
         return self.policy.rank(list(replicas), num_tokens, stats, queue_lens)

@@ -1,8 +1,10 @@
-"""Prefill TP=2 -> decode TP=2: each decode rank reads its own KV heads from the prefill rank of
-the same index, over real NIXL (UCX, DRAM); ranks are Ray actors talking gloo.
+"""Tensor-parallel hand-off over real NIXL (UCX, DRAM); ranks are Ray actors talking gloo.
 
-The random tiny Llama (4 query heads, 2 KV heads) splits over 2 ranks, one KV head each: a rank
-whose pages were not read would decode from garbage and change the tokens.
+Prefill TP=2 -> decode TP=2: each decode rank reads its own KV heads from the prefill rank of the
+same index. Heterogeneous TP, both ways: TP=1 -> TP=2 (each decode rank reads the one prefill
+rank's pages and keeps its head) and TP=2 -> TP=1 (the decode rank reads both prefill ranks).
+The random tiny Llama (4 query heads, 2 KV heads) splits over 2 ranks, one KV head each: a head
+not read, or put in the wrong place, would decode from garbage and change the tokens.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from workers import LLM  # noqa: E402
 from workers.decode_worker import DecodeWorker  # noqa: E402
 from workers.engine_core import EngineStats  # noqa: E402
 from workers.prefill_worker import PrefillWorker  # noqa: E402
-from workers.protocol import GenerateRequest, RequestOutput, SamplingParams  # noqa: E402
+from workers.protocol import GenerateRequest, KVHandle, RequestOutput, SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
@@ -55,8 +57,9 @@ class Decode(DecodeWorker):
             engine.add_remote(req, first)
             engine.poll()  # rank 0 posts its read, then ranks 1..N-1 theirs (one round)
             [p] = engine.pending
-            assert p.xfer is not None and p.group_read is not None and engine.group is not None
-            in_flight = p.xfer.state == "PROC" or engine.group.state(p.group_read) == "PROC"
+            assert p.read is not None and p.group_read is not None and engine.group is not None
+            states = [h.state for h in p.read.handles] + [engine.group.state(p.group_read)]
+            in_flight = "PROC" in states
             engine.abort(req.request_id)
             return in_flight, engine.stats()
 
@@ -65,7 +68,7 @@ class Decode(DecodeWorker):
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[None]:
-    yield from local_ray(num_cpus=4)
+    yield from local_ray(num_cpus=6)
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +79,18 @@ def pair(cluster, tiny_llama: str):  # noqa: ANN201
     engine = {"model": tiny_llama, "tensor_parallel_size": 2, **TINY}
     p = prefill.remote(engine, {"lease_s": 30.0})
     d = decode.remote(engine, {"lease_s": 30.0})
+    ray.get([p.__ray_ready__.remote(), d.__ray_ready__.remote()])
+    yield p, d
+    ray.kill(p)
+    ray.kill(d)
+
+
+@pytest.fixture(scope="module")
+def singles(cluster, tiny_llama: str):  # noqa: ANN201
+    """A TP=1 prefill and a TP=1 decode replica, to pair with the TP=2 ones."""
+    engine = {"model": tiny_llama, "tensor_parallel_size": 1, **TINY}
+    p = ray.remote(num_cpus=1)(Prefill).remote(engine, {"lease_s": 30.0})
+    d = ray.remote(num_cpus=1)(Decode).remote(engine, {"lease_s": 30.0})
     ray.get([p.__ray_ready__.remote(), d.__ray_ready__.remote()])
     yield p, d
     ray.kill(p)
@@ -99,12 +114,15 @@ def wait_for(cond, what: str) -> None:  # noqa: ANN001
         time.sleep(0.05)
 
 
-def test_an_abort_mid_read_keeps_pages_until_every_rank_read_ends(llm, pair) -> None:
-    prefill, decode = pair
-    req = request(llm, "abort-mid-read", PROMPTS[1])
+@pytest.mark.parametrize("prefill_tp", [2, 1])
+def test_an_abort_mid_read_keeps_pages_until_every_rank_read_ends(
+    llm, pair, singles, prefill_tp: int
+) -> None:
+    prefill, decode = (pair if prefill_tp == 2 else singles)[0], pair[1]
+    req = request(llm, f"abort-mid-read-{prefill_tp}", PROMPTS[1])
     first = ray.get(prefill.prefill.remote(req))
-    assert first.kv is not None and len(first.kv.agent_names) == 2
-    assert [lay.kv_head_offset for lay in first.kv.layout] == [0, 1]
+    assert first.kv is not None and len(first.kv.agent_names) == prefill_tp
+    assert [lay.kv_head_offset for lay in first.kv.layout] == [0, 1][:prefill_tp]
     # A reader's first READ waits for the owner's side of the UCX wire-up: with the prefill
     # loop held, neither prefill rank calls in, so the reads stay in flight.
     paused = prefill.pause.remote(1.5)
@@ -115,7 +133,7 @@ def test_an_abort_mid_read_keeps_pages_until_every_rank_read_ends(llm, pair) -> 
     ray.get(paused)
     wait_for(lambda: ray.get(decode.stats.remote()).num_handoffs_pending == 0, "reads to end")
     d = ray.get(decode.stats.remote())
-    assert d.kv_pages_used == 0 and d.kv_pages_pinned == 0 and d.num_running == 0
+    assert d.kv_pages_used == 0 and d.kv_pages_pinned == 0 and d.num_running == 0  # spares too
     ray.get(prefill.release.remote(first.kv.agent_names[0], first.kv.lease_id))  # as the router
     wait_for(lambda: ray.get(prefill.stats.remote()).kv_pages_pinned == 0, "prefill unpin")
 
@@ -139,3 +157,42 @@ def test_tp2_prefill_and_tp2_decode_equal_the_single_process_engine(llm, pair) -
     # Both ranks' reads are counted: every page moves each rank's KV heads.
     per_page = sum(layout.page_bytes for layout in firsts[0].kv.layout)
     assert d.nixl_bytes_transferred - before.nixl_bytes_transferred == pages * per_page
+
+
+def hand_off(llm: LLM, prefill, decode, name: str) -> tuple[EngineStats, EngineStats, KVHandle]:  # noqa: ANN001
+    """Every prompt prefilled by `prefill` and decoded by `decode` gives the single-process
+    engine's tokens and leaves no page held on either side (staging pages included); the decode
+    side's stats before and after, and a KV handle."""
+    reqs = [request(llm, f"{name}{i}", text) for i, text in enumerate(PROMPTS)]
+    expected = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    before = ray.get(decode.stats.remote())
+    firsts = ray.get([prefill.prefill.remote(r) for r in reqs])
+    rests = ray.get([decode.run.remote(r, f) for r, f in zip(reqs, firsts)], timeout=DEADLINE_S)
+    got = [f.token_ids + [t for c in rest for t in c.token_ids] for f, rest in zip(firsts, rests)]
+    assert got == expected
+    wait_for(lambda: ray.get(prefill.stats.remote()).kv_pages_pinned == 0, "prefill unpin")
+    after = ray.get(decode.stats.remote())
+    assert after.num_handoffs_pending == 0 and after.num_running == 0
+    assert after.kv_pages_pinned == 0 and after.kv_pages_used == after.kv_pages_cached
+    assert after.num_recomputed == before.num_recomputed  # every read was DONE and fresh
+    assert firsts[0].kv is not None
+    return before, after, firsts[0].kv
+
+
+def test_tp1_prefill_to_tp2_decode_each_rank_keeps_its_head(llm, pair, singles) -> None:
+    (_, decode), (prefill, _) = pair, singles
+    before, after, kv = hand_off(llm, prefill, decode, "p1d2-")
+    pages = after.kv_pages_read - before.kv_pages_read
+    assert pages > 0 and len(kv.layout) == 1
+    # each decode rank reads the prefill rank's whole pages (both heads) and keeps one
+    moved = after.nixl_bytes_transferred - before.nixl_bytes_transferred
+    assert moved == 2 * pages * kv.layout[0].page_bytes
+
+
+def test_tp2_prefill_to_tp1_decode_reads_both_ranks(llm, pair, singles) -> None:
+    (prefill, _), (_, decode) = pair, singles
+    before, after, kv = hand_off(llm, prefill, decode, "p2d1-")
+    pages = after.kv_pages_read - before.kv_pages_read
+    assert pages > 0 and len(kv.layout) == 2
+    moved = after.nixl_bytes_transferred - before.nixl_bytes_transferred
+    assert moved == pages * sum(layout.page_bytes for layout in kv.layout)

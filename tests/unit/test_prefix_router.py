@@ -69,7 +69,8 @@ def test_longest_cached_prefix_wins() -> None:
     base = system_prompt(0)
     policy.routed("r1", "short", base[: 8 * PS])
     policy.routed("r2", "long", base[: 24 * PS])
-    policy.completed("r1", "short"), policy.completed("r2", "long")
+    policy.completed("r1", "short")
+    policy.completed("r2", "long")
     assert policy.rank(REPLICAS, base + question(1))[0] == "r2"
 
 
@@ -193,7 +194,8 @@ def test_decode_prefers_fewest_running_then_most_free_pages() -> None:
     policy.routed("r2", "a")
     policy.routed("r2", "b")  # our own sends count before the stats catch up
     assert policy.rank(REPLICAS, 200, stats)[0] == "r1"
-    policy.completed("r2", "a"), policy.completed("r2", "b")
+    policy.completed("r2", "a")
+    policy.completed("r2", "b")
     assert policy.rank(REPLICAS, 200, stats, queue_lens={"r2": 5})[0] == "r1"
 
 

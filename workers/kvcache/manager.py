@@ -47,13 +47,21 @@ class KVManager:
         need = -(-num_tokens // self.page_size) - len(seq.pages)
         if need <= 0:
             return True
-        short = need - self.allocator.num_free
+        pages = self.allocate(need)
+        if pages is None:
+            return False
+        seq.pages += pages
+        return True
+
+    def allocate(self, n: int) -> list[int] | None:
+        """`n` pages of no sequence (e.g. a hand-off's staging), evicting cached pages if
+        needed; None when there are not that many. The caller frees them to the allocator."""
+        short = n - self.allocator.num_free
         if short > 0 and self.radix is not None:
             self.radix.evict(short)
-        if not self.allocator.can_allocate(need):
-            return False
-        seq.pages += self.allocator.allocate(need)
-        return True
+        if not self.allocator.can_allocate(n):
+            return None
+        return self.allocator.allocate(n)
 
     def cache_computed(self, seq: Sequence) -> None:
         """Hand `seq`'s whole computed pages to the tree, so other requests can share them now."""

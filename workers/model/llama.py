@@ -26,7 +26,7 @@ from workers.model.rotary import RotaryEmbedding, apply_rotary
 from workers.tp import TPGroup
 
 # checkpoint name fragment -> (our fragment, shard id)
-STACKED_PARAMS = {
+STACKED_PARAMS: dict[str, tuple[str, int | str]] = {
     ".q_proj.": (".qkv_proj.", "q"),
     ".k_proj.": (".qkv_proj.", "k"),
     ".v_proj.": (".qkv_proj.", "v"),

@@ -30,6 +30,8 @@ def inverse_frequencies(
 
 
 class RotaryEmbedding(nn.Module):
+    inv_freq: torch.Tensor
+
     def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None) -> None:
         super().__init__()
         self.register_buffer(

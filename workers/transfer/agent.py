@@ -41,6 +41,7 @@ from workers.transfer.errors import (
 )
 from workers.transfer.generations import GenerationSlots, generation_region
 from workers.transfer.handle import TransferHandle, TransferStats, XferState
+from workers.transfer.head_slices import staged_descriptors
 from workers.transfer.peers import Peer, PeerRecord, PeerTable
 from workers.transfer.reads import ReadTracker
 
@@ -235,17 +236,47 @@ class KVTransferAgent:
             self._reads.count_failure()
             raise
 
+    def read_staged(
+        self,
+        remote_agent: str,
+        remote_pages: Sequence[int],
+        spare_pages: Sequence[int],
+        remote_layout: KVLayout,
+    ) -> TransferHandle:
+        """Post a READ of `remote_pages` of `remote_agent`, whose pages hold other KV heads than
+        ours (heterogeneous TP), laid end to end as bytes into our `spare_pages`
+        (`head_slices.staged_descriptors`; `head_slices.scatter_heads` then copies our heads
+        into place). Raises as `read_pages`."""
+        peer = self._peer(remote_agent)
+        if peer.record.layout != remote_layout:
+            raise KVLayoutMismatchError(
+                f"{remote_agent} publishes {peer.record.layout.model_dump()}, the KV handle "
+                f"names {remote_layout.model_dump()}"
+            )
+        remote = peer.record.region
+        rp = check_pages(remote_pages, remote.num_pages, "remote")
+        sp = check_pages(spare_pages, self.region.num_pages, "local")
+        if len(rp) == 0:
+            raise ValueError("no pages to read")
+        ld, rd = staged_descriptors(rp, remote, sp, self.region)
+        handle = TransferHandle(remote_agent, "kv", len(rp) * remote.page_bytes, len(ld))
+        return self._reads.post(handle, lambda: self._initialize_read(ld, rd, peer, b""))
+
+    def _initialize_read(self, ld: np.ndarray, rd: np.ndarray, peer: Peer, notif: bytes) -> Any:
+        """A NIXL READ request over explicit `(addr, len, dev_id)` rows of both pools."""
+        return self._agent.initialize_xfer(
+            "READ",
+            self._agent.get_xfer_descs(ld, self.region.mem_type),
+            self._agent.get_xfer_descs(rd, peer.record.region.mem_type),
+            peer.record.agent_name,
+            notif,
+        )
+
     def _make_kv_xfer(self, peer: Peer, lp: np.ndarray, rp: np.ndarray, notif: bytes) -> Any:
         remote = peer.record.region
         if self.xfer_mode == "merged":
             ld, rd = build_descriptors(lp, rp, self.region, remote)
-            return self._agent.initialize_xfer(
-                "READ",
-                self._agent.get_xfer_descs(ld, self.region.mem_type),
-                self._agent.get_xfer_descs(rd, remote.mem_type),
-                peer.record.agent_name,
-                notif,
-            )
+            return self._initialize_read(ld, rd, peer, notif)
         if peer.dlist is None:
             peer.dlist = self._agent.prep_xfer_dlist(
                 peer.record.agent_name, remote.page_descs(), remote.mem_type

@@ -55,16 +55,18 @@ class PoolRegion:
         addrs = self.base_addr + np.arange(self.num_pages, dtype=np.uint64) * np.uint64(
             self.page_bytes
         )
-        return _rows(addrs, np.full(self.num_pages, self.page_bytes, np.uint64), self.dev_id)
+        return descriptor_rows(
+            addrs, np.full(self.num_pages, self.page_bytes, np.uint64), self.dev_id
+        )
 
     def run_descs(self, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         """`(addr, length * page_bytes, dev_id)` rows for runs starting at page `starts`."""
         pb = np.uint64(self.page_bytes)
         addrs = np.uint64(self.base_addr) + starts.astype(np.uint64) * pb
-        return _rows(addrs, lengths.astype(np.uint64) * pb, self.dev_id)
+        return descriptor_rows(addrs, lengths.astype(np.uint64) * pb, self.dev_id)
 
 
-def _rows(addrs: np.ndarray, lens: np.ndarray, dev_id: int) -> np.ndarray:
+def descriptor_rows(addrs: np.ndarray, lens: np.ndarray, dev_id: int) -> np.ndarray:
     out = np.empty((len(addrs), 3), dtype=np.uint64)
     out[:, 0], out[:, 1], out[:, 2] = addrs, lens, dev_id
     return out

@@ -1,10 +1,10 @@
 """KV transfers of a tensor-parallel engine: every rank moves its own KV heads.
 
 Each rank of a TP engine holds the KV heads of its shard in its own pool, so each rank has its
-own NIXL agent (named with its rank, published in Ray KV like rank 0's). With equal TP on both
-sides, decode rank r reads the pages of prefill rank r; page ids are the same on every rank of a
-group (every rank's pool has the same size and rank 0 allocates for all), so one page list
-serves every rank.
+own NIXL agent (named with its rank, published in Ray KV like rank 0's). Each decode rank reads
+its own heads (`kv_read.KVRead`): with equal TP on both sides the pages of prefill rank r, else
+staged through spare pages. Page ids are the same on every rank of a group (every rank's pool has
+the same size and rank 0 allocates for all), so one `ReadSpec` serves every rank.
 
 Rank 0 (the engine) drives: it makes its own reads in-process, and sends ranks 1..N-1 their part
 as `TransferOps`, a `RankCommand` broadcast over the TP control group between steps, whose
@@ -22,63 +22,53 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+import torch
+
 from workers.protocol import KVLayout
 from workers.tp_runner import RankCommand, RankRunner, TPDriverRunner
 from workers.transfer.agent import KVTransferAgent
 from workers.transfer.errors import TransportUnavailableError
-from workers.transfer.handle import TransferHandle, TransferStats, XferState
+from workers.transfer.handle import TransferStats, XferState, combine
+from workers.transfer.kv_read import KVRead, ReadSpec
 
 logger = logging.getLogger(__name__)
 
 
-def combine(states: list[XferState]) -> XferState:
-    """One state for a read made of several ranks' reads: PROC while any rank's read is in
-    flight (its pages may still be written), then ERR if any failed, else DONE."""
-    if "PROC" in states:
-        return "PROC"
-    return "ERR" if "ERR" in states else "DONE"
-
-
 @dataclass
 class ReadPost:
-    """One read for every rank r: pages of `agent_names[r]` (layout `layouts[r]`)."""
+    """One read, which every rank makes for its own heads."""
 
     read_id: int
-    agent_names: list[str]
-    remote_pages: list[int]
-    local_pages: list[int]
-    layouts: list[KVLayout]
+    spec: ReadSpec
 
 
 class RankTransfer:
-    """The transfer state of one rank 1..N-1: its agent and its reads, by read id."""
+    """The transfer state of one rank 1..N-1: its agent, its pool and its reads, by read id."""
 
-    def __init__(self, agent: KVTransferAgent, rank: int) -> None:
+    def __init__(self, agent: KVTransferAgent, pages: torch.Tensor, rank: int) -> None:
         self.agent = agent
+        self.pages = pages
         self.rank = rank
-        self.reads: dict[int, TransferHandle] = {}
+        self.reads: dict[int, KVRead] = {}
 
     def apply(self, ops: TransferOps) -> dict[int, XferState]:
         """Releases first (their pages may be posted again in this round), then posts, then
         polls; the state of every read posted or polled."""
         for rid in ops.releases:
-            handle = self.reads.pop(rid, None)
-            if handle is not None:
-                self.agent.release(handle)
+            read = self.reads.pop(rid, None)
+            if read is not None:
+                read.release()
         states: dict[int, XferState] = {}
         for post in ops.posts:
-            name = post.agent_names[self.rank]
             try:
-                self.reads[post.read_id] = self.agent.read_pages(
-                    name, post.remote_pages, post.local_pages, remote_layout=post.layouts[self.rank]
-                )
+                self.reads[post.read_id] = KVRead(self.agent, self.pages, post.spec)
             except Exception as e:  # noqa: BLE001 - reported as ERR; rank 0 applies the policy
-                logger.warning("TP rank %d: KV read from %s not posted: %s", self.rank, name, e)
+                logger.warning("TP rank %d: KV read not posted: %s", self.rank, e)
                 states[post.read_id] = "ERR"
         for rid in [*(p.read_id for p in ops.posts), *ops.polls]:
             if rid not in states:
-                handle = self.reads.get(rid)
-                states[rid] = "ERR" if handle is None else self.agent.poll(handle)
+                read = self.reads.get(rid)
+                states[rid] = "ERR" if read is None else read.poll()
         if ops.drain_notifs:
             self.agent.get_notifs()  # progresses UCX for peers reading this rank's pages
         return states
@@ -105,7 +95,7 @@ class StartAgents(RankCommand):
             agent = KVTransferAgent(runner.pool, self.role, self.replica_tag, rank)
         except Exception as e:  # noqa: BLE001 - rank 0 raises it
             return f"TP rank {rank}: {type(e).__name__}: {e}"
-        runner.transfer = RankTransfer(agent, rank)
+        runner.transfer = RankTransfer(agent, runner.pool.pages, rank)
         return agent.name, agent.layout
 
 
@@ -145,19 +135,11 @@ class GroupTransfer:
         self._rank_stats: list[TransferStats] = [TransferStats() for _ in answers]
         self.broken: str | None = None
 
-    def post(
-        self,
-        agent_names: list[str],
-        remote_pages: list[int],
-        local_pages: list[int],
-        layouts: list[KVLayout],
-    ) -> int:
+    def post(self, spec: ReadSpec) -> int:
         """Queue a read on every rank 1..N-1 (sent at the next `sync`); its read id."""
         rid = self._next_id
         self._next_id += 1
-        self._posts.append(
-            ReadPost(rid, list(agent_names), list(remote_pages), list(local_pages), list(layouts))
-        )
+        self._posts.append(ReadPost(rid, spec))
         self._states[rid] = ["PROC"] * self._num_ranks
         return rid
 

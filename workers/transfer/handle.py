@@ -9,6 +9,14 @@ XferState = Literal["DONE", "PROC", "ERR"]
 XferKind = Literal["kv", "generations"]
 
 
+def combine(states: list[XferState]) -> XferState:
+    """One state for a read made of several reads (ranks, or a rank's sources): PROC while any
+    is in flight (its pages may still be written), then ERR if any failed, else DONE."""
+    if "PROC" in states:
+        return "PROC"
+    return "ERR" if "ERR" in states else "DONE"
+
+
 @dataclass
 class TransferStats:
     """Counters since start, for metrics. Transfers, bytes, descriptors and time count finished
