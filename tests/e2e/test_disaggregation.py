@@ -230,3 +230,20 @@ def test_stale_pages_are_detected_and_never_served(llm, prefill, decode) -> None
     rest = ray.get(decode.run.remote(req, first), timeout=DEADLINE_S)
     assert tokens(first, rest) == expected.token_ids  # recomputed, not read from garbage
     assert ray.get(decode.stats.remote()).num_recomputed == before + 1
+
+
+def test_a_prompt_whose_pages_decode_caches_already_is_not_read(llm, prefill, decode) -> None:
+    ids = llm.tokenizer.encode(SYSTEM)[:32]  # two whole pages: nothing left to read once cached
+    expected = llm.generate([ids], GREEDY)[0].token_ids
+    moved = []
+    for i in range(2):
+        req = GenerateRequest(request_id=f"cached{i}", prompt_token_ids=ids, params=GREEDY)
+        before = ray.get(decode.stats.remote())
+        first = ray.get(prefill.prefill.remote(req))
+        assert tokens(first, ray.get(decode.run.remote(req, first))) == expected
+        after = ray.get(decode.stats.remote())
+        moved.append(after.kv_pages_read - before.kv_pages_read)
+    assert moved == [2, 0]
+    assert after.kv_pages_reused - before.kv_pages_reused == 2
+    assert after.num_recomputed == before.num_recomputed
+    wait_for(lambda: ray.get(prefill.stats.remote()).kv_pages_pinned == 0, "prefill unpin")
