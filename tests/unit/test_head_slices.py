@@ -70,9 +70,10 @@ def read_as_nixl(local_rows: np.ndarray, remote_rows: np.ndarray) -> None:
         ctypes.memmove(dst, src, n)
 
 
+@pytest.mark.parametrize("spare_run", [True, False])  # read in place, or gathered first
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 2), (2, 1), (1, 4), (4, 2)])
 def test_a_staged_read_puts_every_head_where_the_decode_rank_keeps_it(
-    prefill_tp: int, decode_tp: int
+    prefill_tp: int, decode_tp: int, spare_run: bool
 ) -> None:
     gen = torch.Generator().manual_seed(prefill_tp * 10 + decode_tp)
     prefill = [KVPool(lay, 16, "cpu") for lay in layouts(prefill_tp)]
@@ -83,6 +84,8 @@ def test_a_staged_read_puts_every_head_where_the_decode_rank_keeps_it(
     local_pages = [7, 8, 1, 2, 3]
     needed = staging_pages_needed([d.layout for d in decode], [p.layout for p in prefill], 5)
     spare = list(range(20, 20 + needed))
+    if not spare_run:
+        spare = spare[1::2] + spare[::2]
     for pool in decode:
         sources = head_sources(pool.layout, [p.layout for p in prefill])
         first = 0
