@@ -138,27 +138,6 @@ def test_an_abort_mid_read_keeps_pages_until_every_rank_read_ends(
     wait_for(lambda: ray.get(prefill.stats.remote()).kv_pages_pinned == 0, "prefill unpin")
 
 
-def test_tp2_prefill_and_tp2_decode_equal_the_single_process_engine(llm, pair) -> None:
-    prefill, decode = pair
-    reqs = [request(llm, f"tp{i}", text) for i, text in enumerate(PROMPTS)]
-    expected = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
-    before = ray.get(decode.stats.remote())
-    firsts = ray.get([prefill.prefill.remote(r) for r in reqs])
-    assert all(f.kv is not None and len(f.kv.agent_names) == 2 for f in firsts)
-    rests = ray.get([decode.run.remote(r, f) for r, f in zip(reqs, firsts)], timeout=DEADLINE_S)
-    got = [f.token_ids + [t for c in rest for t in c.token_ids] for f, rest in zip(firsts, rests)]
-    assert got == expected
-    wait_for(lambda: ray.get(prefill.stats.remote()).kv_pages_pinned == 0, "prefill unpin")
-    d = ray.get(decode.stats.remote())
-    assert d.kv_pages_pinned == 0 and d.num_handoffs_pending == 0
-    assert d.num_recomputed == before.num_recomputed  # every rank's read was DONE and fresh
-    pages = d.kv_pages_read - before.kv_pages_read
-    assert pages > 0
-    # Both ranks' reads are counted: every page moves each rank's KV heads.
-    per_page = sum(layout.page_bytes for layout in firsts[0].kv.layout)
-    assert d.nixl_bytes_transferred - before.nixl_bytes_transferred == pages * per_page
-
-
 def hand_off(llm: LLM, prefill, decode, name: str) -> tuple[EngineStats, EngineStats, KVHandle]:  # noqa: ANN001
     """Every prompt prefilled by `prefill` and decoded by `decode` gives the single-process
     engine's tokens and leaves no page held on either side (staging pages included); the decode
@@ -179,20 +158,18 @@ def hand_off(llm: LLM, prefill, decode, name: str) -> tuple[EngineStats, EngineS
     return before, after, firsts[0].kv
 
 
-def test_tp1_prefill_to_tp2_decode_each_rank_keeps_its_head(llm, pair, singles) -> None:
-    (_, decode), (prefill, _) = pair, singles
-    before, after, kv = hand_off(llm, prefill, decode, "p1d2-")
+@pytest.mark.parametrize(
+    ("prefill_tp", "decode_tp", "reads_per_page"),
+    [(2, 2, 1), (1, 2, 2), (2, 1, 1)],  # TP 1 -> 2: both decode ranks read each (whole) page
+)
+def test_a_tp_hand_off_gives_the_single_process_tokens(
+    llm, pair, singles, prefill_tp: int, decode_tp: int, reads_per_page: int
+) -> None:
+    prefill = (pair if prefill_tp == 2 else singles)[0]
+    decode = (pair if decode_tp == 2 else singles)[1]
+    before, after, kv = hand_off(llm, prefill, decode, f"p{prefill_tp}d{decode_tp}-")
     pages = after.kv_pages_read - before.kv_pages_read
-    assert pages > 0 and len(kv.layout) == 1
-    # each decode rank reads the prefill rank's whole pages (both heads) and keeps one
+    assert pages > 0 and len(kv.agent_names) == prefill_tp
+    # every decode rank reads the whole pages of each prefill rank holding some of its heads
     moved = after.nixl_bytes_transferred - before.nixl_bytes_transferred
-    assert moved == 2 * pages * kv.layout[0].page_bytes
-
-
-def test_tp2_prefill_to_tp1_decode_reads_both_ranks(llm, pair, singles) -> None:
-    (prefill, _), (_, decode) = pair, singles
-    before, after, kv = hand_off(llm, prefill, decode, "p2d1-")
-    pages = after.kv_pages_read - before.kv_pages_read
-    assert pages > 0 and len(kv.layout) == 2
-    moved = after.nixl_bytes_transferred - before.nixl_bytes_transferred
-    assert moved == pages * sum(layout.page_bytes for layout in kv.layout)
+    assert moved == reads_per_page * pages * sum(layout.page_bytes for layout in kv.layout)
