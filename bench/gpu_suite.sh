@@ -79,7 +79,7 @@ part() {  # part NAME SECONDS COMMAND...: run one part with a limit, log it, rem
   echo "SUITE $name rc=$rc in $((SECONDS - t0)) s"
   [ "$rc" = 0 ] || status=1
 }
-part tests 330 python3 -m pytest tests/gpu -m gpu -q -rs -p no:cacheprovider \
+part tests 330 python3 -m pytest tests/gpu tests/e2e/test_nixl_transfer.py -m gpu -q -rs -p no:cacheprovider \
   --junitxml="$OUT/tests.xml"
 part decode 180 python3 -m bench.bench_decode "${tok[@]}" --profile --json "$OUT/decode.json"
 part decode_tp 200 python3 -m bench.bench_decode "${tok[@]}" --tp 2 --cases 1x1024,16x1024,64x2048 --profile \

@@ -216,3 +216,33 @@ def test_reading_from_a_dead_prefill_fails_within_a_deadline(workers: Workers) -
         assert out["state"] in ("ERR", "raised"), out
         assert out["seconds"] < DEADLINE_S
     assert ray.get(decode.stats.remote())["num_failed_transfers"] >= 2
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_staged_read_puts_a_decode_rank_heads_in_place(device: str) -> None:
+    """Heterogeneous TP between two agents of this process (no Ray): the reader holds KV heads
+    [2, 4) of 4, the owner all of them (DRAM, or VRAM of one GPU)."""
+    from workers.transfer.head_slices import staging_pages
+    from workers.transfer.kv_read import KVRead, ReadSpec
+
+    full = KVLayout(num_layers=3, page_size=4, num_kv_heads=4, head_dim=64, dtype="bfloat16")
+    half = full.model_copy(update={"num_kv_heads": 2, "kv_head_offset": 2})
+    src, dst = KVPool(full, 16, device), KVPool(half, 64, device)
+    src.pages.normal_()
+    owner = KVTransferAgent(src, "prefill", "staged", rank=0, publish=False)
+    reader = KVTransferAgent(dst, "decode", "staged", rank=0, publish=False)
+    try:
+        reader.add_peer(owner.metadata())
+        remote, local = [3, 4, 5, 9], [1, 2, 7, 8]
+        spare = list(range(20, 20 + staging_pages(len(remote), full, half)))
+        read = KVRead(reader, dst.pages, ReadSpec([owner.name], [full], remote, local, spare))
+        t0 = time.monotonic()
+        while (state := read.poll()) == "PROC" and time.monotonic() - t0 < DEADLINE_S:
+            owner.get_notifs()  # the owner's side of the UCX wire-up (no progress thread)
+        read.release()
+        assert state == "DONE"
+        assert torch.equal(dst.pages[local], src.pages[remote][..., 2:4, :])
+        assert not dst.pages[[p for p in range(64) if p not in local + spare]].any()
+    finally:
+        reader.close()
+        owner.close()
