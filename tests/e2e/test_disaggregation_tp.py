@@ -167,9 +167,12 @@ def test_a_tp_hand_off_gives_the_single_process_tokens(
 ) -> None:
     prefill = (pair if prefill_tp == 2 else singles)[0]
     decode = (pair if decode_tp == 2 else singles)[1]
-    before, after, kv = hand_off(llm, prefill, decode, f"p{prefill_tp}d{decode_tp}-")
-    pages = after.kv_pages_read - before.kv_pages_read
-    assert pages > 0 and len(kv.agent_names) == prefill_tp
-    # every decode rank reads the whole pages of each prefill rank holding some of its heads
-    moved = after.nixl_bytes_transferred - before.nixl_bytes_transferred
-    assert moved == reads_per_page * pages * sum(layout.page_bytes for layout in kv.layout)
+    for again in (False, True):  # again: the decode side caches the prompts' whole pages
+        before, after, kv = hand_off(llm, prefill, decode, f"p{prefill_tp}d{decode_tp}-{again}-")
+        pages = after.kv_pages_read - before.kv_pages_read
+        assert pages > 0 and len(kv.agent_names) == prefill_tp
+        if again:  # only the pages after the cached ones are read
+            assert after.kv_pages_reused > before.kv_pages_reused
+        # every decode rank reads the whole pages of each prefill rank holding some of its heads
+        moved = after.nixl_bytes_transferred - before.nixl_bytes_transferred
+        assert moved == reads_per_page * pages * sum(layout.page_bytes for layout in kv.layout)
