@@ -233,7 +233,7 @@ def test_stale_pages_are_detected_and_never_served(llm, prefill, decode) -> None
 
 
 def test_a_prompt_whose_pages_decode_caches_already_is_not_read(llm, prefill, decode) -> None:
-    ids = llm.tokenizer.encode(SYSTEM)[:32]  # two whole pages: nothing left to read once cached
+    ids = [1000 + 37 * j for j in range(32)]  # two whole pages, of no other test's prompt
     expected = llm.generate([ids], GREEDY)[0].token_ids
     moved = []
     for i in range(2):
