@@ -166,15 +166,15 @@ class DecodeEngine(HandoffEngine):
             return
         first = seq.num_tree_pages
         last = -(-n // self.cfg.page_size)
-        self.pages_reused += first
-        if first == last:  # every page is cached here already
-            self._admit(p)
-            return
         spare = self.kv.allocate(staging_pages_needed(self.kv_layouts, p.kv.layout, last - first))
         if spare is None:
             self.kv.release(seq, cache=False)  # no room to stage yet: retry at the next poll
             if time.monotonic() >= p.deadline:
                 self._failed(p, "no KV pages free to stage the transfer", outputs)
+            return
+        self.pages_reused += first
+        if first == last:  # every page is cached here already
+            self._admit(p)
             return
         p.spare_pages = spare
         spec = ReadSpec(
