@@ -165,12 +165,16 @@ class KVTransferAgent:
 
     # -- reads ------------------------------------------------------------------------------
 
-    def check_layout(self, remote: KVLayout, remote_agent: str) -> None:
-        if remote != self.layout:
+    def check_layout(
+        self, remote: KVLayout, remote_agent: str, expected: KVLayout | None = None
+    ) -> None:
+        """`remote`, a layout of `remote_agent`'s pages, must be `expected` (default: ours, as
+        a direct read needs; other KV heads go through `read_staged`)."""
+        expected = expected or self.layout
+        if remote != expected:
             raise KVLayoutMismatchError(
-                f"KV layout of {remote_agent} differs from local {self.name}: "
-                f"remote {remote.model_dump()} vs local {self.layout.model_dump()} "
-                "(heterogeneous TP / dtype / page size is not supported)"
+                f"KV layout of {remote_agent} is {remote.model_dump()}, expected "
+                f"{expected.model_dump()} (at {self.name})"
             )
 
     def read_pages(
@@ -248,11 +252,7 @@ class KVTransferAgent:
         (`head_slices.staged_descriptors`; `head_slices.scatter_heads` then copies our heads
         into place). Raises as `read_pages`."""
         peer = self._peer(remote_agent)
-        if peer.record.layout != remote_layout:
-            raise KVLayoutMismatchError(
-                f"{remote_agent} publishes {peer.record.layout.model_dump()}, the KV handle "
-                f"names {remote_layout.model_dump()}"
-            )
+        self.check_layout(peer.record.layout, remote_agent, expected=remote_layout)
         remote = peer.record.region
         rp = check_pages(remote_pages, remote.num_pages, "remote")
         sp = check_pages(spare_pages, self.region.num_pages, "local")

@@ -8,7 +8,8 @@ class TransportUnavailableError(RuntimeError):
 
 
 class KVLayoutMismatchError(ValueError):
-    """The remote KV layout differs from the local one (heterogeneous TP is not supported)."""
+    """KV pages that cannot be read into the local pool: a peer's layout is not the one expected,
+    or differs in more than its KV heads (layers, page size, head size, dtype)."""
 
 
 class TransferError(RuntimeError):
