@@ -1,0 +1,79 @@
+"""Prefill and decode pools of different TP sizes in real Ray Serve, called over HTTP: the
+application `build_app` makes of a config with a TP-1 prefill pool and a TP-2 decode pool. Each
+decode rank reads its KV head from the one prefill rank (staged); the answer must be the
+single-process engine's."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("nixl")
+
+from ray import serve  # noqa: E402
+
+from cluster.app import build_app  # noqa: E402
+from workers import LLM, SamplingParams  # noqa: E402
+
+pytestmark = pytest.mark.e2e
+
+REPO = str(Path(__file__).resolve().parents[2])
+ENGINE = {"num_kv_pages": 64, "page_size": 4}
+PROMPT = [1, 450, 7483, 310, 3444, 338, 3681, 29892, 1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def base_url(tiny_llama: str) -> Iterator[str]:
+    path = os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])
+    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    rank = {"num_cpus_per_rank": 0.5}
+    app = build_app(
+        {
+            "engine": {"model": tiny_llama, **ENGINE},
+            "served_model_name": "tiny",
+            "prefill": {"tensor_parallel_size": 1, **rank},
+            "decode": {"tensor_parallel_size": 2, **rank},
+            "router": {"num_cpus": 0.5},
+        }
+    )
+    try:
+        serve.run(app, name="tp-pools", route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def test_a_tp1_prefill_pool_hands_off_to_a_tp2_decode_pool(base_url: str, tiny_llama: str) -> None:
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
+    reply = httpx.post(f"{base_url}/v1/completions", json={**body, "ignore_eos": True}, timeout=60)
+    assert reply.status_code == 200, reply.text
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    [want] = LLM(tiny_llama, **ENGINE).generate([PROMPT], params)
+    choice = reply.json()["choices"][0]
+    assert choice["text"] == want.text and choice["finish_reason"] == "length"
+    t0 = time.monotonic()  # the engines post their stats about once a second
+    while nixl_bytes(base_url) == 0:  # handed off, not recomputed on the decode side
+        assert time.monotonic() - t0 < 30, "no KV bytes moved"
+        time.sleep(0.5)
+
+
+def nixl_bytes(base_url: str) -> float:
+    metrics = httpx.get(f"{base_url}/metrics", timeout=30).text
+    rows = [r for r in metrics.splitlines() if r.startswith("pdserve:nixl_bytes_transferred_total")]
+    return sum(float(r.split()[-1]) for r in rows if 'role="decode"' in r)
