@@ -68,12 +68,14 @@ def test_a_tp1_prefill_pool_hands_off_to_a_tp2_decode_pool(base_url: str, tiny_l
     choice = reply.json()["choices"][0]
     assert choice["text"] == want.text and choice["finish_reason"] == "length"
     t0 = time.monotonic()  # the engines post their stats about once a second
-    while nixl_bytes(base_url) == 0:  # handed off, not recomputed on the decode side
-        assert time.monotonic() - t0 < 30, "no KV bytes moved"
+    while decode_counter(base_url, "kv_pages_read") == 0:
+        assert time.monotonic() - t0 < 30, "no KV page read by the decode pool"
         time.sleep(0.5)
+    assert decode_counter(base_url, "kv_transfer_recomputed") == 0  # handed off, not redone
 
 
-def nixl_bytes(base_url: str) -> float:
+def decode_counter(base_url: str, name: str) -> float:
+    """The decode pool's `pdserve:<name>_total`, as /metrics reports it."""
     metrics = httpx.get(f"{base_url}/metrics", timeout=30).text
-    rows = [r for r in metrics.splitlines() if r.startswith("pdserve:nixl_bytes_transferred_total")]
+    rows = [r for r in metrics.splitlines() if r.startswith(f"pdserve:{name}_total{{")]
     return sum(float(r.split()[-1]) for r in rows if 'role="decode"' in r)

@@ -58,7 +58,14 @@ def test_decode_replicas_are_summed_and_roles_kept_apart() -> None:
 def test_nixl_transfers_and_request_timers_are_recorded() -> None:
     metrics = Metrics("m")
     decode = stats(1, 1, 0, 1).model_copy(
-        update={"nixl_bytes_transferred": 8192, "nixl_transfers": 2, "nixl_xfer_time_s": 0.005}
+        update={
+            "nixl_bytes_transferred": 8192,
+            "nixl_transfers": 2,
+            "nixl_xfer_time_s": 0.005,
+            "kv_pages_read": 2,
+            "kv_pages_reused": 3,
+            "num_recomputed": 1,
+        }
     )
     metrics.engines.update([RoleStats("decode", decode)])
     timer = metrics.request_timer()
@@ -68,6 +75,9 @@ def test_nixl_transfers_and_request_timers_are_recorded() -> None:
     text = metrics.render().decode()
     assert 'pdserve:nixl_bytes_transferred_total{model_name="m",role="decode"} 8192.0' in text
     assert 'pdserve:nixl_xfer_time_seconds_count{model_name="m",role="decode"} 2.0' in text
+    assert 'pdserve:kv_pages_read_total{model_name="m",role="decode"} 2.0' in text
+    assert 'pdserve:kv_pages_reused_total{model_name="m",role="decode"} 3.0' in text
+    assert 'pdserve:kv_transfer_recomputed_total{model_name="m",role="decode"} 1.0' in text
     assert 'pdserve:time_to_first_token_seconds_count{model_name="m"} 1.0' in text
     assert 'pdserve:inter_token_latency_seconds_count{model_name="m"} 2.0' in text
     assert 'pdserve:request_success_total{finished_reason="length",model_name="m"} 1.0' in text
