@@ -159,18 +159,16 @@ class DecodeEngine(HandoffEngine):
         seq, n = p.seq, p.kv.num_tokens
         self.kv.match_prefix(seq)
         seq.num_computed_tokens = min(seq.num_computed_tokens, n)
-        if not self.kv.reserve(seq, n):
+        first = seq.num_tree_pages
+        last = -(-n // self.cfg.page_size)
+        staging = staging_pages_needed(self.kv_layouts, p.kv.layout, last - first)
+        spare = None
+        if self.kv.reserve(seq, n):  # the prompt's pages, then any to stage the read through
+            spare = self.kv.allocate(staging)
+        if spare is None:
             self.kv.release(seq, cache=False)  # no room yet: retry at the next poll
             if time.monotonic() >= p.deadline:
                 self._failed(p, "no KV pages free for the transfer", outputs)
-            return
-        first = seq.num_tree_pages
-        last = -(-n // self.cfg.page_size)
-        spare = self.kv.allocate(staging_pages_needed(self.kv_layouts, p.kv.layout, last - first))
-        if spare is None:
-            self.kv.release(seq, cache=False)  # no room to stage yet: retry at the next poll
-            if time.monotonic() >= p.deadline:
-                self._failed(p, "no KV pages free to stage the transfer", outputs)
             return
         self.pages_reused += first
         if first == last:  # every page is cached here already
