@@ -11,7 +11,11 @@ of rank r = N - 1). For each prompt length the decode rank reads the prompt's pa
 The ratio is staged time over direct time, measured in the same run; the bytes are checked once.
 
     python bench/bench_kv_staged.py                       # CPU, DRAM, SmolLM2, N = 3
-    python bench/bench_kv_staged.py --device cuda --num-gpus 1 --layout llama3-8b --tp 2
+    python bench/bench_kv_staged.py --device cuda --layout llama3-8b --tp 2 --decode-own-gpu
+
+With `--decode-own-gpu` (two GPUs) the decode rank holds one GPU and both prefill actors share
+the other, so every read crosses GPUs (NVLink); without it all three may share one GPU, where
+UCX falls back to TCP and only the bytes, not the speed, mean anything.
 """
 
 from __future__ import annotations
@@ -53,6 +57,9 @@ class Rank:
     def name(self) -> str:
         return self.agent.name
 
+    def gpus(self) -> list[str]:
+        return ray.get_runtime_context().get_accelerator_ids().get("GPU", [])
+
     def serve(self) -> None:
         while True:
             self.agent.get_notifs()
@@ -85,6 +92,7 @@ def main() -> None:
     ap.add_argument("--tokens", default="512,2048,8192")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--num-gpus", type=float, default=0.3, help="per actor, with --device cuda")
+    ap.add_argument("--decode-own-gpu", action="store_true", help="decode on a GPU of its own")
     args = ap.parse_args()
     layers, heads, head_dim = LAYOUTS[args.layout]
     if heads % args.tp:
@@ -105,17 +113,26 @@ def main() -> None:
     ray.init(include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": path}})  # fmt: skip
     gpus = args.num_gpus if args.device == "cuda" else 0
-    actor = ray.remote(num_cpus=0, num_gpus=gpus, max_concurrency=2)(Rank)
-    p_full = actor.remote("prefill-tp1", full.model_dump(), n_max + 1, args.device)
-    p_shard = actor.remote("prefill-tpN", shard.model_dump(), n_max + 1, args.device)
-    decode = actor.remote("decode", shard.model_dump(), 2 * n_max + spare_max + 1, args.device)
+    decode_gpus = 1 if args.decode_own_gpu else gpus
+    prefill_gpus = 0.5 if args.decode_own_gpu else gpus
+    actor = ray.remote(num_cpus=0, max_concurrency=2)(Rank)
+    # the decode rank first: with --decode-own-gpu it takes a whole GPU, the prefills the other
+    decode = actor.options(num_gpus=decode_gpus).remote(
+        "decode", shard.model_dump(), 2 * n_max + spare_max + 1, args.device
+    )
+    ray.get(decode.name.remote())
+    prefill = actor.options(num_gpus=prefill_gpus)
+    p_full = prefill.remote("prefill-tp1", full.model_dump(), n_max + 1, args.device)
+    p_shard = prefill.remote("prefill-tpN", shard.model_dump(), n_max + 1, args.device)
     names = ray.get([p_full.name.remote(), p_shard.name.remote()])
     p_full.serve.remote()
     p_shard.serve.remote()
+    where = ray.get([a.gpus.remote() for a in (decode, p_full, p_shard)])
     print(
         f"{args.layout} on {args.device}: decode rank {rank} of TP {args.tp} ({per} of {heads} KV "
         f"heads); page {shard.page_bytes / 2**10:.0f} KiB at TP {args.tp}, "
-        f"{full.page_bytes / 2**10:.0f} KiB at TP 1; median of {args.iters} reads"
+        f"{full.page_bytes / 2**10:.0f} KiB at TP 1; median of {args.iters} reads; GPUs of "
+        f"decode, prefill TP 1, prefill TP N: {where}"
     )
     print(f"{'tokens':>6} {'kept MiB':>8} {'direct ms':>9} {'staged ms':>9} {'ratio':>5} "
           f"{'staged GB/s moved':>17}")  # fmt: skip

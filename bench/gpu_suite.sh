@@ -50,11 +50,12 @@ OUT=${OUT:-/tmp/pdserve-gpu}
 mkdir -p "$OUT"
 SUITE=${SUITE:-tests decode prefill offline}  # also: decode_tc (tensor-core decode, JIT ~80 s),
 # kv2 (NIXL between two GPUs: a kind with 2+ GPUs), decode_tp (decode steps over two GPUs, tensor
-# parallel, CUDA graphs against eager: also a kind with 2+ GPUs), compare (each layer's FlashInfer attention in
+# parallel, CUDA graphs against eager: also a kind with 2+ GPUs), serving (HTTP through Ray Serve,
+# 1 prefill + 1 decode replica against 2 colocated ones, Llama-3-8B shapes: 2+ GPUs), compare (each layer's FlashInfer attention in
 # the engine against the torch reference, on SmolLM2's real weights: needs the stashed GGUF),
 # attn (FlashInfer's decode attention alone, planned each way it can be, against its KV floor),
 # kvstaged (a heterogeneous-TP staged read of VRAM against the direct one: on one GPU its bytes
-# are checked, its speed is UCX's TCP fallback)
+# are checked, its speed is UCX's TCP fallback; on two, the decode rank has a GPU of its own)
 KIT_ONLY="flashinfer deps nixl ray" source .kit/setup.sh  # nixl, ray: the VRAM hand-off
 export PYTHONUNBUFFERED=1 PDSERVE_TOKENIZER_DIR=$PWD/.gpu_assets/tokenizer
 export PDSERVE_CACHE=/tmp/pdserve-cache TOKENIZERS_PARALLELISM=false
@@ -90,7 +91,12 @@ part prefill 80 python3 -m bench.bench_prefill "${tok[@]}" --profile --json "$OU
 part offline 170 python3 -m bench.bench_offline_gpu "${tok[@]}" --json "$OUT/offline.json"
 part kv2 150 python3 bench/bench_kv_transfer.py --device cuda --num-gpus 1 --layout llama3-8b \
   --tokens 512,2048,8192 --json
-part kvstaged 120 python3 bench/bench_kv_staged.py --device cuda --layout llama3-8b --tp 2
+staged=(--device cuda --layout llama3-8b --tp 2)
+[ "$(nvidia-smi -L | wc -l)" -ge 2 ] && staged+=(--decode-own-gpu)  # reads over NVLink
+part kvstaged 120 python3 bench/bench_kv_staged.py "${staged[@]}"
+part serving 420 python3 bench/bench_serving.py --device cuda --tokenizer-dir "$PDSERVE_TOKENIZER_DIR" \
+  --shape llama3-8b --num-prompts 200 --input-len 2048 --output-len 256 --range-ratio 0.25 \
+  --request-rate 8,12 --json "$OUT/serving.json"
 part compare 120 python3 -m bench.compare_attention_backends
 part attn 90 python3 -m bench.bench_decode_attention --json "$OUT/attn.json"
 PDSERVE_FLASHINFER_DECODE_TC=1 part decode_tc 240 python3 -m bench.bench_decode "${tok[@]}" \

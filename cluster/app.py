@@ -37,7 +37,7 @@ class OpenAIIngress:
         self.backend: GenerationBackend = DisaggregatedBackend(prefill, decode, app_name)
         # Several router replicas: each scrape reaches one, so they share request metrics.
         self.board = MetricsBoard(app_name, str(ctx.replica_id.unique_id))
-        model_dir = resolve_model(self.config.engine.model)
+        model_dir = resolve_model(self.config.engine.model, self.config.engine.load_format)
         self.tokenizer = load_tokenizer(model_dir)
         self.max_model_len = load_model_config(model_dir).context_limit(
             self.config.engine.max_model_len

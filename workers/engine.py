@@ -11,7 +11,6 @@ the one this step samples. Such a token is taken from this step's output on the 
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -53,7 +52,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device.index or 0)
         self.dtype = cfg.resolved_dtype(self.device)
-        self.model_dir = _model_dir(cfg)
+        self.model_dir = resolve_model(cfg.model, cfg.load_format)
         self.model_config = load_model_config(self.model_dir)
         if cfg.load_format == "dummy":
             self.model = build_dummy_model(self.model_config, self.dtype, self.device, tp, cfg.seed)
@@ -327,11 +326,3 @@ class ModelRunner:
             to_device=self._to_device,
             adjust=adjust,
         )
-
-
-def _model_dir(cfg: EngineConfig) -> Path:
-    """Where config.json and the tokenizer live; a dummy model needs no weight files."""
-    path = Path(cfg.model).expanduser()
-    if cfg.load_format == "dummy" and (path / "config.json").is_file():
-        return path
-    return resolve_model(cfg.model)

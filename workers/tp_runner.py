@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from workers.config import EngineConfig
-from workers.engine import ModelRunner, _model_dir
+from workers.engine import ModelRunner
 from workers.model.llama import LlamaForCausalLM
-from workers.model.loader import load_model_config
+from workers.model.loader import load_model_config, resolve_model
 from workers.step import StepOutputs, StepPlan
 from workers.tp import SINGLE, TPGroup, destroy_group, free_port, init_group
 
@@ -93,7 +93,7 @@ def _device(cfg: EngineConfig) -> torch.device:
 
 def _check_shardable(cfg: EngineConfig) -> None:
     """Raise the layers' own error (heads, features not divisible) before any rank starts."""
-    model_config = load_model_config(_model_dir(cfg))
+    model_config = load_model_config(resolve_model(cfg.model, cfg.load_format))
     with torch.device("meta"):
         LlamaForCausalLM(model_config, TPGroup(0, cfg.tensor_parallel_size))
 

@@ -10,12 +10,24 @@ from pydantic import ValidationError
 
 from workers import LLM, SamplingParams
 from workers.model.config import UnsupportedModelError
-from workers.model.loader import ModelNotFoundError
+from workers.model.loader import ModelNotFoundError, resolve_model
 
 
 def test_unknown_model_path_names_the_path(tmp_path: Path) -> None:
     with pytest.raises(ModelNotFoundError, match="no-such-model"):
         LLM(str(tmp_path / "no-such-model"))
+
+
+def test_a_dir_without_weights_loads_random_ones(tmp_path: Path, smollm2_dir: Path) -> None:
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((smollm2_dir / name).read_bytes())
+    with pytest.raises(ModelNotFoundError, match="safetensors"):
+        resolve_model(str(tmp_path))
+    # load_format="dummy" (benchmarks): config and tokenizer are enough, for the ingress too
+    assert resolve_model(str(tmp_path), "dummy") == tmp_path
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    [out] = LLM(str(tmp_path), load_format="dummy", num_kv_pages=8).generate([[1, 2, 3]], params)
+    assert len(out.token_ids) == 3
 
 
 def test_unknown_hub_id_is_not_downloaded() -> None:

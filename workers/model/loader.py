@@ -42,8 +42,11 @@ def cache_root() -> Path:
     return Path(os.environ.get("PDSERVE_CACHE", "~/.cache/pdserve")).expanduser()
 
 
-def resolve_model(model: str) -> Path:
-    """A directory holding config.json, the tokenizer and *.safetensors for `model`."""
+def resolve_model(model: str, load_format: str = "auto") -> Path:
+    """A directory holding config.json, the tokenizer and *.safetensors for `model`; for random
+    weights (`load_format="dummy"`) a directory with config.json and the tokenizer is enough."""
+    if load_format == "dummy" and (Path(model).expanduser() / "config.json").is_file():
+        return Path(model).expanduser()
     if model.lower() in EMBEDDED_MODELS:
         return gguf_to_hf_dir(_embedded_gguf(model.lower()))
     path = Path(model).expanduser()

@@ -1,0 +1,297 @@
+"""Online serving over HTTP: disaggregated prefill/decode against the colocated engine.
+
+Starts the Serve application (`cluster.app:build_app`) in each mode in turn on the same
+resources: disaggregated, P prefill and D decode replicas with KV handed over by NIXL;
+colocated, P + D replicas that each prefill and decode whole requests. Each gets the same
+workload through its OpenAI endpoint, as `vllm bench serve` sends it: streamed completions of
+random token-id prompts (`ignore_eos`, `stream_options.include_usage`), Poisson arrivals at
+each of `--request-rate` (a list: the application stays up between rates), optionally at most
+`--max-concurrency` in flight. Per mode and rate it reports request
+and output-token throughput and the mean, median and P99 of TTFT (to the first chunk), TPOT
+((end - TTFT) / (output tokens - 1)), ITL (gaps between chunks) and end-to-end latency, then
+each figure's ratio, disaggregated over colocated.
+
+    python bench/bench_serving.py                                   # CPU, the embedded SmolLM2
+    python bench/bench_serving.py --device cuda --tokenizer-dir D --shape llama3-8b \\
+        --input-len 2048 --output-len 256 --num-prompts 200 --request-rate 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = str(Path(__file__).resolve().parents[1])
+sys.path.insert(0, REPO)
+
+import httpx  # noqa: E402
+import numpy as np  # noqa: E402
+import ray  # noqa: E402
+from ray import serve  # noqa: E402
+
+from cluster.app import build_app  # noqa: E402
+from workers.model.loader import DEFAULT_MODEL, load_model_config, resolve_model  # noqa: E402
+
+MODES = ("disaggregated", "colocated")
+APP = "pdserve-bench"
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    prompt_tokens: int
+    output_tokens: int = 0
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+async def stream_one(
+    client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int
+) -> RequestResult:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    result = RequestResult(ok=False, prompt_tokens=len(prompt))
+    start = last = time.perf_counter()
+    try:
+        async with client.stream("POST", url, json=body) as reply:
+            if reply.status_code != 200:
+                result.error = f"HTTP {reply.status_code}: {(await reply.aread())[:200]!r}"
+                return result
+            async for line in reply.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[len("data: ") :])
+                if "error" in event:
+                    result.error = str(event["error"])[:200]
+                    return result
+                if event.get("choices"):
+                    now = time.perf_counter()
+                    if result.ttft == 0.0:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+                if event.get("usage"):
+                    result.output_tokens = event["usage"]["completion_tokens"]
+    except httpx.HTTPError as e:
+        result.error = f"{type(e).__name__}: {e}"
+        return result
+    result.e2e = time.perf_counter() - start
+    result.ok = result.output_tokens == max_tokens
+    if not result.ok:
+        result.error = f"{result.output_tokens} of {max_tokens} tokens"
+    return result
+
+
+async def run_workload(
+    url: str, model: str, requests: list[tuple[list[int], int]], rate: float,
+    max_concurrency: int | None, seed: int,
+) -> tuple[list[RequestResult], float]:  # fmt: skip
+    """Send every request (Poisson arrivals at `rate` a second; inf: all at once). Returns the
+    results and the seconds from the first send to the last reply."""
+    rng = random.Random(seed)
+    limit = asyncio.Semaphore(max_concurrency or len(requests))
+    timeout = httpx.Timeout(1800.0)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+
+        async def limited(prompt: list[int], max_tokens: int) -> RequestResult:
+            async with limit:
+                return await stream_one(client, url, model, prompt, max_tokens)
+
+        start = time.perf_counter()
+        tasks = []
+        for prompt, max_tokens in requests:
+            tasks.append(asyncio.create_task(limited(prompt, max_tokens)))
+            if math.isfinite(rate):
+                await asyncio.sleep(rng.expovariate(rate))
+        results = await asyncio.gather(*tasks)
+    return list(results), time.perf_counter() - start
+
+
+def make_requests(args: argparse.Namespace, seed: int) -> list[tuple[list[int], int]]:
+    """Random token-id prompts of input_len (± range_ratio), each starting with one of
+    `num_prefixes` shared prefixes of `prefix_len` tokens, and their output lengths."""
+    rng = random.Random(seed)
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(1000, 30000) for _ in range(n)]
+
+    def around(n: int) -> int:
+        return max(1, round(n * rng.uniform(1 - args.range_ratio, 1 + args.range_ratio)))
+
+    prefixes = [ids(args.prefix_len) for _ in range(args.num_prefixes)]
+    return [
+        (rng.choice(prefixes) + ids(around(args.input_len)), around(args.output_len))
+        for _ in range(args.num_prompts)
+    ]
+
+
+def summarize(results: list[RequestResult], duration: float) -> dict[str, float]:
+    done = [r for r in results if r.ok]
+    out = dict(
+        completed=len(done),
+        failed=len(results) - len(done),
+        duration_s=duration,
+        request_per_s=len(done) / duration,
+        output_tok_per_s=sum(r.output_tokens for r in done) / duration,
+        total_tok_per_s=sum(r.output_tokens + r.prompt_tokens for r in done) / duration,
+    )
+    series = {
+        "ttft_ms": [r.ttft for r in done],
+        "tpot_ms": [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in done if r.output_tokens > 1],
+        "itl_ms": [gap for r in done for gap in r.itl],
+        "e2e_ms": [r.e2e for r in done],
+    }
+    for name, values in series.items():
+        ms = 1e3 * np.asarray(values or [math.nan])
+        out[f"mean_{name}"] = float(ms.mean())
+        out[f"median_{name}"] = float(np.median(ms))
+        out[f"p99_{name}"] = float(np.percentile(ms, 99))
+    return out
+
+
+def app_config(args: argparse.Namespace, mode: str, model: str) -> dict[str, Any]:
+    """The same resources in both modes: P + D replicas of one rank each."""
+    engine: dict[str, Any] = {
+        "model": model, "device": args.device, "page_size": 16, "load_format": args.load_format,
+    }  # fmt: skip
+    if args.device == "cpu":
+        engine |= {"kv_cache_memory_gb": 1.0, "max_num_batched_tokens": 1024}
+    else:
+        engine["dtype"] = "bfloat16"
+    pool = {"num_cpus_per_rank": args.cpus_per_replica, "num_gpus_per_rank": args.gpus_per_replica}
+    config: dict[str, Any] = {"engine": engine, "mode": mode, "router": {"num_cpus": 0}}
+    if mode == "disaggregated":
+        config["prefill"] = {**pool, "num_replicas": args.prefill_replicas}
+        config["decode"] = {**pool, "num_replicas": args.decode_replicas}
+    else:
+        config["decode"] = {**pool, "num_replicas": args.prefill_replicas + args.decode_replicas}
+    return config
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def print_table(rows: dict[str, dict[str, float]]) -> None:
+    modes = list(rows)
+    ratio = len(modes) == 2
+    head = f"{'':<20}" + "".join(f"{m:>15}" for m in modes)
+    print(head + (f"{modes[0][:5] + '/' + modes[1][:5]:>13}" if ratio else ""))
+    for key in rows[modes[0]]:
+        line = f"{key:<20}" + "".join(f"{rows[m][key]:>15.2f}" for m in modes)
+        if ratio and rows[modes[1]][key]:
+            line += f"{rows[modes[0]][key] / rows[modes[1]][key]:>13.2f}"
+        print(line)
+
+
+def model_for(args: argparse.Namespace) -> str:
+    """The model the engines load: --model, or with --shape a random-weight directory."""
+    if args.shape is None:
+        return args.model
+    from bench.gpu_common import dummy_model_dir
+
+    if args.tokenizer_dir is None:
+        raise SystemExit("--shape needs --tokenizer-dir")
+    args.load_format = "dummy"
+    return str(dummy_model_dir(args.shape, args.tokenizer_dir, Path("/tmp/pdserve-bench")))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--shape", help="random weights of this shape (bench/gpu_common.SHAPES)")
+    ap.add_argument("--tokenizer-dir", type=Path, help="with --shape: its tokenizer files")
+    ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--prefill-replicas", type=int, default=1)
+    ap.add_argument("--decode-replicas", type=int, default=1)
+    ap.add_argument("--cpus-per-replica", type=float, default=1)
+    ap.add_argument("--gpus-per-replica", type=float, default=None, help="default: 1 on cuda")
+    ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--input-len", type=int, default=256)
+    ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--range-ratio", type=float, default=0.0)
+    ap.add_argument("--prefix-len", type=int, default=0, help="shared prefix tokens a prompt")
+    ap.add_argument("--num-prefixes", type=int, default=1)
+    ap.add_argument("--request-rate", default="inf", help="requests a second; a list: each")
+    ap.add_argument("--max-concurrency", type=int)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", help="write the figures here")
+    args = ap.parse_args()
+    if args.gpus_per_replica is None:
+        args.gpus_per_replica = 1.0 if args.device == "cuda" else 0.0
+    model = model_for(args)
+    rates = [float(r) for r in args.request_rate.split(",")]
+    # other prompts at each rate: a rate must not find the previous rate's in the prefix cache
+    requests = [make_requests(args, args.seed + 1 + i) for i in range(len(rates))]
+    limit = load_model_config(resolve_model(model, args.load_format)).context_limit()
+    if any(len(p) + n > limit for batch in requests for p, n in batch):
+        raise SystemExit(f"a prompt plus its output exceeds the model's {limit} tokens")
+    warmup = make_requests(argparse.Namespace(**{**vars(args), "num_prompts": 2}), args.seed)
+    path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
+    ray.init(include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    rows: dict[float, dict[str, dict[str, float]]] = {rate: {} for rate in rates}
+    try:
+        for mode in args.modes.split(","):
+            t0 = time.perf_counter()
+            serve.run(build_app(app_config(args, mode, model)), name=APP, route_prefix="/")
+            print(f"{mode}: up in {time.perf_counter() - t0:.0f} s", flush=True)
+            asyncio.run(run_workload(url, model, warmup, math.inf, None, args.seed))
+            for i, rate in enumerate(rates):
+                results, duration = asyncio.run(
+                    run_workload(url, model, requests[i], rate, args.max_concurrency, args.seed)
+                )
+                for r in results:
+                    if not r.ok:
+                        print(f"{mode}: a request failed: {r.error}", flush=True)
+                rows[rate][mode] = row = summarize(results, duration)
+                print(f"BENCH_SERVING {json.dumps(dict(mode=mode, rate=rate, **row))}", flush=True)
+            serve.delete(APP)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    shape = args.shape or Path(model).name
+    print(
+        f"\n{shape} on {args.device}: {args.num_prompts} prompts of {args.input_len} tokens "
+        f"(+{args.prefix_len} shared, ±{args.range_ratio:.0%}), {args.output_len} out, "
+        f"concurrency {args.max_concurrency or 'unlimited'}; {args.prefill_replicas}P+"
+        f"{args.decode_replicas}D vs {args.prefill_replicas + args.decode_replicas} colocated"
+    )
+    for rate, by_mode in rows.items():
+        print(f"\nrate {rate}/s")
+        print_table(by_mode)
+    if args.json:
+        figures = dict(args=vars(args), rows={str(rate): by_mode for rate, by_mode in rows.items()})
+        Path(args.json).write_text(json.dumps(figures, default=str, indent=1))
+
+
+if __name__ == "__main__":
+    main()
