@@ -9,7 +9,9 @@ each of `--request-rate` (a list: the application stays up between rates), optio
 `--max-concurrency` in flight. Per mode and rate it reports request
 and output-token throughput and the mean, median and P99 of TTFT (to the first chunk), TPOT
 ((end - TTFT) / (output tokens - 1)), ITL (gaps between chunks) and end-to-end latency, then
-each figure's ratio, disaggregated over colocated.
+each figure's ratio, disaggregated over colocated. `--base-url` adds a server started
+elsewhere (vLLM, SGLang, ... serving the same model) as one more column, on the same prompts;
+`--modes ""` measures that server alone.
 
     python bench/bench_serving.py                                   # CPU, the embedded SmolLM2
     python bench/bench_serving.py --device cuda --tokenizer-dir D --shape llama3-8b \\
@@ -30,6 +32,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 REPO = str(Path(__file__).resolve().parents[1])
 sys.path.insert(0, REPO)
@@ -241,6 +244,7 @@ def main() -> None:
     ap.add_argument("--request-rate", default="inf", help="requests a second; a list: each")
     ap.add_argument("--max-concurrency", type=int)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--base-url", help="also measure the server there, e.g. http://host:8000")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args()
     if args.gpus_per_replica is None:
@@ -253,37 +257,48 @@ def main() -> None:
     if any(len(p) + n > limit for batch in requests for p, n in batch):
         raise SystemExit(f"a prompt plus its output exceeds the model's {limit} tokens")
     warmup = make_requests(argparse.Namespace(**{**vars(args), "num_prompts": 2}), args.seed)
-    path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
-    ray.init(include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    url = f"http://127.0.0.1:{port}/v1/completions"
     rows: dict[float, dict[str, dict[str, float]]] = {rate: {} for rate in rates}
-    try:
-        for mode in args.modes.split(","):
-            t0 = time.perf_counter()
-            serve.run(build_app(app_config(args, mode, model)), name=APP, route_prefix="/")
-            print(f"{mode}: up in {time.perf_counter() - t0:.0f} s", flush=True)
-            asyncio.run(run_workload(url, model, warmup, math.inf, None, args.seed))
-            for i, rate in enumerate(rates):
-                results, duration = asyncio.run(
-                    run_workload(url, model, requests[i], rate, args.max_concurrency, args.seed)
-                )
-                for r in results:
-                    if not r.ok:
-                        print(f"{mode}: a request failed: {r.error}", flush=True)
-                rows[rate][mode] = row = summarize(results, duration)
-                print(f"BENCH_SERVING {json.dumps(dict(mode=mode, rate=rate, **row))}", flush=True)
-            serve.delete(APP)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+
+    def measure(label: str, url: str, served: str) -> None:
+        """Every rate's workload against the server at `url`, into `rows[rate][label]`."""
+        asyncio.run(run_workload(url, served, warmup, math.inf, None, args.seed))
+        for i, rate in enumerate(rates):
+            results, duration = asyncio.run(
+                run_workload(url, served, requests[i], rate, args.max_concurrency, args.seed)
+            )
+            for r in results:
+                if not r.ok:
+                    print(f"{label}: a request failed: {r.error}", flush=True)
+            rows[rate][label] = row = summarize(results, duration)
+            print(f"BENCH_SERVING {json.dumps(dict(mode=label, rate=rate, **row))}", flush=True)
+
+    modes = [m for m in args.modes.split(",") if m]
+    if modes:
+        path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
+        ray.init(include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        try:
+            for mode in modes:
+                t0 = time.perf_counter()
+                serve.run(build_app(app_config(args, mode, model)), name=APP, route_prefix="/")
+                print(f"{mode}: up in {time.perf_counter() - t0:.0f} s", flush=True)
+                measure(mode, f"http://127.0.0.1:{port}/v1/completions", model)
+                serve.delete(APP)
+        finally:
+            serve.shutdown()
+            ray.shutdown()
+    if args.base_url:  # another server (vLLM, SGLang, ...) already serving the same model
+        base = args.base_url.rstrip("/")
+        served = httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]
+        measure(urlparse(base).netloc, f"{base}/v1/completions", served)
     shape = args.shape or Path(model).name
     print(
         f"\n{shape} on {args.device}: {args.num_prompts} prompts of {args.input_len} tokens "
         f"(+{args.prefix_len} shared, ±{args.range_ratio:.0%}), {args.output_len} out, "
-        f"concurrency {args.max_concurrency or 'unlimited'}; {args.prefill_replicas}P+"
-        f"{args.decode_replicas}D vs {args.prefill_replicas + args.decode_replicas} colocated"
+        f"concurrency {args.max_concurrency or 'unlimited'}; disaggregated: "
+        f"{args.prefill_replicas}P+{args.decode_replicas}D, colocated: "
+        f"{args.prefill_replicas + args.decode_replicas} replicas"
     )
     for rate, by_mode in rows.items():
         print(f"\nrate {rate}/s")
