@@ -26,7 +26,6 @@ import json
 import math
 import os
 import random
-import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -44,6 +43,7 @@ from ray import serve  # noqa: E402
 
 from cluster.app import build_app  # noqa: E402
 from workers.model.loader import DEFAULT_MODEL, load_model_config, resolve_model  # noqa: E402
+from workers.tp import free_port  # noqa: E402
 
 MODES = ("disaggregated", "colocated")
 APP = "pdserve-bench"
@@ -132,8 +132,8 @@ async def run_workload(
     return list(results), time.perf_counter() - start
 
 
-def make_requests(args: argparse.Namespace, seed: int) -> list[tuple[list[int], int]]:
-    """Random token-id prompts of input_len (± range_ratio), each starting with one of
+def make_requests(args: argparse.Namespace, seed: int, count: int) -> list[tuple[list[int], int]]:
+    """`count` random token-id prompts of input_len (± range_ratio), each starting with one of
     `num_prefixes` shared prefixes of `prefix_len` tokens, and their output lengths."""
     rng = random.Random(seed)
 
@@ -146,7 +146,7 @@ def make_requests(args: argparse.Namespace, seed: int) -> list[tuple[list[int], 
     prefixes = [ids(args.prefix_len) for _ in range(args.num_prefixes)]
     return [
         (rng.choice(prefixes) + ids(around(args.input_len)), around(args.output_len))
-        for _ in range(args.num_prompts)
+        for _ in range(count)
     ]
 
 
@@ -191,12 +191,6 @@ def app_config(args: argparse.Namespace, mode: str, model: str) -> dict[str, Any
     else:
         config["decode"] = {**pool, "num_replicas": args.prefill_replicas + args.decode_replicas}
     return config
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def print_table(rows: dict[str, dict[str, float]]) -> None:
@@ -252,11 +246,11 @@ def main() -> None:
     model = model_for(args)
     rates = [float(r) for r in args.request_rate.split(",")]
     # other prompts at each rate: a rate must not find the previous rate's in the prefix cache
-    requests = [make_requests(args, args.seed + 1 + i) for i in range(len(rates))]
+    requests = [make_requests(args, args.seed + 1 + i, args.num_prompts) for i in range(len(rates))]
     limit = load_model_config(resolve_model(model, args.load_format)).context_limit()
     if any(len(p) + n > limit for batch in requests for p, n in batch):
         raise SystemExit(f"a prompt plus its output exceeds the model's {limit} tokens")
-    warmup = make_requests(argparse.Namespace(**{**vars(args), "num_prompts": 2}), args.seed)
+    warmup = make_requests(args, args.seed, 2)
     rows: dict[float, dict[str, dict[str, float]]] = {rate: {} for rate in rates}
 
     def measure(label: str, url: str, served: str) -> None:
@@ -276,7 +270,7 @@ def main() -> None:
     if modes:
         path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
         ray.init(include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
-        port = free_port()
+        port = free_port("127.0.0.1")
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         try:
             for mode in modes:

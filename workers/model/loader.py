@@ -45,11 +45,11 @@ def cache_root() -> Path:
 def resolve_model(model: str, load_format: str = "auto") -> Path:
     """A directory holding config.json, the tokenizer and *.safetensors for `model`; for random
     weights (`load_format="dummy"`) a directory with config.json and the tokenizer is enough."""
-    if load_format == "dummy" and (Path(model).expanduser() / "config.json").is_file():
-        return Path(model).expanduser()
+    path = Path(model).expanduser()
+    if load_format == "dummy" and (path / "config.json").is_file():
+        return path
     if model.lower() in EMBEDDED_MODELS:
         return gguf_to_hf_dir(_embedded_gguf(model.lower()))
-    path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return gguf_to_hf_dir(path)
     if path.is_dir():
