@@ -34,7 +34,9 @@ class OpenAIIngress:
         self.config = AppConfig.model_validate(config)
         ctx = serve.get_replica_context()
         app_name = ctx.app_name
-        self.backend: GenerationBackend = DisaggregatedBackend(prefill, decode, app_name)
+        self.backend: GenerationBackend = DisaggregatedBackend(
+            prefill, decode, app_name, self.config.router.decode_prefill_max_tokens
+        )
         # Several router replicas: each scrape reaches one, so they share request metrics.
         self.board = MetricsBoard(app_name, str(ctx.replica_id.unique_id))
         model_dir = resolve_model(self.config.engine.model, self.config.engine.load_format)

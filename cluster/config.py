@@ -85,6 +85,12 @@ class RouterConfig(Strict):
     prefix_index_pages: int = Field(
         1 << 16, ge=1, description="prefix pages remembered per replica (about its KV pool)"
     )
+    decode_prefill_max_tokens: int = Field(
+        0,
+        ge=0,
+        description="disaggregated mode: prompts of at most this many tokens skip the prefill "
+        "pool and are prefilled by their decode replica (no KV transfer); 0 = never",
+    )
     decode_load_aware: bool = Field(
         True, description="send decodes to the fewest running requests, then most free pages"
     )

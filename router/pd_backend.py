@@ -6,6 +6,10 @@
    streams the remaining tokens.
 If the client goes away between the two, the prefill replica is told to unpin the prompt's pages
 at once instead of waiting for the lease to expire.
+
+A prompt of at most `decode_prefill_max_tokens` tokens skips step 1: its decode replica prefills
+it in its own steps (as in colocated mode). Such a prefill costs the running batch little, and
+the request is spared a second replica's queue, the hop and the KV transfer.
 """
 
 from __future__ import annotations
@@ -23,17 +27,22 @@ logger = logging.getLogger(__name__)
 
 
 class DisaggregatedBackend:
-    def __init__(self, prefill: Any | None, decode: Any, app_name: str | None = None) -> None:
+    def __init__(
+        self, prefill: Any | None, decode: Any, app_name: str | None = None,
+        decode_prefill_max_tokens: int = 0,
+    ) -> None:  # fmt: skip
         """`prefill` / `decode`: Serve DeploymentHandles of the two pools; without a prefill
-        pool (colocated mode) decode replicas serve whole requests. `app_name` finds every
-        replica's posted stats (`workers/stats_board.py`)."""
+        pool (colocated mode) decode replicas serve whole requests, as they serve prompts of
+        at most `decode_prefill_max_tokens` tokens. `app_name` finds every replica's posted
+        stats (`workers/stats_board.py`)."""
         self.app_name = app_name
         self.prefill = prefill
+        self.decode_prefill_max_tokens = decode_prefill_max_tokens
         self.decode = decode.options(stream=True)
         self.decode_stats = decode
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        if self.prefill is None:
+        if self.prefill is None or len(req.prompt_token_ids) <= self.decode_prefill_max_tokens:
             async for chunk in self.decode.generate.remote(req):
                 yield chunk
             return

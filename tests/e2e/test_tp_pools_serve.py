@@ -1,7 +1,8 @@
 """Prefill and decode pools of different TP sizes in real Ray Serve, called over HTTP: the
 application `build_app` makes of a config with a TP-1 prefill pool and a TP-2 decode pool. Each
 decode rank reads its KV head from the one prefill rank (staged); the answer must be the
-single-process engine's."""
+single-process engine's. Prompts of at most 4 tokens skip the prefill pool
+(`router.decode_prefill_max_tokens`): the TP-2 decode group prefills them itself."""
 
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ def base_url(tiny_llama: str) -> Iterator[str]:
             "served_model_name": "tiny",
             "prefill": {"tensor_parallel_size": 1, **rank},
             "decode": {"tensor_parallel_size": 2, **rank},
-            "router": {"num_cpus": 0.5},
+            "router": {"num_cpus": 0.5, "decode_prefill_max_tokens": 4},
         }
     )
     try:
@@ -68,14 +69,43 @@ def test_a_tp1_prefill_pool_hands_off_to_a_tp2_decode_pool(base_url: str, tiny_l
     choice = reply.json()["choices"][0]
     assert choice["text"] == want.text and choice["finish_reason"] == "length"
     t0 = time.monotonic()  # the engines post their stats about once a second
-    while decode_counter(base_url, "kv_pages_read") == 0:
+    while pool_counter(base_url, "kv_pages_read") == 0:
         assert time.monotonic() - t0 < 30, "no KV page read by the decode pool"
         time.sleep(0.5)
-    assert decode_counter(base_url, "kv_transfer_recomputed") == 0  # handed off, not redone
+    assert pool_counter(base_url, "kv_transfer_recomputed") == 0  # handed off, not redone
 
 
-def decode_counter(base_url: str, name: str) -> float:
-    """The decode pool's `pdserve:<name>_total`, as /metrics reports it."""
+def test_a_short_prompt_is_prefilled_by_its_decode_replica(base_url: str, tiny_llama: str) -> None:
+    short = [1, 338, 3681, 29892]  # 4 tokens, and no page of it cached from PROMPT
+    before = settled_counters(base_url)
+    body = {"model": "tiny", "prompt": short, "max_tokens": 6, "temperature": 0}
+    reply = httpx.post(f"{base_url}/v1/completions", json={**body, "ignore_eos": True}, timeout=60)
+    assert reply.status_code == 200, reply.text
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    [want] = LLM(tiny_llama, **ENGINE).generate([short], params)
+    assert reply.json()["choices"][0]["text"] == want.text
+    after = settled_counters(base_url)
+    assert after["decode prompt_tokens"] == before["decode prompt_tokens"] + len(short)
+    assert after["prefill prompt_tokens"] == before["prefill prompt_tokens"]
+    assert after["decode kv_pages_read"] == before["decode kv_pages_read"]
+
+
+def pool_counter(base_url: str, name: str, role: str = "decode") -> float:
+    """A pool's `pdserve:<name>_total`, as /metrics reports it."""
     metrics = httpx.get(f"{base_url}/metrics", timeout=30).text
     rows = [r for r in metrics.splitlines() if r.startswith(f"pdserve:{name}_total{{")]
-    return sum(float(r.split()[-1]) for r in rows if 'role="decode"' in r)
+    return sum(float(r.split()[-1]) for r in rows if f'role="{role}"' in r)
+
+
+def settled_counters(base_url: str) -> dict[str, float]:
+    """Both pools' prompt tokens and the pages read, once two readings 1.5 s apart agree (the
+    engines post their stats about once a second)."""
+    keys = [("decode", "prompt_tokens"), ("prefill", "prompt_tokens"), ("decode", "kv_pages_read")]
+    last: dict[str, float] = {}
+    for _ in range(20):
+        now = {f"{r} {n}": pool_counter(base_url, n, r) for r, n in keys}
+        if now == last:
+            return now
+        last = now
+        time.sleep(1.5)
+    raise AssertionError(f"the pools' counters kept moving: {last}")
