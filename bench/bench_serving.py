@@ -184,7 +184,8 @@ def app_config(args: argparse.Namespace, mode: str, model: str) -> dict[str, Any
     else:
         engine["dtype"] = "bfloat16"
     pool = {"num_cpus_per_rank": args.cpus_per_replica, "num_gpus_per_rank": args.gpus_per_replica}
-    config: dict[str, Any] = {"engine": engine, "mode": mode, "router": {"num_cpus": 0}}
+    router = {"num_cpus": 0, "decode_prefill_max_tokens": args.decode_prefill_max_tokens}
+    config: dict[str, Any] = {"engine": engine, "mode": mode, "router": router}
     if mode == "disaggregated":
         config["prefill"] = {**pool, "num_replicas": args.prefill_replicas}
         config["decode"] = {**pool, "num_replicas": args.decode_replicas}
@@ -229,6 +230,7 @@ def main() -> None:
     ap.add_argument("--decode-replicas", type=int, default=1)
     ap.add_argument("--cpus-per-replica", type=float, default=1)
     ap.add_argument("--gpus-per-replica", type=float, default=None, help="default: 1 on cuda")
+    ap.add_argument("--decode-prefill-max-tokens", type=int, default=0, help="router's knob")
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--input-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=32)
