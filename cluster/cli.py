@@ -1,0 +1,157 @@
+"""`pdserve`: check a Serve config file, list every knob, or serve with overrides.
+
+    pdserve check configs/llama.yaml      validate each pdserve application's `args` (AppConfig)
+                                          without deploying: exit 1 naming every bad field
+    pdserve schema                        every knob of AppConfig with its default and meaning
+    pdserve serve [CONFIG] [--set engine.model=/models/x --set decode.num_replicas=2 ...]
+                  [--host H] [--port P]   `serve run CONFIG` with these overrides of the args
+                                          and of its http_options; without CONFIG, the
+                                          defaults on 127.0.0.1:8000
+
+A pdserve application is one whose `import_path` is `cluster.app:build_app`; `--set` changes
+the args of every such application in the file, its value read as YAML (`2`, `true`, `[1, 2]`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from cluster.config import AppConfig
+
+IMPORT_PATH = "cluster.app:build_app"
+DEFAULT_SERVE_CONFIG: dict[str, Any] = {
+    "http_options": {"host": "127.0.0.1", "port": 8000},
+    "applications": [{"name": "pdserve", "route_prefix": "/", "import_path": IMPORT_PATH}],
+}
+
+
+def pdserve_apps(config: dict[str, Any]) -> list[dict[str, Any]]:
+    """The applications of a Serve config that `build_app` builds."""
+    return [a for a in config.get("applications") or [] if a.get("import_path") == IMPORT_PATH]
+
+
+def apply_overrides(args: dict[str, Any], assignments: list[str]) -> dict[str, Any]:
+    """`args` with each `dotted.path=value` set (value parsed as YAML); a copy."""
+    out = copy.deepcopy(args)
+    for assignment in assignments:
+        path, sep, value = assignment.partition("=")
+        if not sep or not path:
+            raise ValueError(f"--set wants PATH=VALUE, got {assignment!r}")
+        *parents, leaf = path.split(".")
+        node = out
+        for key in parents:
+            node = node.setdefault(key, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"--set {path}: {key} is not a mapping")
+        node[leaf] = yaml.safe_load(value)
+    return out
+
+
+def check(paths: list[Path]) -> int:
+    """Validate every pdserve application's args in `paths`; print what is wrong."""
+    status = 0
+    for path in paths:
+        apps = pdserve_apps(yaml.safe_load(path.read_text()) or {})
+        if not apps:
+            print(f"{path}: no application imports {IMPORT_PATH}")
+            status = 1
+        for app in apps:
+            try:
+                AppConfig.model_validate(app.get("args") or {})
+                print(f"{path}: application {app.get('name')!r}: ok")
+            except ValidationError as e:
+                print(f"{path}: application {app.get('name')!r}: {e}")
+                status = 1
+    return status
+
+
+def schema() -> str:
+    """AppConfig's JSON schema: every field, its type, default and description."""
+    return json.dumps(AppConfig.model_json_schema(), indent=2)
+
+
+def serve_config(
+    path: Path | None, assignments: list[str], http: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The Serve config to run: the file (or the defaults) with `http` over its http_options
+    and the overrides applied to each pdserve application's args, which are validated here so
+    a typo fails before Ray starts."""
+    config = yaml.safe_load(path.read_text()) if path else copy.deepcopy(DEFAULT_SERVE_CONFIG)
+    config["http_options"] = {**(config.get("http_options") or {}), **(http or {})}
+    apps = pdserve_apps(config)
+    if not apps:
+        raise ValueError(f"{path}: no application imports {IMPORT_PATH}")
+    for app in apps:
+        app["args"] = apply_overrides(app.get("args") or {}, assignments)
+        AppConfig.model_validate(app["args"])
+    return config
+
+
+def serve(config: dict[str, Any]) -> None:
+    """Start each pdserve application of `config` and block until Ctrl-C."""
+    import ray
+    from ray import serve as ray_serve
+
+    from cluster.app import build_app
+
+    ray.init()
+    ray_serve.start(
+        proxy_location=config.get("proxy_location"), http_options=config.get("http_options") or {}
+    )
+    try:
+        for app in pdserve_apps(config):
+            ray_serve.run(
+                build_app(app["args"]),
+                name=app.get("name", "pdserve"),
+                route_prefix=app.get("route_prefix", "/"),
+            )
+        http = config.get("http_options") or {}
+        print(f"pdserve is up on {http.get('host', '127.0.0.1')}:{http.get('port', 8000)}")
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        ray_serve.shutdown()
+        ray.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="pdserve", description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    p_check = sub.add_parser("check", help="validate Serve config files without deploying")
+    p_check.add_argument("configs", nargs="+", type=Path)
+    sub.add_parser("schema", help="print every knob of the application config")
+    p_serve = sub.add_parser("serve", help="serve a config file (or the defaults) with overrides")
+    p_serve.add_argument("config", nargs="?", type=Path)
+    p_serve.add_argument("--set", dest="assignments", action="append", default=[],
+                         metavar="PATH=VALUE", help="override an application arg")  # fmt: skip
+    p_serve.add_argument("--host", help="HTTP address (the config's http_options.host)")
+    p_serve.add_argument("--port", type=int, help="HTTP port (the config's http_options.port)")
+    args = ap.parse_args(argv)
+    if args.command == "check":
+        return check(args.configs)
+    if args.command == "schema":
+        print(schema())
+        return 0
+    try:
+        http = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+        config = serve_config(args.config, args.assignments, http)
+    except (ValueError, ValidationError) as e:
+        print(f"pdserve serve: {e}", file=sys.stderr)
+        return 2
+    serve(config)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
