@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -21,6 +20,8 @@ import yaml
 from openai import AsyncOpenAI, AuthenticationError, BadRequestError, NotFoundError, OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
+from workers.tp import free_port
+
 pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[2]
@@ -30,16 +31,10 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 START_DEADLINE_S = 240
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     config = yaml.safe_load((REPO / "configs" / "local.yaml").read_text())
-    port = free_port()
+    port = free_port("127.0.0.1")
     config["http_options"]["port"] = port
     args = config["applications"][0]["args"]
     args["api_key"] = KEY

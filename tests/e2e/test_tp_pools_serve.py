@@ -7,7 +7,6 @@ single-process engine's. Prompts of at most 4 tokens skip the prefill pool
 from __future__ import annotations
 
 import os
-import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +21,7 @@ from ray import serve  # noqa: E402
 
 from cluster.app import build_app  # noqa: E402
 from workers import LLM, SamplingParams  # noqa: E402
+from workers.tp import free_port  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
@@ -30,17 +30,11 @@ ENGINE = {"num_kv_pages": 64, "page_size": 4}
 PROMPT = [1, 450, 7483, 310, 3444, 338, 3681, 29892, 1]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def base_url(tiny_llama: str) -> Iterator[str]:
     path = os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])
     ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
-    port = free_port()
+    port = free_port("127.0.0.1")
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     rank = {"num_cpus_per_rank": 0.5}
     app = build_app(
