@@ -6,10 +6,11 @@ colocated, P + D replicas that each prefill and decode whole requests. Each gets
 workload through its OpenAI endpoint, as `vllm bench serve` sends it: streamed completions of
 random token-id prompts (`ignore_eos`, `stream_options.include_usage`), Poisson arrivals at
 each of `--request-rate` (a list: the application stays up between rates), optionally at most
-`--max-concurrency` in flight. Per mode and rate it reports request
-and output-token throughput and the mean, median and P99 of TTFT (to the first chunk), TPOT
-((end - TTFT) / (output tokens - 1)), ITL (gaps between chunks) and end-to-end latency, then
-each figure's ratio, disaggregated over colocated. `--base-url` adds a server started
+`--max-concurrency` in flight. Per mode and rate it reports request and output-token
+throughput and the mean, median and P99 of TTFT (to the first chunk), TPOT ((end - TTFT) /
+(output tokens - 1)), ITL (gaps between chunks) and end-to-end latency; with `--goodput ttft:MS
+tpot:MS` also the goodput (requests a second that met every SLO); then each figure's ratio,
+disaggregated over colocated. `--base-url` adds a server started
 elsewhere (vLLM, SGLang, ... serving the same model) as one more column, on the same prompts;
 `--modes ""` measures that server alone.
 
@@ -150,7 +151,16 @@ def make_requests(args: argparse.Namespace, seed: int, count: int) -> list[tuple
     ]
 
 
-def summarize(results: list[RequestResult], duration: float) -> dict[str, float]:
+def tpot(r: RequestResult) -> float:
+    """Seconds per output token after the first (vLLM's TPOT); 0 for one token."""
+    return (r.e2e - r.ttft) / (r.output_tokens - 1) if r.output_tokens > 1 else 0.0
+
+
+def summarize(
+    results: list[RequestResult], duration: float, slo_ms: dict[str, float]
+) -> dict[str, float]:
+    """Throughput and latency figures; with `slo_ms` (ttft, tpot, e2e) also the goodput:
+    completed requests a second that met every one of them (DistServe's definition)."""
     done = [r for r in results if r.ok]
     out = dict(
         completed=len(done),
@@ -162,7 +172,7 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, float]
     )
     series = {
         "ttft_ms": [r.ttft for r in done],
-        "tpot_ms": [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in done if r.output_tokens > 1],
+        "tpot_ms": [tpot(r) for r in done if r.output_tokens > 1],
         "itl_ms": [gap for r in done for gap in r.itl],
         "e2e_ms": [r.e2e for r in done],
     }
@@ -171,7 +181,23 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, float]
         out[f"mean_{name}"] = float(ms.mean())
         out[f"median_{name}"] = float(np.median(ms))
         out[f"p99_{name}"] = float(np.percentile(ms, 99))
+    if slo_ms:
+        seconds = {"ttft": lambda r: r.ttft, "tpot": tpot, "e2e": lambda r: r.e2e}
+        good = [r for r in done if all(seconds[k](r) * 1e3 <= v for k, v in slo_ms.items())]
+        out["goodput_req_per_s"] = len(good) / duration
+        out["slo_met_fraction"] = len(good) / max(1, len(results))
     return out
+
+
+def parse_slo(items: list[str]) -> dict[str, float]:
+    """`ttft:500 tpot:50` (milliseconds, as `vllm bench serve --goodput`) as a dict."""
+    slo = {}
+    for item in items:
+        name, _, ms = item.partition(":")
+        if name not in ("ttft", "tpot", "e2e") or not ms:
+            raise SystemExit(f"--goodput takes ttft:MS, tpot:MS or e2e:MS, not {item!r}")
+        slo[name] = float(ms)
+    return slo
 
 
 def app_config(args: argparse.Namespace, mode: str, model: str) -> dict[str, Any]:
@@ -239,6 +265,8 @@ def main() -> None:
     ap.add_argument("--num-prefixes", type=int, default=1)
     ap.add_argument("--request-rate", default="inf", help="requests a second; a list: each")
     ap.add_argument("--max-concurrency", type=int)
+    ap.add_argument("--goodput", nargs="*", default=[], metavar="NAME:MS",
+                    help="SLOs for the goodput, e.g. ttft:500 tpot:50")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--base-url", help="also measure the server there, e.g. http://host:8000")
     ap.add_argument("--json", help="write the figures here")
@@ -247,6 +275,7 @@ def main() -> None:
         args.gpus_per_replica = 1.0 if args.device == "cuda" else 0.0
     model = model_for(args)
     rates = [float(r) for r in args.request_rate.split(",")]
+    slo = parse_slo(args.goodput)
     # other prompts at each rate: a rate must not find the previous rate's in the prefix cache
     requests = [make_requests(args, args.seed + 1 + i, args.num_prompts) for i in range(len(rates))]
     limit = load_model_config(resolve_model(model, args.load_format)).context_limit()
@@ -265,7 +294,7 @@ def main() -> None:
             for r in results:
                 if not r.ok:
                     print(f"{label}: a request failed: {r.error}", flush=True)
-            rows[rate][label] = row = summarize(results, duration)
+            rows[rate][label] = row = summarize(results, duration, slo)
             print(f"BENCH_SERVING {json.dumps(dict(mode=label, rate=rate, **row))}", flush=True)
 
     modes = [m for m in args.modes.split(",") if m]

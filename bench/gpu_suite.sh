@@ -96,7 +96,7 @@ staged=(--device cuda --layout llama3-8b --tp 2)
 part kvstaged 120 python3 bench/bench_kv_staged.py "${staged[@]}"
 part serving 420 python3 bench/bench_serving.py --device cuda --tokenizer-dir "$PDSERVE_TOKENIZER_DIR" \
   --shape llama3-8b --num-prompts 200 --input-len 2048 --output-len 256 --range-ratio 0.25 \
-  --request-rate 8,12 --json "$OUT/serving.json"
+  --request-rate 8,12 --goodput ttft:500 tpot:25 --json "$OUT/serving.json"
 part compare 120 python3 -m bench.compare_attention_backends
 part attn 90 python3 -m bench.bench_decode_attention --json "$OUT/attn.json"
 PDSERVE_FLASHINFER_DECODE_TC=1 part decode_tc 240 python3 -m bench.bench_decode "${tok[@]}" \
