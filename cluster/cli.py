@@ -1,7 +1,8 @@
 """`pdserve`: check a Serve config file, list every knob, or serve with overrides.
 
     pdserve check configs/llama.yaml      validate each pdserve application's `args` (AppConfig)
-                                          without deploying: exit 1 naming every bad field
+                                          without deploying: exit 1 naming every bad field (a
+                                          KubeRay RayService: its serveConfigV2)
     pdserve schema                        every knob of AppConfig with its default and meaning
     pdserve serve [CONFIG] [--set engine.model=/models/x --set decode.num_replicas=2 ...]
                   [--host H] [--port P]   `serve run CONFIG` with these overrides of the args
@@ -56,11 +57,21 @@ def apply_overrides(args: dict[str, Any], assignments: list[str]) -> dict[str, A
     return out
 
 
+def serve_configs(path: Path) -> list[dict[str, Any]]:
+    """The Serve configs in a file: the file itself, or each KubeRay RayService's
+    `spec.serveConfigV2` (a YAML string) among its documents."""
+    docs = [d for d in yaml.safe_load_all(path.read_text()) if isinstance(d, dict)]
+    services = [d for d in docs if d.get("kind") == "RayService"]
+    if services:
+        return [yaml.safe_load(d.get("spec", {}).get("serveConfigV2") or "{}") for d in services]
+    return docs
+
+
 def check(paths: list[Path]) -> int:
     """Validate every pdserve application's args in `paths`; print what is wrong."""
     status = 0
     for path in paths:
-        apps = pdserve_apps(yaml.safe_load(path.read_text()) or {})
+        apps = [app for config in serve_configs(path) for app in pdserve_apps(config)]
         if not apps:
             print(f"{path}: no application imports {IMPORT_PATH}")
             status = 1

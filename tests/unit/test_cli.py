@@ -22,8 +22,22 @@ def test_the_console_script_is_the_cli() -> None:
 
 def test_check_passes_the_shipped_configs(capsys: pytest.CaptureFixture[str]) -> None:
     paths = [REPO / "configs" / "local.yaml", REPO / "configs" / "llama.yaml"]
+    paths.append(REPO / "deploy" / "kuberay" / "rayservice.yaml")  # its serveConfigV2
     assert cli.main(["check", *map(str, paths)]) == 0
-    assert capsys.readouterr().out.count(": ok") == 2
+    assert capsys.readouterr().out.count(": ok") == 3
+
+
+def test_check_reads_a_rayservice_serve_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    service = yaml.safe_load((REPO / "deploy" / "kuberay" / "rayservice.yaml").read_text())
+    config = yaml.safe_load(service["spec"]["serveConfigV2"])
+    config["applications"][0]["args"]["engine"]["page_sise"] = 16
+    service["spec"]["serveConfigV2"] = yaml.safe_dump(config)
+    path = tmp_path / "rayservice.yaml"
+    path.write_text(yaml.safe_dump(service))
+    assert cli.main(["check", str(path)]) == 1
+    assert "engine.page_sise" in capsys.readouterr().out
 
 
 def test_check_names_a_misspelt_field(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
