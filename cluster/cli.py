@@ -4,10 +4,9 @@
                                           without deploying: exit 1 naming every bad field (a
                                           KubeRay RayService: its serveConfigV2)
     pdserve schema                        every knob of AppConfig with its default and meaning
-    pdserve serve [CONFIG] [--set engine.model=/models/x --set decode.num_replicas=2 ...]
+    pdserve serve CONFIG [--set engine.model=/models/x --set decode.num_replicas=2 ...]
                   [--host H] [--port P]   `serve run CONFIG` with these overrides of the args
-                                          and of its http_options; without CONFIG, the
-                                          defaults on 127.0.0.1:8000
+                                          and of its http_options
 
 A pdserve application is one whose `import_path` is `cluster.app:build_app`; `--set` changes
 the args of every such application in the file, its value read as YAML (`2`, `true`, `[1, 2]`).
@@ -29,10 +28,6 @@ from pydantic import ValidationError
 from cluster.config import AppConfig
 
 IMPORT_PATH = "cluster.app:build_app"
-DEFAULT_SERVE_CONFIG: dict[str, Any] = {
-    "http_options": {"host": "127.0.0.1", "port": 8000},
-    "applications": [{"name": "pdserve", "route_prefix": "/", "import_path": IMPORT_PATH}],
-}
 
 
 def pdserve_apps(config: dict[str, Any]) -> list[dict[str, Any]]:
@@ -91,12 +86,12 @@ def schema() -> str:
 
 
 def serve_config(
-    path: Path | None, assignments: list[str], http: dict[str, Any] | None = None
+    path: Path, assignments: list[str], http: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    """The Serve config to run: the file (or the defaults) with `http` over its http_options
-    and the overrides applied to each pdserve application's args, which are validated here so
-    a typo fails before Ray starts."""
-    config = yaml.safe_load(path.read_text()) if path else copy.deepcopy(DEFAULT_SERVE_CONFIG)
+    """The Serve config to run: the file with `http` over its http_options and the overrides
+    applied to each pdserve application's args, which are validated here so a typo fails
+    before Ray starts."""
+    config = yaml.safe_load(path.read_text()) or {}
     config["http_options"] = {**(config.get("http_options") or {}), **(http or {})}
     apps = pdserve_apps(config)
     if not apps:
@@ -142,8 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     p_check = sub.add_parser("check", help="validate Serve config files without deploying")
     p_check.add_argument("configs", nargs="+", type=Path)
     sub.add_parser("schema", help="print every knob of the application config")
-    p_serve = sub.add_parser("serve", help="serve a config file (or the defaults) with overrides")
-    p_serve.add_argument("config", nargs="?", type=Path)
+    p_serve = sub.add_parser("serve", help="serve a config file with overrides")
+    p_serve.add_argument("config", type=Path)
     p_serve.add_argument("--set", dest="assignments", action="append", default=[],
                          metavar="PATH=VALUE", help="override an application arg")  # fmt: skip
     p_serve.add_argument("--host", help="HTTP address (the config's http_options.host)")

@@ -89,7 +89,7 @@ def test_serve_config_applies_overrides_and_validates_before_ray() -> None:
     assert config["http_options"] == {"host": "127.0.0.1", "port": 8123}
     [app] = config["applications"]
     assert app["args"]["engine"]["max_model_len"] == 384
-    assert cli.serve_config(None, [])["applications"][0]["args"] == {}  # AppConfig's defaults
+    local = str(REPO / "configs" / "local.yaml")
     with pytest.raises(ValidationError, match="engine.dtyp"):
-        cli.serve_config(None, ["engine.dtyp=float32"])
-    assert cli.main(["serve", "--set", "engine.dtyp=float32"]) == 2
+        cli.serve_config(Path(local), ["engine.dtyp=float32"])
+    assert cli.main(["serve", local, "--set", "engine.dtyp=float32"]) == 2
