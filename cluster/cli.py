@@ -103,7 +103,8 @@ def serve_config(
 
 
 def serve(config: dict[str, Any]) -> None:
-    """Start each pdserve application of `config` and block until Ctrl-C."""
+    """Start each pdserve application of `config` (no other application of the file) and
+    block until Ctrl-C."""
     import ray
     from ray import serve as ray_serve
 
