@@ -283,6 +283,7 @@ def main() -> None:
         raise SystemExit(f"a prompt plus its output exceeds the model's {limit} tokens")
     warmup = make_requests(args, args.seed, 2)
     rows: dict[float, dict[str, dict[str, float]]] = {rate: {} for rate in rates}
+    per_request: dict[str, list[dict[str, float]]] = {}  # for the JSON: other SLOs, plots
 
     def measure(label: str, url: str, served: str) -> None:
         """Every rate's workload against the server at `url`, into `rows[rate][label]`."""
@@ -295,6 +296,17 @@ def main() -> None:
                 if not r.ok:
                     print(f"{label}: a request failed: {r.error}", flush=True)
             rows[rate][label] = row = summarize(results, duration, slo)
+            per_request[f"{label}@{rate}"] = [
+                dict(
+                    ok=r.ok,
+                    prompt_tokens=r.prompt_tokens,
+                    output_tokens=r.output_tokens,
+                    ttft_s=r.ttft,
+                    tpot_s=tpot(r),
+                    e2e_s=r.e2e,
+                )  # fmt: skip
+                for r in results
+            ]
             print(f"BENCH_SERVING {json.dumps(dict(mode=label, rate=rate, **row))}", flush=True)
 
     modes = [m for m in args.modes.split(",") if m]
@@ -329,7 +341,11 @@ def main() -> None:
         print(f"\nrate {rate}/s")
         print_table(by_mode)
     if args.json:
-        figures = dict(args=vars(args), rows={str(rate): by_mode for rate, by_mode in rows.items()})
+        figures = dict(
+            args=vars(args),
+            rows={str(rate): by_mode for rate, by_mode in rows.items()},
+            requests=per_request,
+        )
         Path(args.json).write_text(json.dumps(figures, default=str, indent=1))
 
 
