@@ -91,7 +91,8 @@ def _deployment_options(
 def _request_routers(cfg: AppConfig) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
     """`request_router_config` of the prefill and the decode pool (None: Serve's default,
     power of two choices on queue length). In colocated mode the decode pool also prefills,
-    so it gets the prefix-aware router."""
+    so it gets the prefix-aware router; in disaggregated mode it does with
+    `decode_prefix_aware`, for the pages its replicas cache."""
     r: RouterConfig = cfg.router
     page_size = cfg.engine.page_size
     prefix = {
@@ -113,7 +114,7 @@ def _request_routers(cfg: AppConfig) -> tuple[dict[str, Any] | None, dict[str, A
     decode_router = load if r.decode_load_aware else None
     if cfg.mode == "colocated":
         return None, prefill_router or decode_router
-    return prefill_router, decode_router
+    return prefill_router, prefix if r.decode_prefix_aware else decode_router
 
 
 def build_app(args: dict[str, Any] | AppConfig) -> Application:

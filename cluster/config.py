@@ -94,6 +94,12 @@ class RouterConfig(Strict):
     decode_load_aware: bool = Field(
         True, description="send decodes to the fewest running requests, then most free pages"
     )
+    decode_prefix_aware: bool = Field(
+        False,
+        description="disaggregated mode: route decodes as prefills are (longest prefix the "
+        "replica holds, weighed against its load), so a conversation's next turn reads only its "
+        "new pages; overrides decode_load_aware",
+    )
     routing_stats_period_s: float = Field(
         2.0, gt=0, description="how often Serve polls replicas' record_routing_stats()"
     )

@@ -20,6 +20,7 @@ pytest.importorskip("nixl")
 from ray import serve  # noqa: E402
 
 from cluster.app import build_app  # noqa: E402
+from tests.e2e.serve_metrics import pool_counter, settled_counters  # noqa: E402
 from workers import LLM, SamplingParams  # noqa: E402
 from workers.tp import free_port  # noqa: E402
 
@@ -28,6 +29,7 @@ pytestmark = pytest.mark.e2e
 REPO = str(Path(__file__).resolve().parents[2])
 ENGINE = {"num_kv_pages": 64, "page_size": 4}
 PROMPT = [1, 450, 7483, 310, 3444, 338, 3681, 29892, 1]
+COUNTERS = [("decode", "prompt_tokens"), ("prefill", "prompt_tokens"), ("decode", "kv_pages_read")]
 
 
 @pytest.fixture(scope="module")
@@ -71,35 +73,14 @@ def test_a_tp1_prefill_pool_hands_off_to_a_tp2_decode_pool(base_url: str, tiny_l
 
 def test_a_short_prompt_is_prefilled_by_its_decode_replica(base_url: str, tiny_llama: str) -> None:
     short = [1, 338, 3681, 29892]  # 4 tokens, and no page of it cached from PROMPT
-    before = settled_counters(base_url)
+    before = settled_counters(base_url, COUNTERS)
     body = {"model": "tiny", "prompt": short, "max_tokens": 6, "temperature": 0}
     reply = httpx.post(f"{base_url}/v1/completions", json={**body, "ignore_eos": True}, timeout=60)
     assert reply.status_code == 200, reply.text
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     [want] = LLM(tiny_llama, **ENGINE).generate([short], params)
     assert reply.json()["choices"][0]["text"] == want.text
-    after = settled_counters(base_url)
+    after = settled_counters(base_url, COUNTERS)
     assert after["decode prompt_tokens"] == before["decode prompt_tokens"] + len(short)
     assert after["prefill prompt_tokens"] == before["prefill prompt_tokens"]
     assert after["decode kv_pages_read"] == before["decode kv_pages_read"]
-
-
-def pool_counter(base_url: str, name: str, role: str = "decode") -> float:
-    """A pool's `pdserve:<name>_total`, as /metrics reports it."""
-    metrics = httpx.get(f"{base_url}/metrics", timeout=30).text
-    rows = [r for r in metrics.splitlines() if r.startswith(f"pdserve:{name}_total{{")]
-    return sum(float(r.split()[-1]) for r in rows if f'role="{role}"' in r)
-
-
-def settled_counters(base_url: str) -> dict[str, float]:
-    """Both pools' prompt tokens and the pages read, once two readings 1.5 s apart agree (the
-    engines post their stats about once a second)."""
-    keys = [("decode", "prompt_tokens"), ("prefill", "prompt_tokens"), ("decode", "kv_pages_read")]
-    last: dict[str, float] = {}
-    for _ in range(20):
-        now = {f"{r} {n}": pool_counter(base_url, n, r) for r, n in keys}
-        if now == last:
-            return now
-        last = now
-        time.sleep(1.5)
-    raise AssertionError(f"the pools' counters kept moving: {last}")

@@ -1,0 +1,27 @@
+"""Reading the engines' counters off a running app's /metrics (shared by the Serve tests)."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+
+
+def pool_counter(base_url: str, name: str, role: str = "decode") -> float:
+    """A pool's `pdserve:<name>_total`, as /metrics reports it (its replicas summed)."""
+    metrics = httpx.get(f"{base_url}/metrics", timeout=30).text
+    rows = [r for r in metrics.splitlines() if r.startswith(f"pdserve:{name}_total{{")]
+    return sum(float(r.split()[-1]) for r in rows if f'role="{role}"' in r)
+
+
+def settled_counters(base_url: str, keys: list[tuple[str, str]]) -> dict[str, float]:
+    """The (role, name) counters, keyed "role name", once two readings 1.5 s apart agree (the
+    engines post their stats about once a second)."""
+    last: dict[str, float] = {}
+    for _ in range(20):
+        now = {f"{r} {n}": pool_counter(base_url, n, r) for r, n in keys}
+        if now == last:
+            return now
+        last = now
+        time.sleep(1.5)
+    raise AssertionError(f"the pools' counters kept moving: {last}")
