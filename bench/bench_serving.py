@@ -6,13 +6,14 @@ colocated, P + D replicas that each prefill and decode whole requests. Each gets
 workload through its OpenAI endpoint, as `vllm bench serve` sends it: streamed completions of
 random token-id prompts (`ignore_eos`, `stream_options.include_usage`), Poisson arrivals at
 each of `--request-rate` (a list: the application stays up between rates), optionally at most
-`--max-concurrency` in flight. Per mode and rate it reports request and output-token
-throughput and the mean, median and P99 of TTFT (to the first chunk), TPOT ((end - TTFT) /
-(output tokens - 1)), ITL (gaps between chunks) and end-to-end latency; with `--goodput ttft:MS
-tpot:MS` also the goodput (requests a second that met every SLO); then each figure's ratio,
-disaggregated over colocated. `--base-url` adds a server started
-elsewhere (vLLM, SGLang, ... serving the same model) as one more column, on the same prompts;
-`--modes ""` measures that server alone.
+`--max-concurrency` in flight. With `--turns T` each arrival is a conversation of T requests
+sent one after another, each prompt extending the one before (prefix caches, prefix routing).
+Per mode and rate it reports request and output-token throughput and the mean, median and P99
+of TTFT (to the first chunk), TPOT ((end - TTFT) / (output tokens - 1)), ITL (gaps between
+chunks) and end-to-end latency; with `--goodput ttft:MS tpot:MS` also the goodput (requests a
+second that met every SLO); then each figure's ratio, disaggregated over colocated.
+`--base-url` adds a server started elsewhere (vLLM, SGLang, ... serving the same model) as one
+more column, on the same prompts; `--modes ""` measures that server alone.
 
     python bench/bench_serving.py                                   # CPU, the embedded SmolLM2
     python bench/bench_serving.py --device cuda --tokenizer-dir D --shape llama3-8b \\
@@ -106,36 +107,46 @@ async def stream_one(
     return result
 
 
+Turn = tuple[list[int], int]  # a prompt and its output length
+Conversation = list[Turn]  # turns sent one after another, each prompt extending the last
+
+
 async def run_workload(
-    url: str, model: str, requests: list[tuple[list[int], int]], rate: float,
+    url: str, model: str, conversations: list[Conversation], rate: float,
     max_concurrency: int | None, seed: int,
 ) -> tuple[list[RequestResult], float]:  # fmt: skip
-    """Send every request (Poisson arrivals at `rate` a second; inf: all at once). Returns the
-    results and the seconds from the first send to the last reply."""
+    """Start every conversation (Poisson arrivals at `rate` a second; inf: all at once), each
+    sending its next turn once the last one ended. Returns every turn's result and the seconds
+    from the first send to the last reply."""
     rng = random.Random(seed)
-    limit = asyncio.Semaphore(max_concurrency or len(requests))
+    limit = asyncio.Semaphore(max_concurrency or len(conversations))
     timeout = httpx.Timeout(1800.0)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
 
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
 
-        async def limited(prompt: list[int], max_tokens: int) -> RequestResult:
-            async with limit:
-                return await stream_one(client, url, model, prompt, max_tokens)
+        async def converse(turns: Conversation) -> list[RequestResult]:
+            results = []
+            for prompt, max_tokens in turns:
+                async with limit:
+                    results.append(await stream_one(client, url, model, prompt, max_tokens))
+            return results
 
         start = time.perf_counter()
         tasks = []
-        for prompt, max_tokens in requests:
-            tasks.append(asyncio.create_task(limited(prompt, max_tokens)))
+        for turns in conversations:
+            tasks.append(asyncio.create_task(converse(turns)))
             if math.isfinite(rate):
                 await asyncio.sleep(rng.expovariate(rate))
         results = await asyncio.gather(*tasks)
-    return list(results), time.perf_counter() - start
+    return [r for turn_results in results for r in turn_results], time.perf_counter() - start
 
 
-def make_requests(args: argparse.Namespace, seed: int, count: int) -> list[tuple[list[int], int]]:
-    """`count` random token-id prompts of input_len (± range_ratio), each starting with one of
-    `num_prefixes` shared prefixes of `prefix_len` tokens, and their output lengths."""
+def make_conversations(args: argparse.Namespace, seed: int, count: int) -> list[Conversation]:
+    """`count` conversations of `turns` turns. A first prompt is one of `num_prefixes` shared
+    prefixes of `prefix_len` tokens plus input_len (± range_ratio) random token ids; each later
+    turn's prompt is the one before plus as many new ids (the server's answers are not known
+    in advance, so they are not part of it)."""
     rng = random.Random(seed)
 
     def ids(n: int) -> list[int]:
@@ -145,10 +156,14 @@ def make_requests(args: argparse.Namespace, seed: int, count: int) -> list[tuple
         return max(1, round(n * rng.uniform(1 - args.range_ratio, 1 + args.range_ratio)))
 
     prefixes = [ids(args.prefix_len) for _ in range(args.num_prefixes)]
-    return [
-        (rng.choice(prefixes) + ids(around(args.input_len)), around(args.output_len))
-        for _ in range(count)
-    ]
+    conversations = []
+    for _ in range(count):
+        prompt, turns = rng.choice(prefixes), []
+        for _ in range(args.turns):
+            prompt = prompt + ids(around(args.input_len))
+            turns.append((prompt, around(args.output_len)))
+        conversations.append(turns)
+    return conversations
 
 
 def tpot(r: RequestResult) -> float:
@@ -257,13 +272,14 @@ def main() -> None:
     ap.add_argument("--cpus-per-replica", type=float, default=1)
     ap.add_argument("--gpus-per-replica", type=float, default=None, help="default: 1 on cuda")
     ap.add_argument("--decode-prefill-max-tokens", type=int, default=0, help="router's knob")
-    ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--num-prompts", type=int, default=32, help="conversations (--turns each)")
+    ap.add_argument("--turns", type=int, default=1, help="prompts a conversation, in sequence")
     ap.add_argument("--input-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--range-ratio", type=float, default=0.0)
     ap.add_argument("--prefix-len", type=int, default=0, help="shared prefix tokens a prompt")
     ap.add_argument("--num-prefixes", type=int, default=1)
-    ap.add_argument("--request-rate", default="inf", help="requests a second; a list: each")
+    ap.add_argument("--request-rate", default="inf", help="conversations a second; a list: each")
     ap.add_argument("--max-concurrency", type=int)
     ap.add_argument("--goodput", nargs="*", default=[], metavar="NAME:MS",
                     help="SLOs for the goodput, e.g. ttft:500 tpot:50")  # fmt: skip
@@ -277,11 +293,13 @@ def main() -> None:
     rates = [float(r) for r in args.request_rate.split(",")]
     slo = parse_slo(args.goodput)
     # other prompts at each rate: a rate must not find the previous rate's in the prefix cache
-    requests = [make_requests(args, args.seed + 1 + i, args.num_prompts) for i in range(len(rates))]
+    workloads = [
+        make_conversations(args, args.seed + 1 + i, args.num_prompts) for i in range(len(rates))
+    ]
     limit = load_model_config(resolve_model(model, args.load_format)).context_limit()
-    if any(len(p) + n > limit for batch in requests for p, n in batch):
+    if any(len(p) + n > limit for w in workloads for c in w for p, n in c):
         raise SystemExit(f"a prompt plus its output exceeds the model's {limit} tokens")
-    warmup = make_requests(args, args.seed, 2)
+    warmup = make_conversations(args, args.seed, 2)
     rows: dict[float, dict[str, dict[str, float]]] = {rate: {} for rate in rates}
     per_request: dict[str, list[dict[str, float]]] = {}  # for the JSON: other SLOs, plots
 
@@ -290,7 +308,7 @@ def main() -> None:
         asyncio.run(run_workload(url, served, warmup, math.inf, None, args.seed))
         for i, rate in enumerate(rates):
             results, duration = asyncio.run(
-                run_workload(url, served, requests[i], rate, args.max_concurrency, args.seed)
+                run_workload(url, served, workloads[i], rate, args.max_concurrency, args.seed)
             )
             for r in results:
                 if not r.ok:
@@ -331,7 +349,8 @@ def main() -> None:
         measure(urlparse(base).netloc, f"{base}/v1/completions", served)
     shape = args.shape or Path(model).name
     print(
-        f"\n{shape} on {args.device}: {args.num_prompts} prompts of {args.input_len} tokens "
+        f"\n{shape} on {args.device}: {args.num_prompts} conversations of {args.turns} turns "
+        f"of {args.input_len} new tokens "
         f"(+{args.prefix_len} shared, ±{args.range_ratio:.0%}), {args.output_len} out, "
         f"concurrency {args.max_concurrency or 'unlimited'}; disaggregated: "
         f"{args.prefill_replicas}P+{args.decode_replicas}D, colocated: "
