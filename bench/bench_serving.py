@@ -225,7 +225,11 @@ def app_config(args: argparse.Namespace, mode: str, model: str) -> dict[str, Any
     else:
         engine["dtype"] = "bfloat16"
     pool = {"num_cpus_per_rank": args.cpus_per_replica, "num_gpus_per_rank": args.gpus_per_replica}
-    router = {"num_cpus": 0, "decode_prefill_max_tokens": args.decode_prefill_max_tokens}
+    router = {
+        "num_cpus": 0,
+        "decode_prefill_max_tokens": args.decode_prefill_max_tokens,
+        "decode_prefix_aware": args.decode_prefix_aware,
+    }
     config: dict[str, Any] = {"engine": engine, "mode": mode, "router": router}
     if mode == "disaggregated":
         config["prefill"] = {**pool, "num_replicas": args.prefill_replicas}
@@ -272,6 +276,7 @@ def main() -> None:
     ap.add_argument("--cpus-per-replica", type=float, default=1)
     ap.add_argument("--gpus-per-replica", type=float, default=None, help="default: 1 on cuda")
     ap.add_argument("--decode-prefill-max-tokens", type=int, default=0, help="router's knob")
+    ap.add_argument("--decode-prefix-aware", action="store_true", help="router's knob")
     ap.add_argument("--num-prompts", type=int, default=32, help="conversations (--turns each)")
     ap.add_argument("--turns", type=int, default=1, help="prompts a conversation, in sequence")
     ap.add_argument("--input-len", type=int, default=256)
