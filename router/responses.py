@@ -134,11 +134,13 @@ def role_chunks(job: Job) -> list[ChatCompletionChunk]:
 
 def content_chunk(job: Job, choice: ChoiceState, out: RequestOutput, first: bool,
                   prompts: Prompts) -> Chunk | None:
-    """The chunk for one engine output of `choice`; None when it carries nothing to send."""
+    """The chunk for one engine output of `choice`; None when it carries nothing to send. As
+    in vLLM, a new token is a chunk even when it adds no text yet (part of a character, text
+    held back for a stop string): clients time tokens (TTFT, ITL) by chunks."""
     text = out.text
     if first and job.echo:
         text = job.echo[choice.prompt] + text
-    if not text and not out.finished and not out.logprobs:
+    if not text and not out.finished and not out.logprobs and not out.token_ids:
         return None
     finish = choice.finish_reason if out.finished else None
     stop = choice.stop_reason if out.finished else None

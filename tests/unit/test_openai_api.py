@@ -245,6 +245,19 @@ async def test_completion_stream_concatenates_to_the_non_stream_text(completion_
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+async def test_every_token_is_a_chunk_even_without_text_yet(app) -> None:
+    """As in vLLM: a token whose text is held back (here: it could start the stop string) is
+    still a chunk, with empty content, so clients that time chunks see every token."""
+    ev = await sse(app, "/v1/chat/completions", {
+        "model": MODEL, "messages": FRANCE, "temperature": 0, "max_tokens": 12, "stream": True,
+        "stop": ["Paris is"], "stream_options": {"include_usage": True}})  # fmt: skip
+    role, *content, usage, done = ev
+    assert role["choices"][0]["delta"]["role"] == "assistant" and done == "[DONE]"
+    texts = [e["choices"][0]["delta"]["content"] for e in content]
+    assert len(texts) == usage["usage"]["completion_tokens"] and "" in texts
+    assert "".join(texts) == PARIS
+
+
 async def test_n_seeded_choices_are_indexed_and_reproducible(completion_runs) -> None:
     a, b = completion_runs["seeded"]
     assert [c.index for c in a.choices] == [0, 1]
