@@ -161,7 +161,7 @@ def main() -> None:
                     ttft_s=r.ttft,
                     tpot_s=tpot(r),
                     e2e_s=r.e2e,
-                )  # fmt: skip
+                )
                 for r in results
             ]
             print(f"BENCH_SERVING {json.dumps(dict(mode=label, rate=rate, **row))}", flush=True)

@@ -103,17 +103,16 @@ def serve_config(
 
 
 def serve(config: dict[str, Any]) -> None:
-    """Start each pdserve application of `config` (no other application of the file) and
-    block until Ctrl-C."""
+    """Start each pdserve application of `config` (from `serve_config`; no other application
+    of the file) and block until Ctrl-C."""
     import ray
     from ray import serve as ray_serve
 
     from cluster.app import build_app
 
+    http = config["http_options"]  # serve_config sets it
     ray.init()
-    ray_serve.start(
-        proxy_location=config.get("proxy_location"), http_options=config.get("http_options") or {}
-    )
+    ray_serve.start(proxy_location=config.get("proxy_location"), http_options=http)
     try:
         for app in pdserve_apps(config):
             ray_serve.run(
@@ -121,7 +120,6 @@ def serve(config: dict[str, Any]) -> None:
                 name=app.get("name", "pdserve"),
                 route_prefix=app.get("route_prefix", "/"),
             )
-        http = config.get("http_options") or {}
         print(f"pdserve is up on {http.get('host', '127.0.0.1')}:{http.get('port', 8000)}")
         while True:
             time.sleep(3600)

@@ -5,19 +5,16 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.e2e.app_process import REPO, app_process
 from workers.tp import free_port
 
 pytestmark = pytest.mark.e2e
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def test_pdserve_serve_runs_a_config_with_overrides(tmp_path: Path) -> None:
@@ -26,26 +23,8 @@ def test_pdserve_serve_runs_a_config_with_overrides(tmp_path: Path) -> None:
                  "decode.num_cpus_per_rank=0.5"]  # fmt: skip
     command = [sys.executable, "-m", "cluster.cli", "serve", str(REPO / "configs" / "local.yaml"),
                "--port", str(port)] + [a for o in overrides for a in ("--set", o)]  # fmt: skip
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-    }
-    log = tmp_path / "pdserve.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
     base = f"http://127.0.0.1:{port}"
-    try:
-        t0 = time.monotonic()
-        while True:
-            assert proc.poll() is None, f"pdserve serve exited: {log.read_text()[-3000:]}"
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() - t0 < 240, "the application did not come up"
-            time.sleep(1)
+    with app_process(command, tmp_path, tmp_path / "pdserve.log", base) as proc:
         [model] = httpx.get(f"{base}/v1/models", timeout=10).json()["data"]
         assert model["id"] == "smollm2-135m-instruct" and model["max_model_len"] == 384
         body = {"model": model["id"], "prompt": "The capital of France is", "max_tokens": 4}
@@ -54,7 +33,3 @@ def test_pdserve_serve_runs_a_config_with_overrides(tmp_path: Path) -> None:
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 4
         os.killpg(proc.pid, signal.SIGINT)
         assert proc.wait(timeout=60) == 0
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        subprocess.run(["ray", "stop", "--force"], capture_output=True, timeout=60)

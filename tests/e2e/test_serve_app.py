@@ -7,9 +7,6 @@ One application for the whole module (Serve takes ~20 s to start here): 2 router
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,15 +17,14 @@ import yaml
 from openai import AsyncOpenAI, AuthenticationError, BadRequestError, NotFoundError, OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.e2e.app_process import REPO, app_process
 from workers.tp import free_port
 
 pytestmark = pytest.mark.e2e
 
-REPO = Path(__file__).resolve().parents[2]
 KEY = "test-key"
 MODEL = "smollm2-135m-instruct"
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
-START_DEADLINE_S = 240
 
 
 @pytest.fixture(scope="module")
@@ -44,40 +40,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     args["router"]["num_replicas"] = 2  # /metrics must sum the request metrics of both
     path = tmp_path_factory.mktemp("serve") / "app.yaml"
     path.write_text(yaml.safe_dump(config))
-    log = open(path.with_suffix(".log"), "w")  # noqa: SIM115 - closed at teardown
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-    }
-    proc = subprocess.Popen(
-        ["serve", "run", str(path)],
-        cwd=REPO,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
     base = f"http://127.0.0.1:{port}"
-    t0 = time.monotonic()
-    while True:
-        assert proc.poll() is None, (
-            f"serve run exited: {path.with_suffix('.log').read_text()[-3000:]}"
-        )
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() - t0 < START_DEADLINE_S, "the application did not come up"
-        time.sleep(1)
-    yield base
-    os.killpg(proc.pid, signal.SIGINT)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-    subprocess.run(["ray", "stop", "--force"], capture_output=True, timeout=60)
-    log.close()
+    with app_process(["serve", "run", str(path)], REPO, path.with_suffix(".log"), base):
+        yield base
 
 
 def client(base: str) -> OpenAI:

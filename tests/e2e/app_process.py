@@ -1,0 +1,53 @@
+"""A Serve application in a process of its own (`serve run`, `pdserve serve`), for the tests
+that start one the way a user does."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[2]
+START_DEADLINE_S = 240
+
+
+@contextmanager
+def app_process(
+    command: list[str], cwd: Path, log: Path, base_url: str
+) -> Iterator[subprocess.Popen]:
+    """Run `command` (its output to `log`) in its own process group importing this checkout;
+    yield the process once `base_url/health` answers 200. On exit: SIGINT unless it has ended,
+    SIGKILL if it has not ended 30 s later, then `ray stop`."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    with open(log, "w") as out:
+        proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip
+    try:
+        t0 = time.monotonic()
+        while True:
+            assert proc.poll() is None, f"{command[0]} exited: {log.read_text()[-3000:]}"
+            try:
+                if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() - t0 < START_DEADLINE_S, "the application did not come up"
+            time.sleep(1)
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+        subprocess.run(["ray", "stop", "--force"], capture_output=True, timeout=60)
