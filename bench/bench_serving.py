@@ -54,6 +54,8 @@ def app_config(args: argparse.Namespace, mode: str, model: str) -> dict[str, Any
     engine: dict[str, Any] = {
         "model": model, "device": args.device, "page_size": 16, "load_format": args.load_format,
     }  # fmt: skip
+    if args.stream_interval_ms is not None:
+        engine["stream_interval_ms"] = args.stream_interval_ms
     if args.device == "cpu":
         engine |= {"kv_cache_memory_gb": 1.0, "max_num_batched_tokens": 1024}
     else:
@@ -111,6 +113,7 @@ def main() -> None:
     ap.add_argument("--gpus-per-replica", type=float, default=None, help="default: 1 on cuda")
     ap.add_argument("--decode-prefill-max-tokens", type=int, default=0, help="router's knob")
     ap.add_argument("--decode-prefix-aware", action="store_true", help="router's knob")
+    ap.add_argument("--stream-interval-ms", type=float, help="engine's knob (default: its own)")
     ap.add_argument("--num-prompts", type=int, default=32, help="conversations (--turns each)")
     ap.add_argument("--turns", type=int, default=1, help="prompts a conversation, in sequence")
     ap.add_argument("--input-len", type=int, default=256)

@@ -49,6 +49,14 @@ class EngineConfig(BaseModel):
     )
     tensor_parallel_size: int = Field(1, ge=1)
     seed: int = 0
+    stream_interval_ms: float = Field(
+        20,
+        ge=0,
+        description="a request's stream sends at most one chunk per interval, holding the "
+        "tokens in between for it (its first and last chunk go at once); 0: a chunk per token, "
+        "as vLLM. Each chunk is a Ray message through the router, whose per-message cost "
+        "limited a router replica to ~2k tokens/s (README, serving)",
+    )
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

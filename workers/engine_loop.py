@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import queue
 import threading
 from collections.abc import AsyncGenerator, Callable
@@ -28,6 +29,7 @@ class AsyncEngine:
     ) -> None:
         """`on_stats` is called on the loop thread with every fresh stats snapshot."""
         self.engine = engine
+        self.stream_interval_s = engine.cfg.stream_interval_ms / 1e3
         self._on_stats = on_stats
         self._inbox: queue.SimpleQueue[Callable[[], object]] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -46,19 +48,26 @@ class AsyncEngine:
         self, request_id: str, admit: Callable[[], object]
     ) -> AsyncGenerator[RequestOutput, None]:
         """Run `admit` (which adds `request_id` to the engine) on the loop thread, then stream
-        the request's chunks until it finishes. An exception from `admit` is raised here."""
+        the request's chunks until it finishes. An exception from `admit` is raised here.
+        With `stream_interval_s` a chunk that comes sooner than that after the last one sent
+        waits, and the chunks behind it join it (one Ray message through the router instead of
+        several; the request's first and last chunks never wait)."""
         loop = asyncio.get_running_loop()
         chunks: asyncio.Queue[Any] = asyncio.Queue()
         self._streams[request_id] = (loop, chunks)
         self.call(lambda: self._admit(request_id, admit))
         finished = False
+        sent_at = -math.inf
         try:
             while not finished:
                 item = await chunks.get()
                 if isinstance(item, BaseException):
                     raise item
-                finished = item.finished or item.kv is not None  # handed off: not ours
+                if not _last(item) and sent_at + self.stream_interval_s > loop.time():
+                    item = await _gather(item, chunks, sent_at + self.stream_interval_s)
+                finished = _last(item)
                 yield item
+                sent_at = loop.time()
         finally:
             self._streams.pop(request_id, None)
             if not finished:
@@ -141,3 +150,21 @@ class AsyncEngine:
             except Exception:  # noqa: BLE001 - the loop must outlive any one step
                 logger.exception("engine step failed")
             self._refresh_stats()
+
+
+def _last(item: RequestOutput) -> bool:
+    return item.finished or item.kv is not None  # handed off: not ours
+
+
+async def _gather(item: RequestOutput, chunks: asyncio.Queue[Any], due: float) -> RequestOutput:
+    """`item` merged with the chunks that arrive before loop time `due`, or up to the last one.
+    (Exceptions only come first, a rejected admission, never after a chunk.)"""
+    try:
+        async with asyncio.timeout_at(due):
+            while not _last(item):
+                later = await chunks.get()
+                assert isinstance(later, RequestOutput)
+                item = item.then(later)
+    except TimeoutError:
+        pass
+    return item

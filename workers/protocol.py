@@ -178,3 +178,19 @@ class RequestOutput(BaseModel):
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def then(self, later: RequestOutput) -> RequestOutput:
+        """This chunk and the next one of the same request as one chunk (streams coalesce
+        chunks to send fewer messages: `EngineConfig.stream_interval_ms`)."""
+        logprobs = None
+        if self.logprobs is not None or later.logprobs is not None:
+            logprobs = (self.logprobs or []) + (later.logprobs or [])
+        return later.model_copy(
+            update=dict(
+                token_ids=self.token_ids + later.token_ids,
+                text=self.text + later.text,
+                logprobs=logprobs,
+                num_prompt_tokens=later.num_prompt_tokens or self.num_prompt_tokens,
+                prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs,
+            )
+        )

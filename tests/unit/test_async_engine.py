@@ -10,12 +10,13 @@ import pytest
 from workers.config import EngineConfig
 from workers.engine_core import Engine, RequestRejectedError
 from workers.engine_loop import AsyncEngine
-from workers.protocol import GenerateRequest, SamplingParams
+from workers.protocol import GenerateRequest, RequestOutput, SamplingParams, TokenLogprob
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["sync", "overlap"])
 def engine(request: pytest.FixtureRequest):
-    eng = AsyncEngine(Engine(EngineConfig(max_model_len=256, overlap_scheduling=request.param)))
+    cfg = EngineConfig(max_model_len=256, overlap_scheduling=request.param, stream_interval_ms=0)
+    eng = AsyncEngine(Engine(cfg))
     assert eng.engine.overlap is request.param
     yield eng
     eng.shutdown()
@@ -57,3 +58,40 @@ async def test_listener_that_goes_away_aborts_and_frees_pages(engine) -> None:
         if stats.num_running == 0 and stats.kv_pages_pinned == 0:
             break
     assert stats.num_running == 0 and stats.kv_pages_pinned == 0
+
+
+async def test_a_stream_interval_merges_chunks_and_loses_no_token(engine) -> None:
+    """An interval longer than the request: its first chunk goes at once, and every later one
+    waits and joins the last chunk, which goes as soon as the request ends. Together they hold
+    the same tokens, text and logprobs as the stream of a chunk per token."""
+
+    async def chunks(rid: str) -> list:
+        params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
+        req = GenerateRequest(request_id=rid, prompt_token_ids=[10, 20, 30], params=params)
+        return [c async for c in engine.generate(req)]
+
+    each = await chunks("each")
+    engine.stream_interval_s = 600.0
+    try:
+        merged = await asyncio.wait_for(chunks("merged"), timeout=60)
+    finally:
+        engine.stream_interval_s = 0.0
+    assert [len(c.token_ids) for c in each] == [1] * 12
+    assert [len(c.token_ids) for c in merged] == [1, 11]
+    assert merged[-1].finish_reason == each[-1].finish_reason == "length"
+    assert [t for c in merged for t in c.token_ids] == [t for c in each for t in c.token_ids]
+    assert "".join(c.text for c in merged) == "".join(c.text for c in each)
+    assert [lp for c in merged for lp in c.logprobs] == [lp for c in each for lp in c.logprobs]
+    assert merged[-1].num_prompt_tokens == 3
+
+
+def test_merged_chunks_keep_the_first_ones_prompt_logprobs_and_the_last_ones_end() -> None:
+    prompt = [None, TokenLogprob(token_id=7, logprob=-1.0)]
+    first = RequestOutput(request_id="r", token_ids=[1], text="a", num_prompt_tokens=2,
+                          num_cached_tokens=0, prompt_logprobs=prompt)  # fmt: skip
+    last = RequestOutput(request_id="r", token_ids=[2, 3], text="bc", finish_reason="stop",
+                         stop_reason="c", num_prompt_tokens=2)  # fmt: skip
+    merged = first.then(last)
+    assert merged.token_ids == [1, 2, 3] and merged.text == "abc" and merged.logprobs is None
+    assert merged.prompt_logprobs == prompt and merged.num_prompt_tokens == 2
+    assert (merged.finish_reason, merged.stop_reason) == ("stop", "c")

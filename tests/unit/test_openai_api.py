@@ -36,7 +36,7 @@ PROMPT = "Once upon a time"
 
 @pytest.fixture(scope="module")
 def engine():
-    eng = AsyncEngine(Engine(EngineConfig()))
+    eng = AsyncEngine(Engine(EngineConfig(stream_interval_ms=0)))  # a chunk per token
     yield eng
     eng.shutdown()
 
@@ -246,8 +246,9 @@ async def test_completion_stream_concatenates_to_the_non_stream_text(completion_
 
 
 async def test_every_token_is_a_chunk_even_without_text_yet(app) -> None:
-    """As in vLLM: a token whose text is held back (here: it could start the stop string) is
-    still a chunk, with empty content, so clients that time chunks see every token."""
+    """As in vLLM, with `stream_interval_ms` 0: a token whose text is held back (here: it could
+    start the stop string) is still a chunk, with empty content, so clients that time chunks
+    see every token."""
     ev = await sse(app, "/v1/chat/completions", {
         "model": MODEL, "messages": FRANCE, "temperature": 0, "max_tokens": 12, "stream": True,
         "stop": ["Paris is"], "stream_options": {"include_usage": True}})  # fmt: skip
