@@ -63,6 +63,7 @@ def app_config(args: argparse.Namespace, mode: str, model: str) -> dict[str, Any
     pool = {"num_cpus_per_rank": args.cpus_per_replica, "num_gpus_per_rank": args.gpus_per_replica}
     router = {
         "num_cpus": 0,
+        "num_replicas": args.router_replicas,
         "decode_prefill_max_tokens": args.decode_prefill_max_tokens,
         "decode_prefix_aware": args.decode_prefix_aware,
     }
@@ -111,6 +112,7 @@ def main() -> None:
     ap.add_argument("--decode-replicas", type=int, default=1)
     ap.add_argument("--cpus-per-replica", type=float, default=1)
     ap.add_argument("--gpus-per-replica", type=float, default=None, help="default: 1 on cuda")
+    ap.add_argument("--router-replicas", type=int, default=1)
     ap.add_argument("--decode-prefill-max-tokens", type=int, default=0, help="router's knob")
     ap.add_argument("--decode-prefix-aware", action="store_true", help="router's knob")
     ap.add_argument("--stream-interval-ms", type=float, help="engine's knob (default: its own)")
