@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import socket
 import threading
 from collections.abc import AsyncIterator
@@ -468,3 +469,49 @@ async def test_client_disconnect_mid_stream_aborts_the_request(app, engine) -> N
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+async def test_chunks_of_several_tokens_keep_every_tokens_logprobs(app, engine) -> None:
+    """A stream interval (a deployment's default) lets one chunk carry several tokens; the SSE
+    events of completions and chat then list each token's logprobs and text offset as the
+    stream of a chunk per token does."""
+    comp = {"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "logprobs": 2,
+            "stream": True}  # fmt: skip
+    chat = {"model": MODEL, "messages": FRANCE, "max_tokens": 6, "temperature": 0,
+            "logprobs": True, "top_logprobs": 2, "stream": True}  # fmt: skip
+
+    async def runs() -> tuple[list[Any], list[Any]]:
+        return (await sse(app, "/v1/completions", comp),
+                await sse(app, "/v1/chat/completions", chat))  # fmt: skip
+
+    def close(a: Any, b: Any) -> bool:  # the second run reads a cached prefix: last digits
+        if isinstance(a, float) and isinstance(b, float):
+            return math.isclose(a, b, rel_tol=1e-4)
+        if isinstance(a, dict) and isinstance(b, dict):
+            return a.keys() == b.keys() and all(close(a[k], b[k]) for k in a)
+        if isinstance(a, list) and isinstance(b, list):
+            return len(a) == len(b) and all(close(x, y) for x, y in zip(a, b, strict=True))
+        return a == b
+
+    def folded(ev: list[Any]) -> tuple[int, dict[str, list[Any]]]:
+        """(events with logprobs, their lists concatenated key by key)"""
+        lists: dict[str, list[Any]] = {}
+        carried = 0
+        for e in ev[:-1]:  # the last is [DONE]
+            lp = e["choices"][0].get("logprobs")
+            if lp:
+                carried += 1
+                for key, values in lp.items():
+                    lists.setdefault(key, []).extend(values)
+        return carried, lists
+
+    each = await runs()
+    engine.stream_interval_s = 600.0
+    try:
+        merged = await runs()
+    finally:
+        engine.stream_interval_s = 0.0
+    for one, many in zip(each, merged, strict=True):
+        (n_one, lists_one), (n_many, lists_many) = folded(one), folded(many)
+        assert n_one == 6 and n_many == 2  # the first token alone, then the other five
+        assert close(lists_many, lists_one) and len(next(iter(lists_one.values()))) == 6
