@@ -2,14 +2,16 @@
 
 Passed explicitly to every TP-aware layer (no global state). Size 1 makes every collective a
 no-op, so the same model code runs unsharded. `init_group` joins a process to a group of size
-> 1 (torch.distributed: NCCL on CUDA, gloo on the CPU); `workers/tp_runner.py` starts the ranks.
+> 1 (torch.distributed: NCCL on CUDA, gloo on the CPU; on one host's GPUs, small all-reduces
+over CUDA IPC, `ipc_all_reduce.py`); `workers/tp_runner.py` starts the ranks.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
@@ -28,15 +30,26 @@ class TPGroup:
     size: int = 1
     group: Any = None  # torch.distributed ProcessGroup when size > 1 (the device's backend)
     control: Any = None  # gloo group for host objects (plans), without a collective timeout
+    ipc: Any = None  # ipc_all_reduce.IpcAllReduce: small all-reduces between GPUs of one host
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:
             raise ValueError(f"TP rank {self.rank} outside group of size {self.size}")
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum `x` over the group, in place: over CUDA IPC where it takes x (a decode step's
+        messages), else NCCL or gloo."""
         if self.size > 1:
+            if self.ipc is not None and self.ipc.takes(x):
+                return self.ipc(x)
             dist.all_reduce(x, group=self.group)
         return x
+
+    def all_gather_object(self, obj: object) -> list[object]:
+        """Every rank's host object, in rank order, on every rank (control group)."""
+        out: list[object] = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.control)
+        return out
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         if self.size == 1:
@@ -109,7 +122,12 @@ def init_group(rank: int, size: int, address: str, device: torch.device) -> TPGr
     # device group's timeout would otherwise fail the waiting ranks.
     control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     logger.info("TP rank %d/%d joined %s over %s", rank, size, address, dist.get_backend())
-    return TPGroup(rank, size, dist.group.WORLD, control)
+    tp = TPGroup(rank, size, dist.group.WORLD, control)
+    if cuda and os.environ.get("PDSERVE_IPC_ALL_REDUCE", "1") != "0":
+        from workers import ipc_all_reduce  # Triton: CUDA only
+
+        tp = replace(tp, ipc=ipc_all_reduce.start(tp, device))
+    return tp
 
 
 def destroy_group() -> None:

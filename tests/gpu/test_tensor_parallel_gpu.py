@@ -65,6 +65,7 @@ def test_two_gpus_bf16_flashinfer_track_hf(llama: str) -> None:
         runner = llm.engine.runner
         graphs = runner.graphs
         assert runner.tp.size == 2 and graphs is not None
+        assert runner.tp.ipc is not None  # the steps' all-reduces go over CUDA IPC
         assert llm.engine.overlap  # unseen ids travel rank 0 -> rank 1 on the device
         replays = count_replays(graphs)
         outs = llm.generate(PROMPTS, GREEDY)
@@ -80,3 +81,63 @@ def test_two_gpus_bf16_flashinfer_track_hf(llama: str) -> None:
         assert len(out.token_ids) == GREEDY.max_tokens
         _, shortfall = hf_judge(hf, prompt, out.token_ids)
         assert float(shortfall.max()) < LOGIT_SLACK, f"token far from HF's best: {shortfall}"
+
+
+def _ipc_rank(rank: int, address: str) -> None:
+    """One rank of `test_ipc_all_reduce_equals_nccl_in_and_out_of_graphs`: its own GPU as
+    `cuda:0`, as Ray gives it."""
+    import os
+
+    os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
+    import torch.distributed as dist
+
+    from workers.ipc_all_reduce import MAX_BYTES
+    from workers.tp import destroy_group, init_group
+
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    tp = init_group(rank, 2, address, device)
+    assert tp.ipc is not None, "the IPC all-reduce did not start"
+    gen = torch.Generator(device).manual_seed(rank)
+    for dtype in (torch.bfloat16, torch.float32):
+        for numel in (1, 1000, 4096, 10_007, MAX_BYTES // dtype.itemsize):
+            x = torch.randn(numel, generator=gen, device=device).to(dtype)
+            want = x.clone()
+            dist.all_reduce(want)
+            assert tp.ipc.takes(x)
+            got = tp.all_reduce(x.clone())
+            torch.testing.assert_close(got, want, rtol=2**-7, atol=0)
+            both = tp.all_gather_object(got.cpu())
+            assert torch.equal(both[0], both[1])  # every rank holds the same sum
+    assert not tp.ipc.takes(torch.zeros(MAX_BYTES, device=device))  # too big: NCCL
+    # Captured: 30 all-reduces a replay, their flags counting on across replays.
+    x = torch.zeros(8, 4096, dtype=torch.bfloat16, device=device)
+    tp.all_reduce(x)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = []
+        for i in range(30):
+            outs.append(tp.all_reduce(x[i % 8 : i % 8 + 1].clone() * (i + 1)))
+    for _ in range(4):
+        x.copy_(torch.randn(8, 4096, generator=gen, device=device))
+        graph.replay()
+        torch.cuda.synchronize()
+        for i, out in enumerate(outs):
+            want = x[i % 8 : i % 8 + 1] * (i + 1)
+            dist.all_reduce(want)
+            torch.testing.assert_close(out, want, rtol=2**-7, atol=0)
+    del graph
+    destroy_group()
+
+
+def test_ipc_all_reduce_equals_nccl_in_and_out_of_graphs() -> None:
+    """Two processes, each seeing one GPU: the CUDA-IPC one-shot all-reduce starts (its own
+    start-up check passes), equals NCCL's sum for every size it takes and both dtypes, gives
+    both ranks the same bits, and replays correctly in a CUDA graph call after call."""
+    import torch.multiprocessing as mp
+
+    from workers.tp import free_port
+
+    address = f"127.0.0.1:{free_port('127.0.0.1')}"
+    mp.spawn(_ipc_rank, args=(address,), nprocs=2, join=True)
