@@ -18,6 +18,9 @@ between (step 3 of that call waits for this rank's flags, raised after it read s
 The programs must all be resident at once on every rank (each waits for a peer's program of the
 same index), so a call uses at most MAX_PROGRAMS, and no more than the GPU's multiprocessors.
 Larger messages, other dtypes and groups that span hosts stay on NCCL (`TPGroup.all_reduce`).
+The kernels run on the one stream of a rank's steps, so no two of them overlap on a rank. A rank
+that dies mid-step leaves its peers' kernels waiting, as NCCL's would until its timeout; the
+replica's health check (`TPDriverRunner.check_alive`: a dead rank actor) then replaces it.
 """
 
 from __future__ import annotations
