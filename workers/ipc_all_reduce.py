@@ -34,6 +34,9 @@ import torch
 import triton
 import triton.language as tl
 
+from workers.model import pdl
+from workers.model.pdl import start_dependents, wait_for_inputs
+
 if TYPE_CHECKING:
     from workers.tp import TPGroup
 
@@ -45,10 +48,45 @@ logger = logging.getLogger(__name__)
 MAX_BYTES = 64 * 1024
 MAX_PROGRAMS = 64  # and at most one per multiprocessor: all resident at once
 MIN_BLOCK = 1024  # elements a program: small messages still spread over a few programs
+MAX_ROW = 16384  # elements of a row for the fused norm (one program holds it)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _SLOT_BYTES = MAX_BYTES
 _FLAG_OFFSET = 2 * _SLOT_BYTES  # flags after the two data slots: [MAX_PROGRAMS, world] int64
 VERIFY_SPINS = 1 << 22  # start-up check: give up waiting for a peer after ~seconds, not forever
+
+
+@triton.jit
+def _exchange(
+    x, offs, mask, bases_ptr, counters_ptr, idx, rank, max_spins,
+    WORLD: tl.constexpr, SLOT_ELEMS: tl.constexpr, REGION: tl.constexpr,
+    FLAG_OFFSET: tl.constexpr,
+):  # fmt: skip
+    """Program `idx`'s part of one call: `x` (at `offs` of the message) into this rank's slot,
+    flags up, wait for the peers', and the float32 sum of every rank's part in rank order."""
+    call = tl.load(counters_ptr + idx) + 1  # this program's calls, this one included
+    tl.store(counters_ptr + idx, call)
+    slot = (call % 2) * SLOT_ELEMS
+    own = tl.load(bases_ptr + rank).to(tl.pointer_type(tl.uint8)) + REGION
+    tl.store(own.to(tl.pointer_type(x.dtype)) + slot + offs, x, mask=mask)
+    tl.debug_barrier()  # every thread's copy is issued before the flag goes up
+    for r in tl.static_range(WORLD):
+        peer = tl.load(bases_ptr + r).to(tl.pointer_type(tl.uint8)) + REGION
+        flag = (peer + FLAG_OFFSET).to(tl.pointer_type(tl.int64)) + idx * WORLD + rank
+        tl.atomic_xchg(flag, call, sem="release", scope="sys")
+    mine = (own + FLAG_OFFSET).to(tl.pointer_type(tl.int64)) + idx * WORLD
+    for r in tl.static_range(WORLD):
+        spins = 0
+        while (tl.atomic_add(mine + r, 0, sem="acquire", scope="sys") < call) & (
+            (max_spins == 0) | (spins < max_spins)
+        ):
+            spins += 1
+    tl.debug_barrier()
+    total = tl.zeros(x.shape, dtype=tl.float32)
+    for r in tl.static_range(WORLD):
+        peer = tl.load(bases_ptr + r).to(tl.pointer_type(tl.uint8)) + REGION
+        part = peer.to(tl.pointer_type(x.dtype)) + slot + offs
+        total += tl.load(part, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    return total
 
 
 @triton.jit
@@ -60,30 +98,37 @@ def _ipc_all_reduce_kernel(
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    call = tl.load(counters_ptr + pid) + 1  # this program's calls, this one included
-    tl.store(counters_ptr + pid, call)
-    slot = (call % 2) * SLOT_ELEMS
-    dtype = x_ptr.dtype.element_ty
-    own = tl.load(bases_ptr + rank).to(tl.pointer_type(dtype))
-    tl.store(own + slot + offs, tl.load(x_ptr + offs, mask=mask), mask=mask)
-    tl.debug_barrier()  # every thread's copy is issued before the flag goes up
-    for r in tl.static_range(WORLD):
-        peer = tl.load(bases_ptr + r).to(tl.pointer_type(tl.uint8))
-        flag = (peer + FLAG_OFFSET).to(tl.pointer_type(tl.int64)) + pid * WORLD + rank
-        tl.atomic_xchg(flag, call, sem="release", scope="sys")
-    mine = (own.to(tl.pointer_type(tl.uint8)) + FLAG_OFFSET).to(tl.pointer_type(tl.int64))
-    for r in tl.static_range(WORLD):
-        spins = 0
-        while (tl.atomic_add(mine + pid * WORLD + r, 0, sem="acquire", scope="sys") < call) & (
-            (max_spins == 0) | (spins < max_spins)
-        ):
-            spins += 1
-    tl.debug_barrier()
-    total = tl.zeros([BLOCK], dtype=tl.float32)
-    for r in tl.static_range(WORLD):
-        part = tl.load(bases_ptr + r).to(tl.pointer_type(dtype)) + slot + offs
-        total += tl.load(part, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-    tl.store(x_ptr + offs, total.to(dtype), mask=mask)
+    x = tl.load(x_ptr + offs, mask=mask)
+    total = _exchange(x, offs, mask, bases_ptr, counters_ptr, pid, rank, max_spins,
+                      WORLD, SLOT_ELEMS, 0, FLAG_OFFSET)  # fmt: skip
+    tl.store(x_ptr + offs, total.to(x.dtype), mask=mask)
+
+
+@triton.jit
+def _ipc_all_reduce_add_rms_norm_kernel(
+    x_ptr, r_ptr, w_ptr, out_ptr, r_out_ptr, bases_ptr, counters_ptr, n, rank, eps,
+    WORLD: tl.constexpr, BLOCK: tl.constexpr, SLOT_ELEMS: tl.constexpr, REGION: tl.constexpr,
+    FLAG_OFFSET: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """A row a program: the all-reduce of x's row, then `fused.add_rms_norm`'s arithmetic."""
+    start_dependents(PDL)
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n
+    offs = row * n + cols
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    wait_for_inputs(PDL)
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    total = _exchange(x, offs, mask, bases_ptr, counters_ptr, row, rank, 0,
+                      WORLD, SLOT_ELEMS, REGION, FLAG_OFFSET)  # fmt: skip
+    dtype = x.dtype
+    r = tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    s = (r + total.to(dtype).to(tl.float32)).to(dtype)  # the all-reduce's rounding, then add's
+    tl.store(r_out_ptr + offs, s, mask=mask)
+    s32 = s.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(s32 * s32, axis=0) / n + eps)
+    normed = (s32 * inv).to(dtype).to(tl.float32)
+    tl.store(out_ptr + offs, (normed * w).to(dtype), mask=mask)
 
 
 class IpcAllReduce:
@@ -98,9 +143,11 @@ class IpcAllReduce:
         from torch.multiprocessing.reductions import reduce_tensor
 
         self.rank, self.size = rank, size
-        nbytes = _FLAG_OFFSET + MAX_PROGRAMS * size * 8
-        self.buffer = torch.zeros(nbytes, dtype=torch.uint8, device=device)
-        self.counters = torch.zeros(MAX_PROGRAMS, dtype=torch.int64, device=device)
+        # Two regions (slots and flags), one for each kernel: a program index of one kernel
+        # covers other elements than the same index of the other, so they may not share slots.
+        self.region = -(-(_FLAG_OFFSET + MAX_PROGRAMS * size * 8) // 256) * 256
+        self.buffer = torch.zeros(2 * self.region, dtype=torch.uint8, device=device)
+        self.counters = torch.zeros(2, MAX_PROGRAMS, dtype=torch.int64, device=device)
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         self.max_programs = min(MAX_PROGRAMS, sms)
         torch.cuda.synchronize(device)  # the zeros are in place before a peer maps them
@@ -130,11 +177,36 @@ class IpcAllReduce:
         n = x.numel()
         block = max(MIN_BLOCK, triton.next_power_of_2(triton.cdiv(n, self.max_programs)))
         _ipc_all_reduce_kernel[(triton.cdiv(n, block),)](
-            x, self.bases, self.counters, n, self.rank, max_spins,
+            x, self.bases, self.counters[0], n, self.rank, max_spins,
             WORLD=self.size, BLOCK=block, SLOT_ELEMS=_SLOT_BYTES // x.element_size(),
             FLAG_OFFSET=_FLAG_OFFSET, num_warps=4,
         )  # fmt: skip
         return x
+
+    def takes_rows(self, x: torch.Tensor, residual: torch.Tensor) -> bool:
+        """Whether `all_reduce_add_rms_norm` takes these `[rows, n]` 16-bit rows."""
+        return (
+            x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.dim() == 2
+            and x.is_contiguous() and residual.is_contiguous()
+            and residual.shape == x.shape and residual.dtype == x.dtype
+            and 0 < x.shape[0] <= self.max_programs and x.shape[1] <= MAX_ROW
+            and x.numel() * x.element_size() <= MAX_BYTES
+        )  # fmt: skip
+
+    def all_reduce_add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`fused.add_rms_norm(all_reduce(x), residual, weight, eps)` in one launch (a program
+        a row, with programmatic dependent launch): no norm kernel waits on the all-reduce."""
+        rows, n = x.shape
+        out, total = torch.empty_like(x), torch.empty_like(x)
+        _ipc_all_reduce_add_rms_norm_kernel[(rows,)](
+            x, residual, weight, out, total, self.bases, self.counters[1], n, self.rank, eps,
+            WORLD=self.size, BLOCK=triton.next_power_of_2(n),
+            SLOT_ELEMS=_SLOT_BYTES // x.element_size(), REGION=self.region,
+            FLAG_OFFSET=_FLAG_OFFSET, num_warps=4 if n <= 2048 else 8, **pdl.launch_options(x),
+        )  # fmt: skip
+        return out, total
 
     def check(self) -> bool:
         """Whether a test message sums correctly (each rank sends its rank + 1 in every element

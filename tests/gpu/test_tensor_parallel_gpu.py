@@ -17,6 +17,7 @@ import torch
 from tests.conftest import make_random_checkpoint
 from tests.gpu.conftest import count_replays, hf_judge
 from workers import LLM, SamplingParams
+from workers.tp import TPGroup
 from workers.tp_ranks import STOP_TIMEOUT_S
 
 pytestmark = [
@@ -110,6 +111,7 @@ def _ipc_rank(rank: int, address: str) -> None:
             both = tp.all_gather_object(got.cpu())
             assert torch.equal(both[0], both[1])  # every rank holds the same sum
     assert not tp.ipc.takes(torch.zeros(MAX_BYTES, device=device))  # too big: NCCL
+    _check_fused_norm(tp, gen, device)
     # Captured: 30 all-reduces a replay, their flags counting on across replays.
     x = torch.zeros(8, 4096, dtype=torch.bfloat16, device=device)
     tp.all_reduce(x)
@@ -131,10 +133,57 @@ def _ipc_rank(rank: int, address: str) -> None:
     destroy_group()
 
 
+def _check_fused_norm(tp: TPGroup, gen: torch.Generator, device: torch.device) -> None:
+    """`all_reduce_add_rms_norm` against NCCL then `fused.add_rms_norm`, eagerly and captured
+    between two GEMVs (all launched with PDL: it must wait for the first one's output)."""
+    import torch.distributed as dist
+
+    from workers.model import fused
+    from workers.model.skinny_gemm import skinny_linear
+
+    assert tp.ipc is not None
+    norm = (torch.rand(4096, generator=gen, device=device) + 0.5).to(torch.bfloat16)
+    for rows in (1, 3, 8):
+        x = torch.randn(rows, 4096, generator=gen, device=device).to(torch.bfloat16)
+        res = torch.randn(rows, 4096, generator=gen, device=device).to(torch.bfloat16)
+        assert tp.ipc.takes_rows(x, res)
+        want = x.clone()
+        dist.all_reduce(want)
+        want_out, want_total = fused.add_rms_norm(want, res, norm, 1e-5)
+        out, total = tp.ipc.all_reduce_add_rms_norm(x, res, norm, 1e-5)
+        torch.testing.assert_close(total, want_total, rtol=2**-7, atol=0)
+        torch.testing.assert_close(out, want_out, rtol=2**-7, atol=2**-7)
+    w1 = (torch.randn(4096, 4096, generator=gen, device=device) / 64).to(torch.bfloat16)
+    w2 = (torch.randn(4096, 4096, generator=gen, device=device) / 64).to(torch.bfloat16)
+    h = torch.randn(1, 4096, generator=gen, device=device).to(torch.bfloat16)
+    res = torch.randn(1, 4096, generator=gen, device=device).to(torch.bfloat16)
+
+    def chain() -> tuple[torch.Tensor, torch.Tensor]:
+        assert tp.ipc is not None
+        out, total = tp.ipc.all_reduce_add_rms_norm(skinny_linear(h, w1), res, norm, 1e-5)
+        return skinny_linear(out, w2), total
+
+    chain()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y, total = chain()
+    for _ in range(3):
+        h.copy_(torch.randn(1, 4096, generator=gen, device=device))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = skinny_linear(h, w1)
+        dist.all_reduce(want)
+        want_out, want_total = fused.add_rms_norm(want, res, norm, 1e-5)
+        torch.testing.assert_close(total, want_total, rtol=2**-7, atol=0)
+        torch.testing.assert_close(y, skinny_linear(want_out, w2), rtol=2**-6, atol=2**-6)
+
+
 def test_ipc_all_reduce_equals_nccl_in_and_out_of_graphs() -> None:
     """Two processes, each seeing one GPU: the CUDA-IPC one-shot all-reduce starts (its own
     start-up check passes), equals NCCL's sum for every size it takes and both dtypes, gives
-    both ranks the same bits, and replays correctly in a CUDA graph call after call."""
+    both ranks the same bits, and replays correctly in a CUDA graph call after call; its form
+    with the residual add and RMSNorm equals NCCL followed by `fused.add_rms_norm`."""
     import torch.multiprocessing as mp
 
     from workers.tp import free_port

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.tp import TPGroup
+from workers.tp import SINGLE, TPGroup
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)  # CUDA: workers/model/fused.py, skinny_gemm.py
 WeightLoader = Callable[[nn.Parameter, torch.Tensor, "int | str | None"], None]
@@ -89,10 +89,16 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
     def add_forward(
-        self, x: torch.Tensor, residual: torch.Tensor
+        self, x: torch.Tensor, residual: torch.Tensor, tp: TPGroup = SINGLE
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`(norm(residual + x), residual + x)`: the residual add folded into the norm's kernel
-        on CUDA in 16 bits; elsewhere the add then `forward`, bit for bit as written out."""
+        on CUDA in 16 bits; elsewhere the add then `forward`, bit for bit as written out.
+        With `tp`, x is this rank's partial sum of a row-parallel output (`reduce=False`), summed
+        over the group first: in the same kernel where the IPC all-reduce takes it."""
+        if tp.size > 1:
+            if tp.ipc is not None and tp.ipc.takes_rows(x, residual):
+                return tp.ipc.all_reduce_add_rms_norm(x, residual, self.weight, self.eps)
+            x = tp.all_reduce(x)
         if x.is_cuda and x.dtype in HALF_DTYPES and x.dim() == 2:
             from workers.model import fused  # Triton: imported on first CUDA use
 
@@ -190,7 +196,13 @@ class RowParallelLinear(nn.Module):
     def _load(self, param: nn.Parameter, weight: torch.Tensor, shard_id: object = None) -> None:
         _copy(param, weight.narrow(1, self.tp.rank * self.in_shard, self.in_shard))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """`reduce=False`: this rank's partial sum, for a consumer that sums it over the group
+        itself (`RMSNorm.add_forward`); only without bias, which goes after the sum."""
+        if not reduce:
+            if self.bias is not None:
+                raise ValueError("a row-parallel linear with bias cannot defer its all-reduce")
+            return linear(x, self.weight)
         y = self.tp.all_reduce(linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 

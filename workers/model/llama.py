@@ -67,7 +67,8 @@ class Attention(nn.Module):
         else:
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             out = attn.forward(self.layer_id, q, k, v)
-        return self.o_proj(out.reshape(x.shape[0], -1))
+        # This rank's partial sum: the norm after attention sums it over the group.
+        return self.o_proj(out.reshape(x.shape[0], -1), reduce=False)
 
 
 class MLP(nn.Module):
@@ -78,12 +79,14 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(size, cfg.hidden_size, False, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul_linear(x, self.gate_up_proj.weight))
+        """This rank's partial sum: the next norm sums it over the group."""
+        return self.down_proj(silu_and_mul_linear(x, self.gate_up_proj.weight), reduce=False)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPGroup) -> None:
         super().__init__()
+        self.tp = tp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer_id, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -98,13 +101,15 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream is `residual + x` (just `x` at the first layer, `residual=None`).
         Returns the MLP's output and the stream before it, not yet added: the next norm adds
-        them in its own kernel (`RMSNorm.add_forward`), so no layer launches a separate add."""
+        them in its own kernel (`RMSNorm.add_forward`), so no layer launches a separate add.
+        Under tensor parallelism that output is this rank's partial sum, and the norm's add also
+        sums it over the group (with attention's likewise)."""
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
-            h, residual = self.input_layernorm.add_forward(x, residual)
+            h, residual = self.input_layernorm.add_forward(x, residual, self.tp)
         h = self.self_attn(h, cos_sin, attn)
-        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual, self.tp)
         return self.mlp(h), residual
 
 
@@ -125,6 +130,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.tp = tp
 
     @property
     def attention(self) -> Attention:
@@ -141,7 +147,7 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(x, residual, cos_sin, attn)
         if residual is None:
             return self.model.norm(x)
-        return self.model.norm.add_forward(x, residual)[0]
+        return self.model.norm.add_forward(x, residual, self.tp)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.logits(hidden)  # float32
