@@ -11,6 +11,11 @@ Ray, where every rank sees its own GPU as `cuda:0`; CUDA IPC maps a peer's memor
 3. waits until every peer's flag for this program has reached this call (acquire);
 4. sums every rank's slice from their buffers in rank order, so every rank gets the same bits,
    and writes it over x.
+`all_reduce_add_rms_norm` does the same exchange a row a program and then `fused.add_rms_norm`'s
+arithmetic, launched with PDL: a layer's row-parallel outputs reach their next norm as partial
+sums (`RMSNorm.add_forward(x, residual, tp)`), so the all-reduce, the residual add and the norm
+are one launch (two H200s, TP=2 batch 1: 3.19 ms a step with NCCL, 3.07-3.12 with the plain
+kernel and a norm kernel after it, 2.88 with this one).
 Each program counts its own calls (a counter in this rank's memory), so the flags need no reset
 and CUDA graphs replay the kernel as is. Two slots make reuse safe: a peer's program writes slot
 s again two calls later, and it cannot start that call before this rank has finished the call
