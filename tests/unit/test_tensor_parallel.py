@@ -126,6 +126,23 @@ def test_heads_not_divisible_by_tp_size_are_refused_before_any_rank_starts() -> 
         LLM(tensor_parallel_size=2)
 
 
+def test_a_row_parallel_linear_defers_its_all_reduce_only_without_bias() -> None:
+    """A layer's o_proj and down hand their partial sums to the next norm, which sums them over
+    the group (and adds the bias nowhere): so a biased one must refuse to defer."""
+    import torch
+
+    from workers.model.layers import RowParallelLinear
+    from workers.tp import TPGroup
+
+    x = torch.randn(2, 8)
+    plain = RowParallelLinear(8, 4, bias=False, tp=TPGroup())
+    torch.nn.init.normal_(plain.weight)
+    assert torch.equal(plain(x, reduce=False), x @ plain.weight.T)
+    biased = RowParallelLinear(8, 4, bias=True, tp=TPGroup())
+    with pytest.raises(ValueError, match="cannot defer its all-reduce"):
+        biased(x, reduce=False)
+
+
 def test_more_ranks_than_the_cluster_holds_are_refused(cluster, tiny_llama: str) -> None:
     with pytest.raises(ValueError, match="tensor_parallel_size=4 needs"):
         LLM(tiny_llama, tensor_parallel_size=4, **TINY)
