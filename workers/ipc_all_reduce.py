@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from workers.model import pdl
+from workers.model.fused import add_rms_norm_row
 from workers.model.pdl import start_dependents, wait_for_inputs
 
 if TYPE_CHECKING:
@@ -126,14 +127,11 @@ def _ipc_all_reduce_add_rms_norm_kernel(
     x = tl.load(x_ptr + offs, mask=mask, other=0.0)
     total = _exchange(x, offs, mask, bases_ptr, counters_ptr, row, rank, 0,
                       WORLD, SLOT_ELEMS, REGION, FLAG_OFFSET)  # fmt: skip
-    dtype = x.dtype
     r = tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    s = (r + total.to(dtype).to(tl.float32)).to(dtype)  # the all-reduce's rounding, then add's
-    tl.store(r_out_ptr + offs, s, mask=mask)
-    s32 = s.to(tl.float32)
-    inv = tl.rsqrt(tl.sum(s32 * s32, axis=0) / n + eps)
-    normed = (s32 * inv).to(dtype).to(tl.float32)
-    tl.store(out_ptr + offs, (normed * w).to(dtype), mask=mask)
+    summed = total.to(x.dtype).to(tl.float32)  # rounded as the plain all-reduce's output
+    out, added = add_rms_norm_row(summed, r, w, n, eps, x.dtype)
+    tl.store(r_out_ptr + offs, added, mask=mask)
+    tl.store(out_ptr + offs, out, mask=mask)
 
 
 class IpcAllReduce:

@@ -74,6 +74,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 @triton.jit
+def add_rms_norm_row(x, r, w, n, eps, dtype: tl.constexpr):
+    """One row of `add_rms_norm` from float32 `x`, `r` and `w`: `(norm(r + x), r + x)` in
+    `dtype`, rounded where torch's add and `rms_norm` round (also the IPC all-reduce's)."""
+    total = (r + x).to(dtype)
+    s = total.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(s * s, axis=0) / n + eps)
+    normed = (s * inv).to(dtype).to(tl.float32)
+    return (normed * w).to(dtype), total
+
+
+@triton.jit
 def _add_rms_norm_kernel(
     x_ptr, r_ptr, w_ptr, out_ptr, r_out_ptr, x_stride, r_stride, n, eps,
     BLOCK: tl.constexpr, PDL: tl.constexpr,
@@ -86,12 +97,9 @@ def _add_rms_norm_kernel(
     wait_for_inputs(PDL)
     x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
     r = tl.load(r_ptr + row * r_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    total = (r + x).to(out_ptr.dtype.element_ty)
+    out, total = add_rms_norm_row(x, r, w, n, eps, out_ptr.dtype.element_ty)
     tl.store(r_out_ptr + row * n + cols, total, mask=mask)
-    s = total.to(tl.float32)
-    inv = tl.rsqrt(tl.sum(s * s, axis=0) / n + eps)
-    normed = (s * inv).to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * n + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * n + cols, out, mask=mask)
 
 
 def add_rms_norm(
