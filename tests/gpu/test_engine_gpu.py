@@ -8,6 +8,7 @@ HF's float32 best (within `LOGIT_SLACK` of its max logit) with HF's log-probabil
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -218,3 +219,47 @@ def test_penalties_bias_and_min_tokens_on_the_gpu(smollm2_random: Path) -> None:
         max_tokens=8, temperature=0.0, ignore_eos=True, logit_bias={str(t): -100 for t in chosen}
     )
     assert not chosen & {t for o in llm.generate(PROMPTS[:2], banned) for t in o.token_ids}
+
+
+def test_decode_layers_run_their_norms_inside_the_gemms(
+    tmp_path: Path, tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Llama-3-8B's layer shapes (the skinny GEMM's measured cells), two layers, random weights:
+    the norm gains fold into q/k/v and gate/up at load, and a decode step runs each layer as
+    GEMMs that normalise their input and add the residual. Teacher-forced, eager and in the
+    batch-1 and batch-2 CUDA graphs, it tracks the same weights with norm kernels
+    (`PDSERVE_FOLD_NORMS=0`)."""
+    import transformers
+
+    from workers.model import pdl
+
+    if not pdl.enabled(torch.device("cuda")):
+        pytest.skip("without dependent launch the skinny GEMM does not run every weight")
+    transformers.LlamaConfig(
+        architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size=4096,
+        intermediate_size=14336, num_hidden_layers=2, num_attention_heads=32,
+        num_key_value_heads=8, rope_theta=500000.0,
+    ).save_pretrained(tmp_path)  # fmt: skip
+    for f in tokenizer_dir.iterdir():
+        if f.name.startswith(("tokenizer", "chat_template", "special_tokens")):
+            (tmp_path / f.name).write_bytes(f.read_bytes())
+    cfg = EngineConfig(
+        model=str(tmp_path), load_format="dummy", device="cuda", dtype="bfloat16",
+        kv_cache_memory_gb=1, cuda_graph_batch_sizes=(1, 2),
+    )  # fmt: skip
+    fused = ModelRunner(cfg)
+    monkeypatch.setenv("PDSERVE_FOLD_NORMS", "0")
+    plain = ModelRunner(cfg)
+    assert fused.model.norms_folded and not plain.model.norms_folded
+    for prompts in ([PROMPTS[2]], PROMPTS[1:3]):
+        expect, expect_top1, gaps = decode_trace(plain, prompts, 16, None)
+        for graphs in (None, fused.graphs):  # eager, then the CUDA graph
+            fused.graphs = graphs
+            fused.pool.pages.zero_()
+            tokens, top1, _ = decode_trace(fused, prompts, 16, expect)
+            for t, row in itertools.product(range(16), range(len(prompts))):
+                where = (t, row, graphs is not None)
+                assert tokens[t][row] == expect[t][row] or gaps[t][row] < 0.02, where
+                # Two bf16 roundings of the normed input (0.052 seen at 4096 wide): twice the
+                # slack; a wrong norm or residual moves them by nats.
+                assert abs(top1[t][row] - expect_top1[t][row]) < 2 * LOGPROB_SLACK, where

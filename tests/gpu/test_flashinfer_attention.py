@@ -263,16 +263,20 @@ def _cos_sin(batch: AttentionBatch, head_dim: int) -> tuple[torch.Tensor, ...]:
     return RotaryEmbedding(head_dim, 500000.0, None).cuda().cos_sin(positions, torch.bfloat16)
 
 
+@pytest.mark.parametrize("all_merge", [True, False])
 @pytest.mark.parametrize("heads", sorted(HEADS))
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("kv_lens", [None, [4100], [1, 2, 33, 700, 4097]])
 def test_split_kv_decode_kernel_matches_reference(
-    heads: str, page_size: int, kv_lens: list[int] | None
-) -> None:
+    heads: str, page_size: int, kv_lens: list[int] | None, all_merge: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
     """The one-launch decode kernel (rotary, K/V write, split-KV attention, merge) equals
     rotating, writing and attending in float32; its pool slots hold the rotated k and v.
     Lengths: NUM_SEQS random ones with a sequence of one token; one long sequence (several tiles
-    per split); short and long together (splits with no past tokens)."""
+    per split); short and long together (splits with no past tokens). `all_merge`: every split
+    merges a slice (on an H200 all programs fit), the second launch across the counters' wrap
+    at 2^31; else the last split merges all and resets its counter."""
     from workers.attention.flashinfer import paged_metadata
     from workers.attention.split_kv_decode import SplitKVDecode
 
@@ -283,20 +287,28 @@ def test_split_kv_decode_kernel_matches_reference(
     cos, sin = _cos_sin(batch, d)
     ref = _rotated_reference(pool, batch, q, k, v, cos, sin, layer=2)
     meta = paged_metadata(batch, page_size)
+    monkeypatch.setenv("PDSERVE_SPLIT_KV_ALL_MERGE", "1" if all_merge else "0")
     kernel = SplitKVDecode(len(batch.q_lens), hq, hkv, d, d**-0.5, pool.pages.device)
-    out = kernel.forward(
-        q, k, v, cos, sin, pool.layer(2), meta.kv_indptr.cuda(), meta.kv_indices,
-        meta.last_page_len.cuda(), batch.slot_pages, batch.slot_offsets,
-    )  # fmt: skip
-    assert out.shape == q.shape and out.dtype == torch.bfloat16 and torch.isfinite(out).all()
-    assert rel_err(out, ref) < BF16_TOLERANCE
+    for launch in range(2):
+        out = kernel.forward(
+            q, k, v, cos, sin, pool.layer(2), meta.kv_indptr.cuda(), meta.kv_indices,
+            meta.last_page_len.cuda(), batch.slot_pages, batch.slot_offsets,
+        )  # fmt: skip
+        assert out.shape == q.shape and out.dtype == torch.bfloat16
+        assert torch.isfinite(out).all() and rel_err(out, ref) < BF16_TOLERANCE, launch
+        assert kernel.all_merge == all_merge
+        if all_merge:
+            expect = kernel.splits if launch == 0 else -(2**31)
+            assert torch.all(kernel.locks == expect), (launch, kernel.locks)
+            kernel.locks.fill_(2**31 - kernel.splits)  # the next launch wraps
+        else:
+            assert not kernel.locks.any()  # the merging programs reset their counters
     from workers.model.rotary import apply_rotary
 
     layer = pool.layer(2)
     written_k = layer[batch.slot_pages, 0, batch.slot_offsets]
     torch.testing.assert_close(written_k, apply_rotary(k, cos, sin), atol=0, rtol=2**-7)
     assert torch.equal(layer[batch.slot_pages, 1, batch.slot_offsets], v)
-    assert not kernel.locks.any()  # the merging programs reset their counters
 
 
 @pytest.mark.parametrize("heads", sorted(HEADS))

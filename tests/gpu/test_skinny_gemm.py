@@ -218,24 +218,106 @@ def test_gated_product_refuses_what_the_gemv_kernel_cannot_do() -> None:
             skinny_linear(x, w, config=cfg, gated=True)
 
 
+def rms_normed(x: torch.Tensor, eps: float) -> torch.Tensor:
+    x64 = x.double()
+    return x64 / (x64.pow(2).mean(-1, keepdim=True) + eps).sqrt()
+
+
+NORM_CONFIGS = [
+    dict(block_n=4, block_k=512),
+    dict(block_n=8, block_k=256, split_k=4),
+    dict(block_n=64, block_k=128, num_stages=4, dot=True, swap=True),
+    dict(block_n=32, block_k=128, num_stages=4, dot=True, split_k=8),
+]
+
+
+@pytest.mark.parametrize("cfg", NORM_CONFIGS)
+@pytest.mark.parametrize("n,k", [(4096, 4096), (4096, 14336), (555, 1000)])
+@pytest.mark.parametrize("m", [1, 3, 8, 33])
+def test_residual_sums_of_squares_and_the_next_norm(m: int, n: int, k: int, cfg: dict) -> None:
+    """`residual` + `sumsq_out`: y = residual + x W^T, and the slots of each row hold the sum of
+    the squares of y's stored (rounded) values, exactly. `sumsq_in` (+ bias): the next launch
+    multiplies y / rms(y) from those sums, as an RMSNorm with unit gain would."""
+    from workers.model.skinny_gemm import MAX_GEMV_ROWS, SUMSQ_SLOTS, Config, skinny_linear
+
+    config = Config(**cfg)
+    if not config.dot and m > MAX_GEMV_ROWS:
+        pytest.skip("the GEMV kernel takes few rows")
+    dtype = torch.bfloat16
+    x = torch.randn(m, k, device="cuda").to(dtype)
+    w = (torch.randn(n, k, device="cuda") / k**0.5).to(dtype)
+    residual = (torch.randn(m, n, device="cuda") * 4 + 1).to(dtype)  # far from unit RMS
+    sums = torch.zeros(m, SUMSQ_SLOTS, device="cuda", dtype=torch.float64)
+    y = skinny_linear(x, w, config=config, residual=residual, sumsq_out=sums)
+    assert_close(y, reference(x, w) + residual.double(), dtype)
+    # In float64, up to the last bit (the values span more than 2^18: not all sums are exact).
+    torch.testing.assert_close(sums.sum(-1), y.double().pow(2).sum(-1), rtol=1e-14, atol=0)
+    w2 = (torch.randn(n // 2, n, device="cuda") / n**0.5).to(dtype)
+    b = torch.randn(n // 2, device="cuda").to(dtype)
+    normed = skinny_linear(y, w2, b, config=config, sumsq_in=sums, eps=1e-5)
+    assert_close(normed, rms_normed(y, 1e-5) @ w2.double().T + b.double(), dtype)
+
+
+@pytest.mark.parametrize("n,k", [(14336, 4096), (1536, 576)])
+@pytest.mark.parametrize("m", [1, 5])
+def test_gated_product_of_the_normed_input(m: int, n: int, k: int) -> None:
+    from workers.model.skinny_gemm import SUMSQ_SLOTS, config_for, skinny_linear
+
+    dtype = torch.bfloat16
+    x = (torch.randn(m, k, device="cuda") * 5).to(dtype)
+    sums = torch.zeros(m, SUMSQ_SLOTS, device="cuda", dtype=torch.float64)
+    sums[:, 3] = x.double().pow(2).sum(-1)
+    w = (torch.randn(2 * n, k, device="cuda") / k**0.5).to(dtype)
+    cfg = config_for(1, 2 * n, k)  # a GEMV config
+    out = skinny_linear(x, w, config=cfg, gated=True, sumsq_in=sums, eps=1e-6)
+    gate, up = (part.to(dtype) for part in (rms_normed(x, 1e-6) @ w.double().T).chunk(2, -1))
+    assert_close(out, F.silu(gate.double()).to(dtype).double() * up.double(), dtype)
+
+
+def test_sums_and_residual_of_the_wrong_shape_are_refused() -> None:
+    from workers.model.skinny_gemm import SUMSQ_SLOTS, skinny_linear
+
+    x = torch.randn(2, 256, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="sumsq_in must be float64"):
+        skinny_linear(x, w, sumsq_in=torch.zeros(2, SUMSQ_SLOTS, device="cuda"))
+    with pytest.raises(ValueError, match="sumsq_out must be float64"):
+        skinny_linear(x, w, sumsq_out=torch.zeros(1, SUMSQ_SLOTS, device="cuda").double())
+    with pytest.raises(ValueError, match="residual must be"):
+        skinny_linear(x, w, residual=torch.zeros(2, 32, device="cuda", dtype=torch.bfloat16))
+
+
 def _decoder_chain(
-    x: torch.Tensor, weights: list[torch.Tensor], norm: torch.Tensor
-) -> torch.Tensor:  # noqa: E501
-    """A decode layer's kernel sequence, each reading the one before: norm, GEMV, gated GEMV."""
+    x: torch.Tensor, weights: list[torch.Tensor], norm: torch.Tensor, folded: bool
+) -> torch.Tensor:
+    """A decode layer's kernel sequence, each reading the one before: norm, GEMV, gated GEMV;
+    `folded`: no norm kernel, the GEMVs normalise their input from the sums of squares that the
+    one before left, and add the residual."""
     from workers.model import fused
-    from workers.model.skinny_gemm import skinny_linear
+    from workers.model.skinny_gemm import SUMSQ_SLOTS, skinny_linear
 
     residual = x
+    if folded:
+        sums = torch.zeros(len(weights) // 2 + 1, 1, SUMSQ_SLOTS, device="cuda").double()
+        sums[0, :, 0] = x.double().pow(2).sum(-1)
+        for i, (up, down) in enumerate(zip(weights[::2], weights[1::2], strict=True)):
+            act = skinny_linear(residual, up, gated=True, sumsq_in=sums[i], eps=1e-5)
+            residual = skinny_linear(act, down, residual=residual, sumsq_out=sums[i + 1])
+        return residual
     for up, down in zip(weights[::2], weights[1::2], strict=True):
         h, residual = fused.add_rms_norm(x, residual, norm, 1e-5)
         x = skinny_linear(skinny_linear(h, up, gated=True), down)
     return x + residual
 
 
-def test_dependent_launches_give_the_serial_results(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("folded", [False, True])
+def test_dependent_launches_give_the_serial_results(
+    folded: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """With programmatic dependent launch each kernel starts during its predecessor and reads
-    weights early: a chain of 36 of them, captured and replayed on fresh inputs, must equal the
-    same chain launched without it, bit for bit (a read before `gdc_wait` would see stale x)."""
+    weights early: a chain of 24-36 of them, captured and replayed on fresh inputs, must equal
+    the same chain launched without it, bit for bit (a read before `gdc_wait` would see stale
+    x, a residual or sums of squares not yet written)."""
     from workers.model import pdl
 
     hidden, inter = 4096, 14336
@@ -247,11 +329,11 @@ def test_dependent_launches_give_the_serial_results(monkeypatch: pytest.MonkeyPa
     norm = torch.rand(hidden, device="cuda", dtype=torch.bfloat16) + 0.5
     x = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
     assert pdl.launch_options(x)["PDL"] == (torch.cuda.get_device_capability()[0] >= 9)
-    _decoder_chain(x, weights, norm)  # compile outside the capture
+    _decoder_chain(x, weights, norm, folded)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = _decoder_chain(x, weights, norm)
+        out = _decoder_chain(x, weights, norm, folded)
     inputs = [torch.randn_like(x) for _ in range(5)]
     replayed = []
     for value in inputs:
@@ -260,4 +342,4 @@ def test_dependent_launches_give_the_serial_results(monkeypatch: pytest.MonkeyPa
         replayed.append(out.clone())
     monkeypatch.setattr(pdl, "_supported", lambda device_index: False)
     for value, got in zip(inputs, replayed, strict=True):
-        assert torch.equal(got, _decoder_chain(value, weights, norm))
+        assert torch.equal(got, _decoder_chain(value, weights, norm, folded))

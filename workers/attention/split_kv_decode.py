@@ -11,8 +11,11 @@ idle. Here one launch does all of it, and starts reading before its input exists
 - it rotates its query heads (the KV head's GQA group, as tensor-core rows) and the new token's
   k; split 0 writes the new k and v into their pool slot and counts the new token in its
   softmax (online, base 2), so no other program reads that slot;
-- each split stores its normalised output and log-sum-exp; the last split of a (sequence, head)
-  to finish (a counter per pair, as `skinny_gemm`'s split-K) merges them into the output.
+- each split stores its normalised output and log-sum-exp and counts itself in on its
+  (sequence, KV head)'s counter; where all the launch's programs fit on the GPU at once, every
+  split then waits for the count and merges its 1/SPLITS slice of the output (one dependent
+  read of the parts); else the last split to arrive merges them all (as `skinny_gemm`'s
+  split-K), which at batch 1 is one program reading 64 KB after everyone else has finished.
 Arithmetic as FlashInfer's: bf16 q, K and probabilities into fp32 tensor-core products.
 
 One launch cannot see writes of its own other programs, so a step whose rows include several
@@ -22,6 +25,9 @@ a step on a graph that uses this kernel.
 """
 
 from __future__ import annotations
+
+import os
+from typing import Any
 
 import torch
 import triton
@@ -91,7 +97,7 @@ def _split_kv_decode_kernel(
     kv_ptr, s_page, s_kv, s_slot, s_head, indptr_ptr, idx_ptr, last_ptr, slot_page_ptr,
     slot_off_ptr, part_o_ptr, part_lse_ptr, lock_ptr, out_ptr, scale_log2,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HALF: tl.constexpr, PS: tl.constexpr,
-    TILE: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr,
+    TILE: tl.constexpr, SPLITS: tl.constexpr, ALL_MERGE: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     start_dependents(PDL)
     b = tl.program_id(0).to(tl.int64)
@@ -157,7 +163,10 @@ def _split_kv_decode_kernel(
     o = acc / tl.where(denom > 0.0, denom, 1.0)[:, None]
     tl.store(part_o_ptr + part[:, None] * (2 * HALF) + dd[None, :], o, mask=live[:, None])
     tl.debug_barrier()  # every thread's part is written before the count goes up
-    if tl.atomic_add(lock_ptr + pair, 1, sem="acq_rel") == SPLITS - 1:
+    if ALL_MERGE:
+        _merge_a_slice(part_o_ptr, part_lse_ptr, lock_ptr, out_ptr, b, h, pair, split,
+                       num_kv_heads, GROUP, GROUP_P2, HALF, SPLITS)  # fmt: skip
+    elif tl.atomic_add(lock_ptr + pair, 1, sem="acq_rel") == SPLITS - 1:
         sp = tl.arange(0, SPLITS)[:, None]
         g = tl.arange(0, GROUP_P2)[None, :]
         gm = g < GROUP
@@ -175,6 +184,37 @@ def _split_kv_decode_kernel(
         tl.store(out_row[:, None] + dd[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=(g1 < GROUP)[:, None])  # fmt: skip
         tl.atomic_xchg(lock_ptr + pair, 0)
+
+
+@triton.jit
+def _merge_a_slice(
+    part_o_ptr, part_lse_ptr, lock_ptr, out_ptr, b, h, pair, split, num_kv_heads,
+    GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HALF: tl.constexpr, SPLITS: tl.constexpr,
+):  # fmt: skip
+    """Every split of the pair merges 1/SPLITS of its output once all SPLITS have stored their
+    parts, instead of the last one merging all (one program reading every part: ~3 µs a layer
+    at batch 1). The pair's counter only grows (by SPLITS a launch, wrapping at 2^32, which
+    SPLITS divides): the launch's target is the next multiple of SPLITS above the count this
+    split found, and no later launch adds to it before this one has ended (they add after
+    their PDL wait). Spinning needs all the launch's programs resident at once
+    (`SplitKVDecode` checks the occupancy before choosing it)."""
+    old = tl.atomic_add(lock_ptr + pair, 1, sem="release")
+    target = (old & -SPLITS) + SPLITS
+    while tl.atomic_add(lock_ptr + pair, 0, sem="acquire") != target:
+        pass
+    SLICE: tl.constexpr = GROUP_P2 * 2 * HALF // SPLITS
+    e = split * SLICE + tl.arange(0, SLICE)  # flat indices into this pair's [GROUP_P2, D]
+    g = e // (2 * HALF)
+    sp = tl.arange(0, SPLITS)[:, None]
+    live = (g < GROUP)[None, :]
+    row = (pair * SPLITS + sp) * GROUP_P2 + g[None, :]  # [SPLITS, SLICE]
+    lse = tl.load(part_lse_ptr + row, mask=live, other=0.0, cache_modifier=".cg")
+    parts = tl.load(part_o_ptr + row * (2 * HALF) + (e % (2 * HALF))[None, :], mask=live,
+                    other=0.0, cache_modifier=".cg")  # fmt: skip
+    weight = tl.exp2(lse - tl.max(lse, axis=0)[None, :])
+    out = tl.sum(weight * parts, axis=0) / tl.sum(weight, axis=0)
+    out_row = out_ptr + b * (num_kv_heads * GROUP * 2 * HALF) + h * GROUP * 2 * HALF
+    tl.store(out_row + e, out.to(out_ptr.dtype.element_ty), mask=g < GROUP)
 
 
 class SplitKVDecode:
@@ -197,6 +237,7 @@ class SplitKVDecode:
         self.part_o = torch.empty(rows * head_dim, dtype=torch.float32, device=device)
         self.part_lse = torch.empty(rows, dtype=torch.float32, device=device)
         self.locks = torch.zeros(pairs, dtype=torch.int32, device=device)
+        self.all_merge: bool | None = None  # chosen on the first call (`_all_merge_fits`)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
@@ -212,12 +253,40 @@ class SplitKVDecode:
         assert q.stride(-1) == k.stride(-1) == v.stride(-1) == kv.stride(-1) == 1
         assert cos.stride() == sin.stride() and cos.stride(-1) == 1 and q.dtype == kv.dtype
         out = torch.empty((b, hq, d), dtype=q.dtype, device=q.device)
-        _split_kv_decode_kernel[(b, self.num_kv_heads, self.splits)](
+        grid = (b, self.num_kv_heads, self.splits)
+        args = (
             q, k, v, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             cos, sin, cos.stride(0), kv, kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
             kv_indptr, kv_indices, last_page_len, slot_pages, slot_offsets, self.part_o,
             self.part_lse, self.locks, out, self.scale_log2,
+        )  # fmt: skip
+        options = dict(
             GROUP=self.group, GROUP_P2=self.group_p2, HALF=d // 2, PS=kv.shape[2], TILE=TILE,
             SPLITS=self.splits, num_warps=NUM_WARPS, **pdl.launch_options(q),
         )  # fmt: skip
+        if self.all_merge is None:
+            compiled = _split_kv_decode_kernel.warmup(*args, grid=grid, ALL_MERGE=True, **options)
+            self.all_merge = _all_merge_fits(compiled, b * self.num_kv_heads * self.splits, q)
+        _split_kv_decode_kernel[grid](*args, ALL_MERGE=self.all_merge, **options)
         return out
+
+
+def _all_merge_fits(compiled: Any, programs: int, x: torch.Tensor) -> bool:
+    """Whether the merge by every split (`_merge_a_slice`, whose programs spin until all have
+    stored their parts) may run: all `programs` fit on the device at once, by the compiled
+    kernel's registers, shared memory and warps (Hopper's limits: 64K registers, allocated 256
+    a warp, 32 blocks and 2048 threads a multiprocessor). `PDSERVE_SPLIT_KV_ALL_MERGE=0`: the
+    last split merges all (for a comparison)."""
+    if os.environ.get("PDSERVE_SPLIT_KV_ALL_MERGE", "1") == "0":
+        return False
+    compiled._init_handles()  # loads the binary: its register count
+    props = torch.cuda.get_device_properties(x.device)
+    warps = compiled.metadata.num_warps
+    regs_per_warp = -(-compiled.n_regs * 32 // 256) * 256
+    per_sm = min(
+        65536 // (regs_per_warp * warps),
+        props.shared_memory_per_multiprocessor // (compiled.metadata.shared + 1024),
+        props.max_threads_per_multi_processor // (32 * warps),
+        32,
+    )
+    return programs <= per_sm * props.multi_processor_count

@@ -54,6 +54,47 @@ def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def rms_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
+    sumsq: torch.Tensor | None, gated: bool = False,
+) -> torch.Tensor:  # fmt: skip
+    """`linear(x / rms(x), weight, bias)` (`gated`: its `silu_and_mul_linear`) for an RMSNorm
+    whose gain is folded into `weight`'s columns (`LlamaForCausalLM.fold_norm_gains`). With
+    `sumsq`, the float64 sums of the squares of x's rows that the launch writing x left
+    (`residual_linear`), the skinny GEMM scales its products by 1/rms and no norm kernel runs;
+    without, the norm is computed here."""
+    if sumsq is None:
+        x32 = x.float()
+        h = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+        return silu_and_mul_linear(h, weight) if gated else linear(h, weight, bias)
+    from workers.model import fused, skinny_gemm  # Triton: imported on first CUDA use
+
+    in_one = gated and skinny_gemm.applies(x.shape[0], weight, gated=True)
+    y = skinny_gemm.skinny_linear(x, weight, bias, gated=in_one, sumsq_in=sumsq, eps=eps)
+    return fused.silu_and_mul(y) if gated and not in_one else y
+
+
+def residual_linear(
+    x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, sumsq: torch.Tensor | None
+) -> torch.Tensor:
+    """`residual + x W^T` (one rank: no all-reduce). With `sumsq` (zeroed), in the skinny GEMM's
+    epilogue, which also adds the squares of the sum's rows into it for `rms_linear`."""
+    if sumsq is None:
+        return residual + linear(x, weight)
+    from workers.model import skinny_gemm  # Triton: imported on first CUDA use
+
+    return skinny_gemm.skinny_linear(x, weight, residual=residual, sumsq_out=sumsq)
+
+
+def skinny_takes_all(x: torch.Tensor, weights: list[torch.Tensor]) -> bool:
+    """Whether the skinny GEMM runs x's rows times each of these weights (CUDA, 16 bits)."""
+    if not (x.is_cuda and x.dtype in HALF_DTYPES and x.dim() == 2):
+        return False
+    from workers.model import skinny_gemm  # Triton: imported on first CUDA use
+
+    return all(skinny_gemm.applies(x.shape[0], w) for w in weights)
+
+
 def _param(shape: tuple[int, ...], loader: WeightLoader) -> nn.Parameter:
     p = nn.Parameter(torch.empty(shape), requires_grad=False)
     p.weight_loader = loader  # type: ignore[attr-defined]

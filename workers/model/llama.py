@@ -6,7 +6,9 @@ Module names mirror HF checkpoints so weight names map one to one, except the fu
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 from torch import nn
@@ -20,7 +22,10 @@ from workers.model.layers import (
     RMSNorm,
     RowParallelLinear,
     VocabParallelEmbedding,
+    residual_linear,
+    rms_linear,
     silu_and_mul_linear,
+    skinny_takes_all,
 )
 from workers.model.rotary import RotaryEmbedding, apply_rotary
 from workers.tp import TPGroup
@@ -52,7 +57,26 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, ...], attn: AttentionBackend
     ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.shard_sizes, dim=-1)
+        # This rank's partial sum: the norm after attention sums it over the group.
+        return self.o_proj(self.attend(self.qkv_proj(x), cos_sin, attn), reduce=False)
+
+    def forward_folded(
+        self, residual: torch.Tensor, sums: torch.Tensor | None, eps: float,
+        cos_sin: tuple[torch.Tensor, ...], attn: AttentionBackend,
+    ) -> torch.Tensor:  # fmt: skip
+        """`residual + attention(norm(residual))` with the norm's gain folded into q/k/v
+        (`LlamaForCausalLM.fold_norm_gains`); `sums` `[2, T, SUMSQ_SLOTS]`: the sums of squares
+        of `residual`'s rows, and zeros to add the result's into (see `rms_linear`)."""
+        sum_in, sum_out = (None, None) if sums is None else (sums[0], sums[1])
+        qkv = rms_linear(residual, self.qkv_proj.weight, self.qkv_proj.bias, eps, sum_in)
+        out = self.attend(qkv, cos_sin, attn)
+        return residual_linear(out, self.o_proj.weight, residual, sum_out)
+
+    def attend(
+        self, qkv: torch.Tensor, cos_sin: tuple[torch.Tensor, ...], attn: AttentionBackend
+    ) -> torch.Tensor:
+        """The attention output `[T, heads * head_dim]` for the q/k/v projection's rows."""
+        q, k, v = qkv.split(self.qkv_proj.shard_sizes, dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -67,8 +91,7 @@ class Attention(nn.Module):
         else:
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             out = attn.forward(self.layer_id, q, k, v)
-        # This rank's partial sum: the norm after attention sums it over the group.
-        return self.o_proj(out.reshape(x.shape[0], -1), reduce=False)
+        return out.reshape(qkv.shape[0], -1)
 
 
 class MLP(nn.Module):
@@ -81,6 +104,14 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum: the next norm sums it over the group."""
         return self.down_proj(silu_and_mul_linear(x, self.gate_up_proj.weight), reduce=False)
+
+    def forward_folded(
+        self, residual: torch.Tensor, sums: torch.Tensor | None, eps: float
+    ) -> torch.Tensor:
+        """`residual + MLP(norm(residual))`, as `Attention.forward_folded`."""
+        sum_in, sum_out = (None, None) if sums is None else (sums[0], sums[1])
+        act = rms_linear(residual, self.gate_up_proj.weight, None, eps, sum_in, gated=True)
+        return residual_linear(act, self.down_proj.weight, residual, sum_out)
 
 
 class DecoderLayer(nn.Module):
@@ -112,6 +143,25 @@ class DecoderLayer(nn.Module):
         h, residual = self.post_attention_layernorm.add_forward(h, residual, self.tp)
         return self.mlp(h), residual
 
+    def forward_folded(
+        self, residual: torch.Tensor, sums: torch.Tensor | None,
+        cos_sin: tuple[torch.Tensor, ...], attn: AttentionBackend,
+    ) -> torch.Tensor:  # fmt: skip
+        """The residual stream after this layer, its norms' gains folded into the weights that
+        read them: on CUDA four skinny GEMM launches and attention, no norm or add kernel.
+        `sums` `[3, T, SUMSQ_SLOTS]` (`rms_linear`): the float64 sums of squares of the stream's
+        rows coming in, and zeros for those after attention and going out; None off CUDA."""
+        eps_in, eps_post = self.input_layernorm.eps, self.post_attention_layernorm.eps
+        attn_sums, mlp_sums = (None, None) if sums is None else (sums[:2], sums[1:])
+        residual = self.self_attn.forward_folded(residual, attn_sums, eps_in, cos_sin, attn)
+        return self.mlp.forward_folded(residual, mlp_sums, eps_post)
+
+    def folded_weights(self) -> list[torch.Tensor]:
+        """The weights `forward_folded` multiplies, in its order."""
+        attn, mlp = self.self_attn, self.mlp
+        return [attn.qkv_proj.weight, attn.o_proj.weight, mlp.gate_up_proj.weight,
+                mlp.down_proj.weight]  # fmt: skip
+
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
@@ -131,6 +181,11 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.tp = tp
+        self.norms_folded = False  # see fold_norm_gains
+
+    @property
+    def decoder_layers(self) -> list[DecoderLayer]:
+        return cast(list[DecoderLayer], list(self.model.layers))
 
     @property
     def attention(self) -> Attention:
@@ -142,12 +197,65 @@ class LlamaForCausalLM(nn.Module):
         """Packed tokens `[T]` -> final hidden states `[T, hidden]`."""
         x = self.model.embed_tokens(input_ids)
         cos_sin = self.rotary.cos_sin(positions, x.dtype)
+        if self.norms_folded and self._folded_forward_runs(x):
+            return self._forward_folded(x, cos_sin, attn)
         residual: torch.Tensor | None = None
         for layer in self.model.layers:
             x, residual = layer(x, residual, cos_sin, attn)
         if residual is None:
             return self.model.norm(x)
         return self.model.norm.add_forward(x, residual, self.tp)[0]
+
+    def _forward_folded(
+        self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, ...], attn: AttentionBackend
+    ) -> torch.Tensor:
+        """`forward` with the norms inside the GEMMs (`fold_norm_gains`): on CUDA each GEMM that
+        ends a half-layer leaves the float64 sums of squares of the new stream's rows in a slice
+        of one zeroed buffer, which the next one's norm reads; the embedding's are summed here."""
+        layers = self.decoder_layers
+        sums = None
+        if x.is_cuda:
+            from workers.model.skinny_gemm import SUMSQ_SLOTS
+
+            sums = torch.zeros((2 * len(layers) + 1, *x.shape[:1], SUMSQ_SLOTS),
+                               dtype=torch.float64, device=x.device)  # fmt: skip
+            sums[0, :, 0] = x.double().pow(2).sum(-1)
+        residual = x
+        for i, layer in enumerate(layers):
+            layer_sums = None if sums is None else sums[2 * i : 2 * i + 3]
+            residual = layer.forward_folded(residual, layer_sums, cos_sin, attn)
+        return self.model.norm(residual)
+
+    def _folded_forward_runs(self, x: torch.Tensor) -> bool:
+        """Whether the folded layers take x's rows: on CUDA where the skinny GEMM runs each of
+        a layer's weights (elsewhere the norm kernels run, their gains 1 after folding); off
+        CUDA always, in torch (tests)."""
+        return not x.is_cuda or skinny_takes_all(x, self.decoder_layers[0].folded_weights())
+
+    def fold_norm_gains(self) -> None:
+        """Multiply each layer's input and post-attention RMSNorm gains into the columns of the
+        weights that read the norms (q/k/v, gate/up) and make the gains 1: the same products,
+        the norm now a scale the GEMM applies (`_forward_folded`). In 16 bits the folded weights
+        round once more (relative 2^-9 at most, as the normed activations did)."""
+        for layer in self.decoder_layers:
+            pairs = [
+                (layer.input_layernorm.weight, layer.self_attn.qkv_proj.weight),
+                (layer.post_attention_layernorm.weight, layer.mlp.gate_up_proj.weight),
+            ]
+            for gain, weight in pairs:
+                weight.data.copy_(weight.data.float() * gain.data.float()[None, :])
+                gain.data.fill_(1.0)
+        self.norms_folded = True
+
+    def _folding_pays(self) -> bool:
+        """One rank, and the skinny GEMM runs every weight of a batch-1 decode step: where
+        folding removes the norm kernels (`PDSERVE_FOLD_NORMS=0` keeps them, for comparison)."""
+        if self.tp.size != 1 or os.environ.get("PDSERVE_FOLD_NORMS", "1") == "0":
+            return False
+        layer = self.decoder_layers[0]
+        weight = layer.self_attn.qkv_proj.weight
+        row = torch.zeros(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
+        return skinny_takes_all(row, layer.folded_weights())
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.logits(hidden)  # float32
@@ -176,3 +284,5 @@ class LlamaForCausalLM(nn.Module):
         missing = set(params) - loaded - tied
         if missing:
             raise ValueError(f"checkpoint lacks {sorted(missing)[:5]} ({len(missing)} tensors)")
+        if self._folding_pays():
+            self.fold_norm_gains()

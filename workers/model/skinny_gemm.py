@@ -36,6 +36,9 @@ import triton.language as tl
 from workers.model import pdl
 from workers.model.pdl import start_dependents, wait_for_inputs
 
+SUMSQ_SLOTS = 8  # float64 sums of squares per row (`_finish`): 1/8 of the adds contend on each
+_SLOTS = tl.constexpr(SUMSQ_SLOTS)
+
 
 @dataclass(frozen=True)
 class Config:
@@ -46,28 +49,71 @@ class Config:
     dot: bool = False  # tensor-core kernel (else the GEMV kernel, for M <= MAX_GEMV_ROWS)
     swap: bool = False  # dot kernel computes y^T = W x^T
     split_k: int = 1  # programs per output tile, each over a K range (see _epilogue)
+    maxnreg: int | None = None  # registers a thread at most (ptxas's own choice when None)
 
 
 @triton.jit
-def _finish(acc, y_ptr, b_ptr, offs_m, offs_n, M, N, stride_y, HAS_BIAS: tl.constexpr):
+def _finish(
+    acc, res, y_ptr, b_ptr, ss_ptr, offs_m, offs_n, M, N, stride_y,
+    HAS_BIAS: tl.constexpr, ADD_RESIDUAL: tl.constexpr, SUMSQ_OUT: tl.constexpr,
+):  # fmt: skip
+    """Store y = acc (+ bias) (+ res) in y's dtype. SUMSQ_OUT: also add the squares of each
+    stored row's values to one of its SUMSQ_SLOTS float64 sums (this program's, by tile): the next
+    RMSNorm's variance, so no norm kernel reads y again. The adds land in any order, but in
+    float64 the squares of 16-bit values sum exactly unless a row's values span more than
+    ~2^18, and even then the order moves only the float64's last bit, not the float32 rms
+    (bar a tie one time in ~2^29)."""
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    if ADD_RESIDUAL:
+        acc += res
     y_ptrs = y_ptr + offs_m[:, None] * stride_y + offs_n[None, :]
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    y = acc.to(y_ptr.dtype.element_ty)
+    tl.store(y_ptrs, y, mask=mask)
+    if SUMSQ_OUT:
+        y64 = tl.where(mask, y.to(tl.float64), 0.0)
+        slot = ss_ptr + offs_m * _SLOTS + tl.program_id(0) % _SLOTS
+        tl.atomic_add(slot, tl.sum(y64 * y64, axis=1), mask=offs_m < M, sem="relaxed")
+
+
+@triton.jit
+def _residual(r_ptr, offs_m, offs_n, M, N, stride_r, ADD_RESIDUAL: tl.constexpr):
+    """The [BLOCK_M, BLOCK_N] tile of the residual that `_finish` adds (fp32), or 0."""
+    if ADD_RESIDUAL:
+        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        ptrs = r_ptr + offs_m[:, None] * stride_r + offs_n[None, :]
+        return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    else:
+        return 0.0
+
+
+@triton.jit
+def _input_scale(ss_ptr, offs_m, M, K, eps, NORM_IN: tl.constexpr):
+    """NORM_IN: 1 / rms of each row of x, from the SUMSQ_SLOTS float64 sums of its squares that the
+    kernel which wrote x added (`_finish`); x is then the input of an RMSNorm whose gain was
+    folded into W's columns, and the product scaled by this equals W times the normed x."""
+    if NORM_IN:
+        slots = tl.arange(0, _SLOTS)[None, :]
+        sums = tl.load(ss_ptr + offs_m[:, None] * _SLOTS + slots, mask=(offs_m < M)[:, None])
+        return tl.rsqrt((tl.sum(sums, axis=1) / K).to(tl.float32) + eps)
+    else:
+        return tl.full(offs_m.shape, 1.0, tl.float32)
 
 
 @triton.jit
 def _epilogue(
-    acc, y_ptr, b_ptr, ws_ptr, lock_ptr, offs_m, offs_n, M, N, stride_y,
-    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
+    acc, res, y_ptr, b_ptr, ss_ptr, ws_ptr, lock_ptr, offs_m, offs_n, M, N, stride_y,
+    HAS_BIAS: tl.constexpr, ADD_RESIDUAL: tl.constexpr, SUMSQ_OUT: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):  # fmt: skip
     """Store the [BLOCK_M, BLOCK_N] fp32 tile. With SPLIT_K > 1 each of the tile's programs
     writes its partial sum to the workspace and counts itself in on the tile's lock; the last
     one to arrive adds the partials (in split order, so results do not depend on arrival),
     writes y and resets the lock to 0 for the next launch."""
     if SPLIT_K == 1:
-        _finish(acc, y_ptr, b_ptr, offs_m, offs_n, M, N, stride_y, HAS_BIAS)
+        _finish(acc, res, y_ptr, b_ptr, ss_ptr, offs_m, offs_n, M, N, stride_y,
+                HAS_BIAS, ADD_RESIDUAL, SUMSQ_OUT)  # fmt: skip
     else:
         mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
         ws = ws_ptr + offs_m[:, None] * N + offs_n[None, :]
@@ -78,7 +124,8 @@ def _epilogue(
             total = tl.zeros_like(acc)
             for s in range(SPLIT_K):
                 total += tl.load(ws + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
-            _finish(total, y_ptr, b_ptr, offs_m, offs_n, M, N, stride_y, HAS_BIAS)
+            _finish(total, res, y_ptr, b_ptr, ss_ptr, offs_m, offs_n, M, N, stride_y,
+                    HAS_BIAS, ADD_RESIDUAL, SUMSQ_OUT)  # fmt: skip
             tl.atomic_xchg(lock_ptr + tile, 0)
 
 
@@ -119,12 +166,14 @@ def _tile(
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, K_PER, stride_x, stride_w, stride_y,
+    x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr, r_ptr, ss_in_ptr, ss_out_ptr, M, N, K, K_PER,
+    stride_x, stride_w, stride_y, stride_r, eps,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr, GATED: tl.constexpr,
+    NORM_IN: tl.constexpr, ADD_RESIDUAL: tl.constexpr, SUMSQ_OUT: tl.constexpr,
     PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """GATED: W holds [gate; up] (2N rows) and y = silu(gate x) * (up x), rounded as
-    `fused.silu_and_mul` rounds the unfused product."""
+    `fused.silu_and_mul` rounds the unfused product (NORM_IN scales both before it)."""
     start_dependents(PDL)
     offs_m, offs_n, offs_k, k_start, w_ptrs, x_ptrs = _tile(
         x_ptr, w_ptr, M, N, K_PER, stride_x, stride_w, BLOCK_M, BLOCK_N, BLOCK_K
@@ -138,6 +187,9 @@ def _gemv_kernel(
         up = _k_tile(u_ptrs, k_start, K, offs_k, EVEN_K, True)
     wait_for_inputs(PDL)
     x = _k_tile(x_ptrs, k_start, K, offs_k, EVEN_K, False).to(tl.float32)[:, None, :]
+    # Issued now, their latency hides behind the weight stream.
+    inv_rms = _input_scale(ss_in_ptr, offs_m, M, K, eps, NORM_IN)
+    res = _residual(r_ptr, offs_m, offs_n, M, N, stride_r, ADD_RESIDUAL)
     acc += w.to(tl.float32)[None, :, :] * x
     if GATED:
         acc_up += up.to(tl.float32)[None, :, :] * x
@@ -150,13 +202,14 @@ def _gemv_kernel(
         if GATED:
             u_ptrs += BLOCK_K
             acc_up += _k_tile(u_ptrs, k0, K, offs_k, EVEN_K, True).to(tl.float32)[None, :, :] * x
-    y = tl.sum(acc, axis=2)
+    y = tl.sum(acc, axis=2) * inv_rms[:, None]
     if GATED:
         dtype = y_ptr.dtype.element_ty
         gate = y.to(dtype).to(tl.float32)
         act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
-        y = act * tl.sum(acc_up, axis=2).to(dtype).to(tl.float32)
-    _epilogue(y, y_ptr, b_ptr, ws_ptr, lock_ptr, offs_m, offs_n, M, N, stride_y, HAS_BIAS, SPLIT_K)
+        y = act * (tl.sum(acc_up, axis=2) * inv_rms[:, None]).to(dtype).to(tl.float32)
+    _epilogue(y, res, y_ptr, b_ptr, ss_out_ptr, ws_ptr, lock_ptr, offs_m, offs_n, M, N, stride_y,
+              HAS_BIAS, ADD_RESIDUAL, SUMSQ_OUT, SPLIT_K)  # fmt: skip
 
 
 @triton.jit
@@ -170,8 +223,10 @@ def _dot_step(acc, x, w, SWAP: tl.constexpr):
 
 @triton.jit
 def _dot_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, K_PER, stride_x, stride_w, stride_y,
+    x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr, r_ptr, ss_in_ptr, ss_out_ptr, M, N, K, K_PER,
+    stride_x, stride_w, stride_y, stride_r, eps,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr, SWAP: tl.constexpr,
+    NORM_IN: tl.constexpr, ADD_RESIDUAL: tl.constexpr, SUMSQ_OUT: tl.constexpr,
     PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     start_dependents(PDL)
@@ -185,6 +240,7 @@ def _dot_kernel(
     # The first K tile of W streams in before x, the previous kernel's output, is ready (PDL).
     w = _k_tile(w_ptrs, k_start, K, offs_k, EVEN_K, True)
     wait_for_inputs(PDL)
+    inv_rms = _input_scale(ss_in_ptr, offs_m, M, K, eps, NORM_IN)
     acc = _dot_step(acc, _k_tile(x_ptrs, k_start, K, offs_k, EVEN_K, False), w, SWAP)
     for k0 in range(k_start + BLOCK_K, k_start + K_PER, BLOCK_K):
         w_ptrs += BLOCK_K
@@ -193,9 +249,9 @@ def _dot_kernel(
         acc = _dot_step(acc, _k_tile(x_ptrs, k0, K, offs_k, EVEN_K, False), w, SWAP)
     if SWAP:
         acc = tl.trans(acc)
-    _epilogue(
-        acc, y_ptr, b_ptr, ws_ptr, lock_ptr, offs_m, offs_n, M, N, stride_y, HAS_BIAS, SPLIT_K
-    )
+    res = _residual(r_ptr, offs_m, offs_n, M, N, stride_r, ADD_RESIDUAL)
+    _epilogue(acc * inv_rms[:, None], res, y_ptr, b_ptr, ss_out_ptr, ws_ptr, lock_ptr, offs_m,
+              offs_n, M, N, stride_y, HAS_BIAS, ADD_RESIDUAL, SUMSQ_OUT, SPLIT_K)  # fmt: skip
 
 
 def _bucket(m: int) -> int:
@@ -205,7 +261,10 @@ def _bucket(m: int) -> int:
 # Per (N, K, M bucket: M rounded up to a power of two): the fastest launch config that
 # `python -m bench.bench_gemm_decode --sweep` found on an H200 for Llama-3-8B's q/k/v, o_proj,
 # gate_up, down and LM head (bf16; one rank).
-_GEMV4, _GEMV8 = Config(4, 512), Config(8, 512)
+_GEMV4 = Config(4, 512)
+# 80 registers keep its 768 programs at q/k/v's shape in one wave (6 a multiprocessor); reading
+# x's sums of squares (NORM_IN) would take ptxas to 88, which it fits in 80 without spilling.
+_GEMV8 = Config(8, 512, maxnreg=80)
 _SWAP64 = Config(64, 128, 4, 4, dot=True, swap=True)
 _SWAP128 = Config(128, 128, 4, 3, dot=True, swap=True)
 CONFIGS: dict[tuple[int, int, int], Config] = {
@@ -292,11 +351,18 @@ def _buffers(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
 def skinny_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
     config: Config | None = None, gated: bool = False, out_dtype: torch.dtype | None = None,
+    sumsq_in: torch.Tensor | None = None, eps: float = 0.0,
+    residual: torch.Tensor | None = None, sumsq_out: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """`F.linear(x, weight, bias)` for 2-D 16-bit `x` [M, K] and a row-major `weight` [N, K],
     in `out_dtype` (default x's; the product accumulates in float32 either way).
     `gated`: `weight` is [gate; up] ([2N, K], no bias) and the result `silu(gate) * up` [M, N],
-    with the GEMV kernel only (M <= MAX_GEMV_ROWS, no split-K)."""
+    with the GEMV kernel only (M <= MAX_GEMV_ROWS, no split-K).
+    A batch-1 decoder layer without norm kernels (`LlamaForCausalLM.fold_norm_gains`):
+    `sumsq_in` [M, SUMSQ_SLOTS] float64 holds partial sums of the squares of x's rows (the
+    `sumsq_out` of the launch that wrote x): x is RMS-normalised with `eps` on the way in, its
+    gain already in W's columns. `residual` [M, N]: y = residual + x W^T. `sumsq_out` (zeroed by
+    the caller): the squares of y's rows are added into it, for the next launch's `sumsq_in`."""
     m, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     if x.stride(1) != 1:
@@ -307,6 +373,11 @@ def skinny_linear(
             "the gated product runs on the GEMV kernel, in x's dtype, without split-K or bias"
         )
     y = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
+    for name, sums in (("sumsq_in", sumsq_in), ("sumsq_out", sumsq_out)):
+        if sums is not None and (sums.shape != (m, SUMSQ_SLOTS) or sums.dtype != torch.float64):
+            raise ValueError(f"{name} must be float64 [{m}, {SUMSQ_SLOTS}], not {sums.shape}")
+    if residual is not None and (residual.shape != y.shape or residual.stride(1) != 1):
+        raise ValueError(f"residual must be a row-major [{m}, {n}], not {residual.shape}")
     b = bias if bias is not None else y  # an unused pointer when HAS_BIAS is off
     block_m = _bucket(m) if not cfg.dot else max(16, min(64, _bucket(m)))
     if not cfg.dot and m > MAX_GEMV_ROWS:
@@ -320,10 +391,15 @@ def skinny_linear(
             raise ValueError(f"split-K {cfg.split_k} of a {m}x{n} output exceeds its buffers")
     kernel = _dot_kernel if cfg.dot else _gemv_kernel
     extra = dict(SWAP=cfg.swap) if cfg.dot else dict(GATED=gated)
+    r = residual if residual is not None else y  # unused pointers where off
     kernel[grid](
-        x, weight, b, y, ws, locks, m, n, k, k_per, x.stride(0), weight.stride(0), y.stride(0),
+        x, weight, b, y, ws, locks, r, y if sumsq_in is None else sumsq_in,
+        y if sumsq_out is None else sumsq_out, m, n, k, k_per, x.stride(0), weight.stride(0),
+        y.stride(0), r.stride(0), eps,
         HAS_BIAS=bias is not None, EVEN_K=k % (cfg.split_k * cfg.block_k) == 0,
-        SPLIT_K=cfg.split_k, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra, **pdl.launch_options(x),
+        SPLIT_K=cfg.split_k, NORM_IN=sumsq_in is not None, ADD_RESIDUAL=residual is not None,
+        SUMSQ_OUT=sumsq_out is not None, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
+        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}), **pdl.launch_options(x),
     )  # fmt: skip
     return y
