@@ -55,22 +55,21 @@ def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def rms_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm: RMSNorm,
     sumsq: torch.Tensor | None, gated: bool = False,
 ) -> torch.Tensor:  # fmt: skip
-    """`linear(x / rms(x), weight, bias)` (`gated`: its `silu_and_mul_linear`) for an RMSNorm
-    whose gain is folded into `weight`'s columns (`LlamaForCausalLM.fold_norm_gains`). With
-    `sumsq`, the float64 sums of the squares of x's rows that the launch writing x left
+    """`linear(norm(x), weight, bias)` (`gated`: its `silu_and_mul_linear`) for a `norm` whose
+    gain is folded into `weight`'s columns (`LlamaForCausalLM.fold_norm_gains`). With `sumsq`,
+    the float64 sums of the squares of x's rows that the launch writing x left
     (`residual_linear`), the skinny GEMM scales its products by 1/rms and no norm kernel runs;
-    without, the norm is computed here."""
+    without, `norm` runs first."""
     if sumsq is None:
-        x32 = x.float()
-        h = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+        h = norm(x)
         return silu_and_mul_linear(h, weight) if gated else linear(h, weight, bias)
     from workers.model import fused, skinny_gemm  # Triton: imported on first CUDA use
 
     in_one = gated and skinny_gemm.applies(x.shape[0], weight, gated=True)
-    y = skinny_gemm.skinny_linear(x, weight, bias, gated=in_one, sumsq_in=sumsq, eps=eps)
+    y = skinny_gemm.skinny_linear(x, weight, bias, gated=in_one, sumsq_in=sumsq, eps=norm.eps)
     return fused.silu_and_mul(y) if gated and not in_one else y
 
 

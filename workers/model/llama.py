@@ -61,14 +61,13 @@ class Attention(nn.Module):
         return self.o_proj(self.attend(self.qkv_proj(x), cos_sin, attn), reduce=False)
 
     def forward_folded(
-        self, residual: torch.Tensor, sums: torch.Tensor | None, eps: float,
-        cos_sin: tuple[torch.Tensor, ...], attn: AttentionBackend,
+        self, residual: torch.Tensor, norm: RMSNorm, sum_in: torch.Tensor | None,
+        sum_out: torch.Tensor | None, cos_sin: tuple[torch.Tensor, ...], attn: AttentionBackend,
     ) -> torch.Tensor:  # fmt: skip
-        """`residual + attention(norm(residual))` with the norm's gain folded into q/k/v
-        (`LlamaForCausalLM.fold_norm_gains`); `sums` `[2, T, SUMSQ_SLOTS]`: the sums of squares
-        of `residual`'s rows, and zeros to add the result's into (see `rms_linear`)."""
-        sum_in, sum_out = (None, None) if sums is None else (sums[0], sums[1])
-        qkv = rms_linear(residual, self.qkv_proj.weight, self.qkv_proj.bias, eps, sum_in)
+        """`residual + attention(norm(residual))` with `norm`'s gain folded into q/k/v
+        (`LlamaForCausalLM.fold_norm_gains`); `sum_in`: the sums of squares of `residual`'s
+        rows, `sum_out`: zeros to add the result's into (see `rms_linear`)."""
+        qkv = rms_linear(residual, self.qkv_proj.weight, self.qkv_proj.bias, norm, sum_in)
         out = self.attend(qkv, cos_sin, attn)
         return residual_linear(out, self.o_proj.weight, residual, sum_out)
 
@@ -106,11 +105,11 @@ class MLP(nn.Module):
         return self.down_proj(silu_and_mul_linear(x, self.gate_up_proj.weight), reduce=False)
 
     def forward_folded(
-        self, residual: torch.Tensor, sums: torch.Tensor | None, eps: float
-    ) -> torch.Tensor:
+        self, residual: torch.Tensor, norm: RMSNorm, sum_in: torch.Tensor | None,
+        sum_out: torch.Tensor | None,
+    ) -> torch.Tensor:  # fmt: skip
         """`residual + MLP(norm(residual))`, as `Attention.forward_folded`."""
-        sum_in, sum_out = (None, None) if sums is None else (sums[0], sums[1])
-        act = rms_linear(residual, self.gate_up_proj.weight, None, eps, sum_in, gated=True)
+        act = rms_linear(residual, self.gate_up_proj.weight, None, norm, sum_in, gated=True)
         return residual_linear(act, self.down_proj.weight, residual, sum_out)
 
 
@@ -144,17 +143,19 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
     def forward_folded(
-        self, residual: torch.Tensor, sums: torch.Tensor | None,
+        self, residual: torch.Tensor, sums: list[torch.Tensor | None],
         cos_sin: tuple[torch.Tensor, ...], attn: AttentionBackend,
     ) -> torch.Tensor:  # fmt: skip
         """The residual stream after this layer, its norms' gains folded into the weights that
         read them: on CUDA four skinny GEMM launches and attention, no norm or add kernel.
-        `sums` `[3, T, SUMSQ_SLOTS]` (`rms_linear`): the float64 sums of squares of the stream's
-        rows coming in, and zeros for those after attention and going out; None off CUDA."""
-        eps_in, eps_post = self.input_layernorm.eps, self.post_attention_layernorm.eps
-        attn_sums, mlp_sums = (None, None) if sums is None else (sums[:2], sums[1:])
-        residual = self.self_attn.forward_folded(residual, attn_sums, eps_in, cos_sin, attn)
-        return self.mlp.forward_folded(residual, mlp_sums, eps_post)
+        `sums` (`rms_linear`): the float64 sums of squares of the stream's rows coming in, and
+        zeros for those after attention and going out; a None instead runs that norm itself
+        (off CUDA; the first layer's input; the last layer's output, which the final norm
+        reads)."""
+        s_in, s_mid, s_out = sums
+        attn_norm, mlp_norm = self.input_layernorm, self.post_attention_layernorm
+        residual = self.self_attn.forward_folded(residual, attn_norm, s_in, s_mid, cos_sin, attn)
+        return self.mlp.forward_folded(residual, mlp_norm, s_mid, s_out)
 
     def folded_weights(self) -> list[torch.Tensor]:
         """The weights `forward_folded` multiplies, in its order."""
@@ -211,19 +212,20 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """`forward` with the norms inside the GEMMs (`fold_norm_gains`): on CUDA each GEMM that
         ends a half-layer leaves the float64 sums of squares of the new stream's rows in a slice
-        of one zeroed buffer, which the next one's norm reads; the embedding's are summed here."""
+        of one zeroed buffer, which the next one's norm reads."""
         layers = self.decoder_layers
-        sums = None
+        # Entry 2i + 1: the stream after layer i's attention, 2i + 2: after its MLP; None for
+        # the embedding and the last layer's output, whose norms run as kernels.
+        sums: list[torch.Tensor | None] = [None] * (2 * len(layers) + 1)
         if x.is_cuda:
             from workers.model.skinny_gemm import SUMSQ_SLOTS
 
-            sums = torch.zeros((2 * len(layers) + 1, *x.shape[:1], SUMSQ_SLOTS),
-                               dtype=torch.float64, device=x.device)  # fmt: skip
-            sums[0, :, 0] = x.double().pow(2).sum(-1)
+            zeros = torch.zeros((2 * len(layers) - 1, *x.shape[:1], SUMSQ_SLOTS),
+                                dtype=torch.float64, device=x.device)  # fmt: skip
+            sums[1:-1] = list(zeros)
         residual = x
         for i, layer in enumerate(layers):
-            layer_sums = None if sums is None else sums[2 * i : 2 * i + 3]
-            residual = layer.forward_folded(residual, layer_sums, cos_sin, attn)
+            residual = layer.forward_folded(residual, sums[2 * i : 2 * i + 3], cos_sin, attn)
         return self.model.norm(residual)
 
     def _folded_forward_runs(self, x: torch.Tensor) -> bool:
