@@ -49,6 +49,31 @@ def test_rotary_matches_torch(dtype: torch.dtype, heads: int, head_dim: int) -> 
     close(fused.rotary(x, cos, sin), ref)
 
 
+LLAMA3_SCALING = dict(
+    rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+    original_max_position_embeddings=8192,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim,scaling", [(128, LLAMA3_SCALING), (64, None), (96, None)])
+def test_cos_sin_kernel_matches_the_float32_torch_form(
+    dtype: torch.dtype, head_dim: int, scaling: dict | None
+) -> None:
+    """One kernel for rotary's cos and sin: HF's float32 arithmetic, then one rounding, so at
+    most one 16-bit step from torch's (their float32 cos may differ in the last bit)."""
+    rope = RotaryEmbedding(head_dim, 500000.0, scaling).cuda()
+    positions = torch.cat([torch.arange(0, 40), torch.randint(0, 131072, (300,))]).cuda()
+    cos, sin = rope.cos_sin(positions, dtype)  # dispatches to the kernel
+    freqs = positions.float()[:, None] * rope.inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+    step = 2**-8 if dtype == torch.bfloat16 else 2**-11
+    for got, ref in ((cos, emb.cos()), (sin, emb.sin())):
+        assert got.shape == (340, 1, head_dim) and got.dtype == dtype
+        torch.testing.assert_close(got.float(), ref.to(dtype).float(), rtol=0, atol=step)
+        assert (got == ref.to(dtype)).float().mean() > 0.99
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,width", [(1, 28672), (513, 3072)])
 def test_silu_and_mul_matches_torch(dtype: torch.dtype, rows: int, width: int) -> None:

@@ -40,6 +40,10 @@ class RotaryEmbedding(nn.Module):
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """Per-token `[T, 1, head_dim]` cos and sin, computed in float32 like HF."""
+        if positions.is_cuda and dtype in (torch.bfloat16, torch.float16):
+            from workers.model import fused  # Triton: imported on first CUDA use
+
+            return fused.cos_sin(positions, self.inv_freq, dtype)
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         return emb.cos().to(dtype), emb.sin().to(dtype)

@@ -170,7 +170,8 @@ def _gemv_kernel(
     stride_x, stride_w, stride_y, stride_r, eps,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr, GATED: tl.constexpr,
     NORM_IN: tl.constexpr, ADD_RESIDUAL: tl.constexpr, SUMSQ_OUT: tl.constexpr,
-    PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    LOOP_STAGES: tl.constexpr, PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """GATED: W holds [gate; up] (2N rows) and y = silu(gate x) * (up x), rounded as
     `fused.silu_and_mul` rounds the unfused product (NORM_IN scales both before it)."""
@@ -193,7 +194,7 @@ def _gemv_kernel(
     acc += w.to(tl.float32)[None, :, :] * x
     if GATED:
         acc_up += up.to(tl.float32)[None, :, :] * x
-    for k0 in range(k_start + BLOCK_K, k_start + K_PER, BLOCK_K):
+    for k0 in tl.range(k_start + BLOCK_K, k_start + K_PER, BLOCK_K, num_stages=LOOP_STAGES):
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
         w = _k_tile(w_ptrs, k0, K, offs_k, EVEN_K, True)
@@ -262,6 +263,7 @@ def _bucket(m: int) -> int:
 # `python -m bench.bench_gemm_decode --sweep` found on an H200 for Llama-3-8B's q/k/v, o_proj,
 # gate_up, down and LM head (bf16; one rank).
 _GEMV4 = Config(4, 512)
+_GEMV4_PIPELINED = Config(4, 1024, 4, 2)  # W through shared memory, a K tile ahead
 # 80 registers keep its 768 programs at q/k/v's shape in one wave (6 a multiprocessor); reading
 # x's sums of squares (NORM_IN) would take ptxas to 88, which it fits in 80 without spilling.
 _GEMV8 = Config(8, 512, maxnreg=80)
@@ -270,14 +272,15 @@ _SWAP128 = Config(128, 128, 4, 3, dot=True, swap=True)
 CONFIGS: dict[tuple[int, int, int], Config] = {
     (6144, 4096, 1): _GEMV8,
     **{(6144, 4096, m): _SWAP64 for m in (2, 4, 8, 16, 32, 64)},
-    (4096, 4096, 1): _GEMV4,
+    (4096, 4096, 1): _GEMV4_PIPELINED,
     **{(4096, 4096, m): replace(_SWAP64, split_k=4 if m == 2 else 2) for m in (2, 4, 8, 16, 32)},
     (4096, 4096, 64): Config(32, 128, 4, 4, dot=True),
-    (28672, 4096, 1): Config(2, 512, 1),  # gated (silu(gate) * up): 2 rows of each, one warp
+    # gated (silu(gate) * up): 2 rows of each, one warp, W through shared memory 3 tiles deep
+    (28672, 4096, 1): Config(2, 512, 1, 3),
     **{(28672, 4096, m): _SWAP128 for m in (2, 4, 8, 16)},
     (28672, 4096, 32): _SWAP64,
     (28672, 4096, 64): replace(_SWAP128, num_warps=8),
-    (4096, 14336, 1): _GEMV4,
+    (4096, 14336, 1): _GEMV4_PIPELINED,
     **{(4096, 14336, m): replace(_SWAP64, split_k=4) for m in (2, 4, 8)},
     **{(4096, 14336, m): replace(_SWAP64, split_k=2) for m in (16, 32, 64)},
     (128256, 4096, 1): replace(_SWAP128, num_warps=8),
@@ -390,7 +393,7 @@ def skinny_linear(
         if cfg.split_k * m * n > ws.numel() or grid[0] * grid[1] > locks.numel():
             raise ValueError(f"split-K {cfg.split_k} of a {m}x{n} output exceeds its buffers")
     kernel = _dot_kernel if cfg.dot else _gemv_kernel
-    extra = dict(SWAP=cfg.swap) if cfg.dot else dict(GATED=gated)
+    extra = dict(SWAP=cfg.swap) if cfg.dot else dict(GATED=gated, LOOP_STAGES=cfg.num_stages)
     r = residual if residual is not None else y  # unused pointers where off
     kernel[grid](
         x, weight, b, y, ws, locks, r, y if sumsq_in is None else sumsq_in,
