@@ -18,26 +18,16 @@ import torch
 from workers.penalties import LogitAdjustments
 
 
-def _argmax_chunks(vocab: int) -> int:
-    """Chunks a row splits into for `argmax_rows`: the largest divisor of `vocab` up to 256 that
-    leaves chunks of at least 256 entries (1: none)."""
-    return next((n for n in range(min(256, vocab // 256), 1, -1) if vocab % n == 0), 1)
-
-
-def argmax_rows(x: torch.Tensor, chunked: bool | None = None) -> torch.Tensor:
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """`x.argmax(dim=-1)` of 2-D `x`: the first index of each row's maximum (NaN counting as the
     maximum), as torch gives it. On CUDA torch reduces a row in one thread block (37 µs for one
-    row of Llama-3's 128k logits on an H200, 1% of a batch-1 step), so there (or if `chunked`)
-    each row is cut into chunks reduced in parallel (`max` keeps the first index of each chunk's
-    maximum) and the first chunk holding the row's maximum is picked."""
-    vocab = x.shape[-1]
-    chunks = _argmax_chunks(vocab) if (x.is_cuda if chunked is None else chunked) else 1
-    if chunks == 1:
-        return x.argmax(dim=-1)
-    size = vocab // chunks
-    values, within = x.unflatten(-1, (chunks, size)).max(dim=-1)
-    best = values.argmax(dim=-1, keepdim=True)
-    return torch.add(within.gather(-1, best), best, alpha=size).squeeze(-1)
+    row of Llama-3's 128k logits on an H200, 1% of a batch-1 step); there two Triton launches
+    reduce chunks of the row in parallel (`greedy_argmax`)."""
+    if x.is_cuda and x.stride(-1) == 1:
+        from workers import greedy_argmax  # Triton: imported on first CUDA use
+
+        return greedy_argmax.argmax_rows(x)
+    return x.argmax(dim=-1)
 
 
 @dataclass

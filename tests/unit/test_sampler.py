@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from workers.sampler import SamplingBatch, apply_filters, argmax_rows, sample
+from workers.sampler import SamplingBatch, apply_filters, sample
 
 
 def batch(
@@ -50,28 +50,6 @@ def test_min_p_drops_tokens_below_fraction_of_top() -> None:
 
 def test_greedy_takes_argmax() -> None:
     assert sample(LOGITS, batch(1, temperature=0.0)).to_host().token_ids == [0]
-
-
-def test_chunked_argmax_is_torchs_first_index_of_the_max() -> None:
-    """The two-pass argmax (CUDA's default) equals torch's on ties within and across chunks, a
-    maximum in the last entry, NaN, and a vocabulary with no chunking divisor."""
-    gen = torch.Generator().manual_seed(0)
-    vocab = 128256  # Llama 3: 256 chunks of 501
-    x = torch.randint(0, 50, (7, vocab), generator=gen).float()  # many ties
-    x[1, 1000] = x[1, 90000] = x[1, 500] = 80.0  # ties across chunks: the first wins
-    x[2, 501] = x[2, 1001] = 80.0  # the first entries of chunks 1 and 2
-    x[3, -1] = 80.0  # the very last entry
-    x[4, 7000] = float("nan")  # torch treats NaN as the maximum
-    x[5] = -3.0  # all equal
-    x[6, :] = float("-inf")
-    expect = x.argmax(dim=-1)
-    assert argmax_rows(x, chunked=True).tolist() == expect.tolist() == [
-        *expect[:1].tolist(), 500, 501, vocab - 1, 7000, 0, 0
-    ]
-    odd = torch.randint(0, 9, (3, 65537), generator=gen).float()  # prime: one pass
-    assert torch.equal(argmax_rows(odd, chunked=True), odd.argmax(dim=-1))
-    small = torch.randint(0, 9, (2, 49152), generator=gen).float()  # SmolLM2: 192 of 256
-    assert torch.equal(argmax_rows(small, chunked=True), small.argmax(dim=-1))
 
 
 def test_samples_follow_filtered_distribution() -> None:

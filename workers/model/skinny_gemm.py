@@ -261,7 +261,11 @@ def _bucket(m: int) -> int:
 
 # Per (N, K, M bucket: M rounded up to a power of two): the fastest launch config that
 # `python -m bench.bench_gemm_decode --sweep` found on an H200 for Llama-3-8B's q/k/v, o_proj,
-# gate_up, down and LM head (bf16; one rank).
+# gate_up, down and LM head (bf16; one rank). At M = 1 the GEMV configs were then re-chosen
+# inside whole decode steps (each candidate's batch-1 graph re-captured and replayed, README):
+# there the configs that stage W through shared memory (num_stages > 1: `tl.range` pipelines
+# the loop's loads with cp.async) won for gate_up, o_proj, down and the LM head, by up to
+# 0.08 ms a step each, though not for q/k/v.
 _GEMV4 = Config(4, 512)
 _GEMV4_PIPELINED = Config(4, 1024, 4, 2)  # W through shared memory, a K tile ahead
 # 80 registers keep its 768 programs at q/k/v's shape in one wave (6 a multiprocessor); reading
@@ -283,7 +287,7 @@ CONFIGS: dict[tuple[int, int, int], Config] = {
     (4096, 14336, 1): _GEMV4_PIPELINED,
     **{(4096, 14336, m): replace(_SWAP64, split_k=4) for m in (2, 4, 8)},
     **{(4096, 14336, m): replace(_SWAP64, split_k=2) for m in (16, 32, 64)},
-    (128256, 4096, 1): replace(_SWAP128, num_warps=8),
+    (128256, 4096, 1): Config(8, 1024, 4, 2),
     **{(128256, 4096, m): _SWAP128 for m in (2, 4, 64)},
     **{(128256, 4096, m): _SWAP64 for m in (8, 16, 32)},
     # One rank's shards at tensor_parallel_size=2, batch 1 (q/k/v, gate_up and the LM head split
