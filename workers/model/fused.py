@@ -13,7 +13,8 @@ here is one kernel and rounds where the torch code rounds, so results match it t
   into their KV pool slots (what `AttentionBackend.store_kv` does), in one kernel;
 - `silu_and_mul`: `silu(gate)` rounded to the input dtype, times `up`, as torch computes it;
 - `cos_sin`: rotary's per-token cos and sin from the positions, in float32 like HF, rounded to
-  the 16-bit dtype (torch's form is seven kernels, ~14 µs of every decode step).
+  the 16-bit dtype (torch's form is seven kernels: a batch-1 step's kernels before its first
+  layer took 19.5 µs with them, 8.7 with this one).
 Each launches with programmatic dependent launch where the GPU has it (`workers/model/pdl.py`).
 Callers (`workers/model/layers.py`, `rotary.py`, `llama.py`, `attention/flashinfer.py`) use them
 only when `applies(x)`, so float32 and CPU runs keep the exact torch arithmetic that the
