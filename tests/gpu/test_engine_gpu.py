@@ -259,7 +259,8 @@ def test_decode_layers_run_their_norms_inside_the_gemms(
             tokens, top1, _ = decode_trace(fused, prompts, 16, expect)
             for t, row in itertools.product(range(16), range(len(prompts))):
                 where = (t, row, graphs is not None)
-                assert tokens[t][row] == expect[t][row] or gaps[t][row] < 0.02, where
+                # Each path's log-probs may move by the slack below: a closer pair may swap.
+                assert tokens[t][row] == expect[t][row] or gaps[t][row] < 2 * LOGPROB_SLACK, where
                 # Two bf16 roundings of the normed input (0.052 seen at 4096 wide): twice the
                 # slack; a wrong norm or residual moves them by nats.
                 assert abs(top1[t][row] - expect_top1[t][row]) < 2 * LOGPROB_SLACK, where

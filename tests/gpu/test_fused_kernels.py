@@ -128,3 +128,27 @@ def test_rotary_store_rotates_and_writes_slots(
     assert torch.equal(pool[slot_pages, layer, 1, slot_offsets], v)
     pool[slot_pages, layer, :, slot_offsets] = before[slot_pages, layer, :, slot_offsets]
     assert torch.equal(pool, before)  # no slot but the tokens' own was written
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "dim"), [(1, 4096), (3, 576), (8, 100)])
+def test_step_inputs_gather_rows_their_exact_sums_of_squares_and_cos_sin(
+    dtype: torch.dtype, rows: int, dim: int
+) -> None:
+    """The rows of `F.embedding`, bit for bit; entry 0 holds each row's float64 sum of squares
+    (exact: squares of 16-bit values) in its first slot, every other slot and entry zero; cos
+    and sin as the `cos_sin` kernel gives them."""
+    from workers.model.fused import cos_sin, step_inputs
+    from workers.model.skinny_gemm import SUMSQ_SLOTS
+
+    weight = (torch.randn(1000, dim, device="cuda") * 8).to(dtype)
+    ids = torch.randint(0, 1000, (rows,), device="cuda")
+    positions = torch.randint(0, 100_000, (rows,), device="cuda")
+    inv_freq = RotaryEmbedding(64, 500000.0, None).inv_freq.cuda()
+    x, sums, (cos, sin) = step_inputs(ids, positions, weight, inv_freq, num_sums=5)
+    assert torch.equal(x, F.embedding(ids, weight))
+    assert sums.shape == (5, rows, SUMSQ_SLOTS) and sums.dtype == torch.float64
+    torch.testing.assert_close(sums[0, :, 0], x.double().pow(2).sum(-1), rtol=1e-15, atol=0)
+    assert not sums[0, :, 1:].any() and not sums[1:].any()
+    ref_cos, ref_sin = cos_sin(positions, inv_freq, dtype)
+    assert torch.equal(cos, ref_cos) and torch.equal(sin, ref_sin)

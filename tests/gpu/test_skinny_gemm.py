@@ -252,6 +252,7 @@ def test_residual_sums_of_squares_and_the_next_norm(m: int, n: int, k: int, cfg:
     assert_close(y, reference(x, w) + residual.double(), dtype)
     # In float64, up to the last bit (the values span more than 2^18: not all sums are exact).
     torch.testing.assert_close(sums.sum(-1), y.double().pow(2).sum(-1), rtol=1e-14, atol=0)
+    assert torch.equal(skinny_linear(x, w, config=config, residual=residual), y)  # no sums
     w2 = (torch.randn(n // 2, n, device="cuda") / n**0.5).to(dtype)
     b = torch.randn(n // 2, device="cuda").to(dtype)
     normed = skinny_linear(y, w2, b, config=config, sumsq_in=sums, eps=1e-5)

@@ -76,9 +76,10 @@ def rms_linear(
 def residual_linear(
     x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, sumsq: torch.Tensor | None
 ) -> torch.Tensor:
-    """`residual + x W^T` (one rank: no all-reduce). With `sumsq` (zeroed), in the skinny GEMM's
-    epilogue, which also adds the squares of the sum's rows into it for `rms_linear`."""
-    if sumsq is None:
+    """`residual + x W^T` (one rank: no all-reduce), in the skinny GEMM's epilogue where it runs
+    x's rows; with `sumsq` (zeroed, CUDA), it also adds the squares of the sum's rows into it for
+    `rms_linear`."""
+    if sumsq is None and not skinny_takes_all(x, [weight]):
         return residual + linear(x, weight)
     from workers.model import skinny_gemm  # Triton: imported on first CUDA use
 

@@ -150,8 +150,7 @@ class DecoderLayer(nn.Module):
         read them: on CUDA four skinny GEMM launches and attention, no norm or add kernel.
         `sums` (`rms_linear`): the float64 sums of squares of the stream's rows coming in, and
         zeros for those after attention and going out; a None instead runs that norm itself
-        (off CUDA; the first layer's input; the last layer's output, which the final norm
-        reads)."""
+        (off CUDA; the last layer's output, which the final norm reads)."""
         s_in, s_mid, s_out = sums
         attn_norm, mlp_norm = self.input_layernorm, self.post_attention_layernorm
         residual = self.self_attn.forward_folded(residual, attn_norm, s_in, s_mid, cos_sin, attn)
@@ -196,10 +195,10 @@ class LlamaForCausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
     ) -> torch.Tensor:
         """Packed tokens `[T]` -> final hidden states `[T, hidden]`."""
+        if self.norms_folded and self._folded_forward_runs(input_ids):
+            return self._forward_folded(input_ids, positions, attn)
         x = self.model.embed_tokens(input_ids)
         cos_sin = self.rotary.cos_sin(positions, x.dtype)
-        if self.norms_folded and self._folded_forward_runs(x):
-            return self._forward_folded(x, cos_sin, attn)
         residual: torch.Tensor | None = None
         for layer in self.model.layers:
             x, residual = layer(x, residual, cos_sin, attn)
@@ -208,31 +207,41 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm.add_forward(x, residual, self.tp)[0]
 
     def _forward_folded(
-        self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, ...], attn: AttentionBackend
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
     ) -> torch.Tensor:
-        """`forward` with the norms inside the GEMMs (`fold_norm_gains`): on CUDA each GEMM that
-        ends a half-layer leaves the float64 sums of squares of the new stream's rows in a slice
-        of one zeroed buffer, which the next one's norm reads."""
+        """`forward` with the norms inside the GEMMs (`fold_norm_gains`): on CUDA the embedding
+        and each GEMM that ends a half-layer leave the float64 sums of squares of the new
+        stream's rows in a slice of one buffer, which the next GEMM's norm reads."""
         layers = self.decoder_layers
-        # Entry 2i + 1: the stream after layer i's attention, 2i + 2: after its MLP; None for
-        # the embedding and the last layer's output, whose norms run as kernels.
+        # Entry 0: the embedding rows, 2i + 1: the stream after layer i's attention, 2i + 2:
+        # after its MLP; None for the last layer's output (the final norm runs as a kernel)
+        # and off CUDA (every norm a kernel).
         sums: list[torch.Tensor | None] = [None] * (2 * len(layers) + 1)
-        if x.is_cuda:
-            from workers.model.skinny_gemm import SUMSQ_SLOTS
+        cos_sin: tuple[torch.Tensor, ...]
+        if input_ids.is_cuda:
+            from workers.model import fused
 
-            zeros = torch.zeros((2 * len(layers) - 1, *x.shape[:1], SUMSQ_SLOTS),
-                                dtype=torch.float64, device=x.device)  # fmt: skip
-            sums[1:-1] = list(zeros)
+            x, buffer, cos_sin = fused.step_inputs(
+                input_ids, positions, self.model.embed_tokens.weight, self.rotary.inv_freq,
+                2 * len(layers),
+            )  # fmt: skip
+            sums[:-1] = list(buffer)
+        else:
+            x = self.model.embed_tokens(input_ids)
+            cos_sin = self.rotary.cos_sin(positions, x.dtype)
         residual = x
         for i, layer in enumerate(layers):
             residual = layer.forward_folded(residual, sums[2 * i : 2 * i + 3], cos_sin, attn)
         return self.model.norm(residual)
 
-    def _folded_forward_runs(self, x: torch.Tensor) -> bool:
-        """Whether the folded layers take x's rows: on CUDA where the skinny GEMM runs each of
-        a layer's weights (elsewhere the norm kernels run, their gains 1 after folding); off
-        CUDA always, in torch (tests)."""
-        return not x.is_cuda or skinny_takes_all(x, self.decoder_layers[0].folded_weights())
+    def _folded_forward_runs(self, input_ids: torch.Tensor) -> bool:
+        """Whether the folded layers take these tokens' rows: on CUDA where the skinny GEMM runs
+        each of a layer's weights (elsewhere the norm kernels run, their gains 1 after
+        folding); off CUDA always, in torch (tests)."""
+        if not input_ids.is_cuda:
+            return True
+        rows = self.model.embed_tokens.weight[:1].expand(input_ids.shape[0], -1)  # x's shape
+        return skinny_takes_all(rows, self.decoder_layers[0].folded_weights())
 
     def fold_norm_gains(self) -> None:
         """Multiply each layer's input and post-attention RMSNorm gains into the columns of the

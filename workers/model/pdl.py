@@ -9,7 +9,9 @@ kernel's last wave plus the next one's launch and first loads.
 
 Rules every kernel here follows, so that chains of them stay correct:
 - `start_dependents` first: the next kernel may be scheduled once every block of this one has
-  started (a multi-wave grid reaches that in its last wave);
+  started (a multi-wave grid reaches that in its last wave). Later where the next kernel's
+  early loads would slow this one's latency-bound chain (`split_kv_decode`: after its
+  products); never omitted, or the next kernel starts only when this one ends;
 - before `wait_for_inputs`, read only weights and write nothing. Once it returns, every earlier
   kernel of the stream has ended: the previous one has, and it waited for its own predecessor.
 cuBLAS and torch kernels launch without PDL and serialise as usual; FlashInfer's kernels use PDL
