@@ -138,8 +138,9 @@ def test_step_inputs_gather_rows_their_exact_sums_of_squares_and_cos_sin(
     """The rows of `F.embedding`, bit for bit; entry 0 holds each row's float64 sum of squares
     (exact: squares of 16-bit values) in its first slot, every other slot and entry zero; cos
     and sin as the `cos_sin` kernel gives them."""
-    from workers.model.fused import cos_sin, step_inputs
+    from workers.model.fused import cos_sin
     from workers.model.skinny_gemm import SUMSQ_SLOTS
+    from workers.model.step_inputs import step_inputs
 
     weight = (torch.randn(1000, dim, device="cuda") * 8).to(dtype)
     ids = torch.randint(0, 1000, (rows,), device="cuda")

@@ -219,9 +219,9 @@ class LlamaForCausalLM(nn.Module):
         sums: list[torch.Tensor | None] = [None] * (2 * len(layers) + 1)
         cos_sin: tuple[torch.Tensor, ...]
         if input_ids.is_cuda:
-            from workers.model import fused
+            from workers.model.step_inputs import step_inputs
 
-            x, buffer, cos_sin = fused.step_inputs(
+            x, buffer, cos_sin = step_inputs(
                 input_ids, positions, self.model.embed_tokens.weight, self.rotary.inv_freq,
                 2 * len(layers),
             )  # fmt: skip
