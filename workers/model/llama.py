@@ -238,10 +238,13 @@ class LlamaForCausalLM(nn.Module):
         """Whether the folded layers take these tokens' rows: on CUDA where the skinny GEMM runs
         each of a layer's weights (elsewhere the norm kernels run, their gains 1 after
         folding); off CUDA always, in torch (tests)."""
-        if not input_ids.is_cuda:
-            return True
-        rows = self.model.embed_tokens.weight[:1].expand(input_ids.shape[0], -1)  # x's shape
-        return skinny_takes_all(rows, self.decoder_layers[0].folded_weights())
+        return not input_ids.is_cuda or self._skinny_runs_every_weight(input_ids.shape[0])
+
+    def _skinny_runs_every_weight(self, rows: int) -> bool:
+        """Whether the skinny GEMM takes `rows` rows of the hidden stream times each weight of
+        a layer (asked with a view of the embedding table: the stream's shape, dtype, device)."""
+        x = self.model.embed_tokens.weight[:1].expand(rows, -1)
+        return skinny_takes_all(x, self.decoder_layers[0].folded_weights())
 
     def fold_norm_gains(self) -> None:
         """Multiply each layer's input and post-attention RMSNorm gains into the columns of the
@@ -263,10 +266,7 @@ class LlamaForCausalLM(nn.Module):
         folding removes the norm kernels (`PDSERVE_FOLD_NORMS=0` keeps them, for comparison)."""
         if self.tp.size != 1 or os.environ.get("PDSERVE_FOLD_NORMS", "1") == "0":
             return False
-        layer = self.decoder_layers[0]
-        weight = layer.self_attn.qkv_proj.weight
-        row = torch.zeros(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
-        return skinny_takes_all(row, layer.folded_weights())
+        return self._skinny_runs_every_weight(1)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.logits(hidden)  # float32
