@@ -41,11 +41,11 @@ from bench.gpu_common import (
     write_json,
 )
 from workers.config import EngineConfig
-from workers.engine import ModelRunner
-from workers.engine_core import Engine
+from workers.engine.engine import Engine
+from workers.engine.model_runner import ModelRunner
 from workers.protocol import GenerateRequest, SamplingParams
+from workers.scheduler.step import StepInput
 from workers.sequence import Sequence
-from workers.step import StepInput
 
 # (batch, context). 256 x 4096 is left out: 128 GiB of Llama-3-8B KV plus 16 GB of weights
 # exceed one H200.

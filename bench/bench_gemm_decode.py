@@ -65,7 +65,7 @@ def graph_ms(fn: Callable[[torch.Tensor], object], ws: list[torch.Tensor]) -> fl
 
 
 def sweep_candidates(m: int, n: int) -> list[object]:
-    from workers.model.skinny_gemm import Config
+    from workers.kernels.skinny_gemm import Config
 
     splits = (1, 2, 4, 8) if n <= 8192 else (1, 2)
     out: list[object] = []
@@ -80,7 +80,7 @@ def sweep_candidates(m: int, n: int) -> list[object]:
 
 
 def sweep(shapes: dict[str, tuple[int, int]]) -> list[dict]:
-    from workers.model.skinny_gemm import skinny_linear
+    from workers.kernels.skinny_gemm import skinny_linear
 
     rows = []
     for name, (n, k) in shapes.items():
@@ -120,7 +120,7 @@ def sweep(shapes: dict[str, tuple[int, int]]) -> list[dict]:
 
 
 def compare(shapes: dict[str, tuple[int, int]], copy_gbps: float) -> list[dict]:
-    from workers.model import skinny_gemm
+    from workers.kernels import skinny_gemm
 
     rows = []
     print(

@@ -26,11 +26,11 @@ from bench.gpu_common import (
     write_json,
 )
 from workers.config import EngineConfig
-from workers.engine import ModelRunner
+from workers.engine.model_runner import ModelRunner
 from workers.model.config import ModelConfig
 from workers.protocol import SamplingParams
+from workers.scheduler.step import StepInput
 from workers.sequence import Sequence
-from workers.step import StepInput
 
 CASES = [(1, 8192), (16, 512)]  # (prompts, tokens each)
 SHORT_CASES = [(1, 32), (1, 256)]

@@ -12,8 +12,8 @@ import time
 import torch
 
 from workers.config import EngineConfig
-from workers.engine_core import Engine
-from workers.engine_loop import AsyncEngine
+from workers.engine.async_engine import AsyncEngine
+from workers.engine.engine import Engine
 from workers.protocol import GenerateRequest, SamplingParams
 
 

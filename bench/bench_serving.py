@@ -42,8 +42,9 @@ from ray import serve  # noqa: E402
 
 from bench.serving_load import make_conversations, parse_slo, run_workload, summarize, tpot  # noqa: E402
 from cluster.app import build_app  # noqa: E402
-from workers.model.loader import DEFAULT_MODEL, load_model_config, resolve_model  # noqa: E402
-from workers.tp import free_port  # noqa: E402
+from workers.config import DEFAULT_MODEL  # noqa: E402
+from workers.model.loader import load_model_config, resolve_model  # noqa: E402
+from workers.parallel.rendezvous import free_port  # noqa: E402
 
 MODES = ("disaggregated", "colocated")
 APP = "pdserve-bench"

@@ -24,7 +24,7 @@ import torch
 from workers import LLM, SamplingParams
 from workers.attention.base import AttentionBackend, AttentionBatch
 from workers.attention.torch_ref import TorchAttention
-from workers.model.loader import DEFAULT_MODEL
+from workers.config import DEFAULT_MODEL
 
 
 def backend_class(device: str) -> type[AttentionBackend]:

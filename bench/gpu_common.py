@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from workers.engine import ModelRunner
+    from workers.engine.model_runner import ModelRunner
 
 # HF config fields of the shapes the issue names; weights are random (load_format="dummy").
 SHAPES: dict[str, tuple[str, dict[str, Any]]] = {

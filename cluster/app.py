@@ -19,9 +19,9 @@ from router.metrics_board import MetricsBoard
 from router.openai_api import build_openai_app
 from router.params import generation_defaults
 from router.pd_backend import DisaggregatedBackend
-from workers.decode_worker import DecodeWorker
 from workers.model.loader import load_model_config, load_tokenizer, resolve_model
-from workers.prefill_worker import PrefillWorker
+from workers.serve.decode import DecodeWorker
+from workers.serve.prefill import PrefillWorker
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ def _deployment_options(
     }
     if pool.tensor_parallel_size > 1:
         # One replica = one TP group: the replica is rank 0 in bundle 0, its rank actors take
-        # the other bundles (workers/tp_ranks.py), all on one node.
+        # the other bundles (workers/parallel/ranks.py), all on one node.
         rank = {"CPU": pool.num_cpus_per_rank, "GPU": pool.num_gpus_per_rank, **pool.resources}
         rank = {k: v for k, v in rank.items() if v > 0} or {"CPU": 0.01}  # Ray: no empty bundle
         options["placement_group_bundles"] = [rank] * pool.tensor_parallel_size

@@ -11,8 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from workers.config import EngineConfig
-from workers.handoff import KVTransferConfig
+from workers.config import EngineConfig, KVTransferConfig
 
 
 class Strict(BaseModel):

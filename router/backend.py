@@ -15,13 +15,9 @@ Contract of `generate`:
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
 
-from workers.protocol import GenerateRequest, RequestOutput
-
-if TYPE_CHECKING:
-    from workers.engine_core import EngineStats
-    from workers.engine_loop import AsyncEngine
+from workers.api import EngineStats, GenerateRequest, RequestOutput
 
 
 class RoleStats(NamedTuple):
@@ -41,10 +37,18 @@ class GenerationBackend(Protocol):
         ...
 
 
+class StreamingEngine(Protocol):
+    """What `LocalBackend` needs of an engine (`workers.api.AsyncEngine` has it)."""
+
+    def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]: ...
+
+    def stats(self) -> EngineStats: ...
+
+
 class LocalBackend:
     """The colocated engine in this process: prefill and decode in one `AsyncEngine`."""
 
-    def __init__(self, engine: AsyncEngine, role: str = "colocated") -> None:
+    def __init__(self, engine: StreamingEngine, role: str = "colocated") -> None:
         self.engine = engine
         self.role = role
 

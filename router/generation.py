@@ -25,7 +25,7 @@ from router.protocol import (
     Usage,
 )
 from router.tokenizer import Prompts, RawPrompt
-from workers.protocol import GenerateRequest, RequestOutput, TokenLogprob
+from workers.api import GenerateRequest, RequestOutput, TokenLogprob
 
 
 @dataclass

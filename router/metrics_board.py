@@ -1,7 +1,7 @@
 """The router replicas' request metrics, shared through the stats board so any one can render all.
 
 Each router replica posts its `RequestStats` once a second from a background task under
-`<app>/router/<replica>` (`workers/stats_board.py`); /metrics adds the other replicas' fresh
+`<app>/router/<replica>` (`workers/serve/stats_board.py`); /metrics adds the other replicas' fresh
 entries to this replica's live values. Best effort: a failure is logged, never raised, and
 /metrics then shows what it has.
 """
@@ -13,7 +13,7 @@ import logging
 from collections.abc import Callable
 
 from router.metrics import RequestStats
-from workers.stats_board import POST_INTERVAL_S, StatsPoster, read_role
+from workers.api import POST_INTERVAL_S, StatsPoster, read_role
 
 logger = logging.getLogger(__name__)
 

@@ -53,7 +53,7 @@ from router.protocol import (
 from router.responses import chat_response, completion_response
 from router.streaming import HEADERS, MEDIA_TYPE, stream_events
 from router.tokenizer import Prompts
-from workers.protocol import RequestOutput
+from workers.api import RequestOutput
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from router.errors import BadRequestError
 from router.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from workers.protocol import SamplingParams
+from workers.api import SamplingParams
 
 logger = logging.getLogger(__name__)
 

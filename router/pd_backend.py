@@ -21,8 +21,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from router.backend import RoleStats
-from workers.protocol import GenerateRequest, RequestOutput
-from workers.stats_board import read_pool
+from workers.api import GenerateRequest, RequestOutput, read_pool
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +34,7 @@ class DisaggregatedBackend:
         """`prefill` / `decode`: Serve DeploymentHandles of the two pools; without a prefill
         pool (colocated mode) decode replicas serve whole requests, as they serve prompts of
         at most `decode_prefill_max_tokens` tokens. `app_name` finds every replica's posted
-        stats (`workers/stats_board.py`)."""
+        stats (`workers/serve/stats_board.py`)."""
         self.app_name = app_name
         self.prefill = prefill
         self.decode_prefill_max_tokens = decode_prefill_max_tokens

@@ -19,7 +19,7 @@ from pydantic import (
     field_validator,
 )
 
-from workers.protocol import MAX_LOGPROBS
+from workers.api import MAX_LOGPROBS
 
 
 class OpenAIModel(BaseModel):

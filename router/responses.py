@@ -26,7 +26,7 @@ from router.protocol import (
     TopLogprob,
 )
 from router.tokenizer import Prompts
-from workers.protocol import RequestOutput, TokenLogprob
+from workers.api import RequestOutput, TokenLogprob
 
 MIN_LOGPROB = -9999.0
 

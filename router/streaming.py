@@ -22,7 +22,7 @@ from router.generation import Job
 from router.protocol import ErrorResponse
 from router.responses import content_chunk, role_chunks, usage_chunk
 from router.tokenizer import Prompts
-from workers.protocol import RequestOutput
+from workers.api import RequestOutput
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from workers.model.loader import DEFAULT_MODEL, resolve_model
+from workers.config import DEFAULT_MODEL
+from workers.model.loader import resolve_model
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from workers.engine_core import Engine
+from workers.engine.engine import Engine
 
 
 def drain_and_check_released(engine: Engine) -> None:

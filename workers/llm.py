@@ -9,9 +9,8 @@ from typing import Any
 from pydantic import BaseModel
 from tqdm import tqdm
 
-from workers.config import EngineConfig
-from workers.engine_core import Engine
-from workers.model.loader import DEFAULT_MODEL
+from workers.config import DEFAULT_MODEL, EngineConfig
+from workers.engine.engine import Engine
 from workers.protocol import FinishReason, GenerateRequest, SamplingParams, TokenLogprob
 
 Prompt = str | list[int]

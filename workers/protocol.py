@@ -194,3 +194,24 @@ class RequestOutput(BaseModel):
                 prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs,
             )
         )
+
+
+class EngineStats(BaseModel):
+    num_running: int
+    num_waiting: int
+    kv_pages_total: int
+    kv_pages_used: int
+    kv_pages_pinned: int
+    kv_pages_cached: int = 0  # in the radix tree (used, but evictable unless pinned)
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    num_handoffs_pending: int = 0  # prefill: pinned prompts awaiting a reader; decode: reads
+    nixl_bytes_transferred: int = 0  # decode: KV bytes read from prefill replicas
+    nixl_transfers: int = 0
+    nixl_xfer_time_s: float = 0.0
+    kv_pages_read: int = 0  # decode: prompt pages read over NIXL ...
+    kv_pages_reused: int = 0  # ... and found in this replica's prefix cache instead
+    num_recomputed: int = 0  # decode: hand-offs that failed and were prefilled here
+    prompt_tokens_computed: int
+    generation_tokens: int

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from tests.e2e.app_process import REPO, app_process
-from workers.tp import free_port
+from workers.parallel.rendezvous import free_port
 
 pytestmark = pytest.mark.e2e
 

@@ -18,7 +18,7 @@ from ray import serve  # noqa: E402
 from cluster.app import build_app  # noqa: E402
 from tests.conftest import local_ray  # noqa: E402
 from tests.e2e.serve_metrics import settled_counters  # noqa: E402
-from workers.tp import free_port  # noqa: E402
+from workers.parallel.rendezvous import free_port  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 

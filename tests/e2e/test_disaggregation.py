@@ -12,9 +12,9 @@ pytest.importorskip("nixl")
 
 from tests.conftest import local_ray  # noqa: E402
 from workers import LLM  # noqa: E402
-from workers.decode_worker import DecodeWorker  # noqa: E402
-from workers.prefill_worker import PrefillWorker  # noqa: E402
 from workers.protocol import GenerateRequest, RequestOutput, SamplingParams  # noqa: E402
+from workers.serve.decode import DecodeWorker  # noqa: E402
+from workers.serve.prefill import PrefillWorker  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 

@@ -19,10 +19,15 @@ pytest.importorskip("nixl")
 
 from tests.conftest import local_ray  # noqa: E402
 from workers import LLM  # noqa: E402
-from workers.decode_worker import DecodeWorker  # noqa: E402
-from workers.engine_core import EngineStats  # noqa: E402
-from workers.prefill_worker import PrefillWorker  # noqa: E402
-from workers.protocol import GenerateRequest, KVHandle, RequestOutput, SamplingParams  # noqa: E402
+from workers.protocol import (  # noqa: E402
+    EngineStats,  # noqa: E402
+    GenerateRequest,
+    KVHandle,
+    RequestOutput,
+    SamplingParams,
+)
+from workers.serve.decode import DecodeWorker  # noqa: E402
+from workers.serve.prefill import PrefillWorker  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 

@@ -18,7 +18,7 @@ from openai import AsyncOpenAI, AuthenticationError, BadRequestError, NotFoundEr
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.app_process import REPO, app_process
-from workers.tp import free_port
+from workers.parallel.rendezvous import free_port
 
 pytestmark = pytest.mark.e2e
 

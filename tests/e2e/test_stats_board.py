@@ -12,8 +12,8 @@ ray = pytest.importorskip("ray")
 
 from router.metrics import Metrics, RequestStats  # noqa: E402
 from router.metrics_board import MetricsBoard  # noqa: E402
-from workers import stats_board  # noqa: E402
-from workers.engine_core import EngineStats  # noqa: E402
+from workers.protocol import EngineStats  # noqa: E402
+from workers.serve import stats_board  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 

@@ -18,8 +18,8 @@ from cluster.app import _deployment_options  # noqa: E402
 from cluster.config import AppConfig  # noqa: E402
 from tests.conftest import make_random_checkpoint  # noqa: E402
 from workers import LLM, SamplingParams  # noqa: E402
-from workers.decode_worker import DecodeWorker  # noqa: E402
 from workers.protocol import GenerateRequest  # noqa: E402
+from workers.serve.decode import DecodeWorker  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 

@@ -22,7 +22,7 @@ from ray import serve  # noqa: E402
 from cluster.app import build_app  # noqa: E402
 from tests.e2e.serve_metrics import pool_counter, settled_counters  # noqa: E402
 from workers import LLM, SamplingParams  # noqa: E402
-from workers.tp import free_port  # noqa: E402
+from workers.parallel.rendezvous import free_port  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 

@@ -20,7 +20,7 @@ from tests.conftest import make_random_checkpoint
 
 if TYPE_CHECKING:
     from workers.attention.base import AttentionBatch
-    from workers.cuda_graph import DecodeCudaGraphs
+    from workers.engine.cuda_graph import DecodeCudaGraphs
 
 SMOLLM2_SHAPE = dict(
     hidden_size=576,
@@ -41,7 +41,8 @@ def tokenizer_dir() -> Path:
     env = os.environ.get("PDSERVE_TOKENIZER_DIR")
     if env:
         return Path(env)
-    from workers.model.loader import DEFAULT_MODEL, ModelNotFoundError, resolve_model
+    from workers.config import DEFAULT_MODEL
+    from workers.model.loader import ModelNotFoundError, resolve_model
 
     try:
         return resolve_model(DEFAULT_MODEL)

@@ -18,9 +18,9 @@ from tests.conftest import hf_greedy
 from tests.gpu.conftest import count_replays, hf_judge
 from workers import LLM, SamplingParams
 from workers.config import EngineConfig
-from workers.engine import ModelRunner
+from workers.engine.model_runner import ModelRunner
+from workers.scheduler.step import StepInput
 from workers.sequence import Sequence
-from workers.step import StepInput
 
 pytestmark = pytest.mark.gpu
 
@@ -231,7 +231,7 @@ def test_decode_layers_run_their_norms_inside_the_gemms(
     (`PDSERVE_FOLD_NORMS=0`)."""
     import transformers
 
-    from workers.model import pdl
+    from workers.kernels import pdl
 
     if not pdl.enabled(torch.device("cuda")):
         pytest.skip("without dependent launch the skinny GEMM does not run every weight")

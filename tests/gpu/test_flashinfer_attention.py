@@ -243,7 +243,7 @@ def _rotated_reference(
     cos: torch.Tensor, sin: torch.Tensor, layer: int,
 ) -> torch.Tensor:  # fmt: skip
     """The torch reference in float32 on a copy of `pool`: q and k rotated, k/v written, attend."""
-    from workers.model.rotary import apply_rotary
+    from workers.attention.rotary import apply_rotary
 
     ref_pool = KVPool(pool.layout, pool.pages.shape[0], "cuda")
     ref_pool.pages.copy_(pool.pages)
@@ -257,7 +257,7 @@ def _rotated_reference(
 
 
 def _cos_sin(batch: AttentionBatch, head_dim: int) -> tuple[torch.Tensor, ...]:
-    from workers.model.rotary import RotaryEmbedding
+    from workers.attention.rotary import RotaryEmbedding
 
     positions = torch.tensor([kv - 1 for kv in batch.kv_lens], device="cuda")
     return RotaryEmbedding(head_dim, 500000.0, None).cuda().cos_sin(positions, torch.bfloat16)
@@ -278,7 +278,7 @@ def test_split_kv_decode_kernel_matches_reference(
     merges a slice (on an H200 all programs fit), the second launch across the counters' wrap
     at 2^31; else the last split merges all and resets its counter."""
     from workers.attention.flashinfer import paged_metadata
-    from workers.attention.split_kv_decode import SplitKVDecode
+    from workers.kernels.split_kv_decode import SplitKVDecode
 
     hq, hkv, d = HEADS[heads]
     seed = zlib.crc32(f"{heads}/{page_size}/{kv_lens}".encode())
@@ -303,7 +303,7 @@ def test_split_kv_decode_kernel_matches_reference(
             kernel.locks.fill_(2**31 - kernel.splits)  # the next launch wraps
         else:
             assert not kernel.locks.any()  # the merging programs reset their counters
-    from workers.model.rotary import apply_rotary
+    from workers.attention.rotary import apply_rotary
 
     layer = pool.layer(2)
     written_k = layer[batch.slot_pages, 0, batch.slot_offsets]
@@ -315,8 +315,8 @@ def test_split_kv_decode_kernel_matches_reference(
 def test_graph_decode_attention_at_batch_one_replays_the_split_kv_kernel(heads: str) -> None:
     """A batch-1 graph uses the one-launch kernel (and takes no prefill rows); replays after
     re-plans to other lengths attend to the current sequence."""
-    from workers.attention import split_kv_decode
     from workers.attention.flashinfer import GraphDecodeAttention, new_workspace
+    from workers.kernels import split_kv_decode
 
     assert split_kv_decode.MAX_BATCH >= 1
     hq, hkv, d = HEADS[heads]

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from workers.attention.rotary import RotaryEmbedding
 from workers.model.layers import RMSNorm
-from workers.model.rotary import RotaryEmbedding
 
 pytestmark = pytest.mark.gpu
 
@@ -22,7 +22,7 @@ def close(out: torch.Tensor, ref: torch.Tensor) -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 4096), (300, 576), (7, 9, 64)])
 def test_rms_norm_matches_torch(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
-    from workers.model import fused
+    from workers.kernels import fused
 
     x = torch.randn(shape, device="cuda").to(dtype) * 3
     weight = torch.randn(shape[-1], device="cuda").to(dtype)
@@ -37,7 +37,7 @@ def test_rms_norm_matches_torch(dtype: torch.dtype, shape: tuple[int, ...]) -> N
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,head_dim", [(32, 128), (9, 64), (8, 128)])
 def test_rotary_matches_torch(dtype: torch.dtype, heads: int, head_dim: int) -> None:
-    from workers.model import fused
+    from workers.kernels import fused
 
     tokens = 37
     packed = torch.randn(tokens, (heads + 2) * head_dim, device="cuda").to(dtype)
@@ -77,7 +77,7 @@ def test_cos_sin_kernel_matches_the_float32_torch_form(
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,width", [(1, 28672), (513, 3072)])
 def test_silu_and_mul_matches_torch(dtype: torch.dtype, rows: int, width: int) -> None:
-    from workers.model import fused
+    from workers.kernels import fused
 
     x = torch.randn(rows, width * 2, device="cuda").to(dtype) * 4
     gate, up = x.chunk(2, dim=-1)
@@ -87,7 +87,7 @@ def test_silu_and_mul_matches_torch(dtype: torch.dtype, rows: int, width: int) -
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,width", [(1, 4096), (300, 576)])
 def test_add_rms_norm_matches_add_then_norm(dtype: torch.dtype, rows: int, width: int) -> None:
-    from workers.model import fused
+    from workers.kernels import fused
 
     x = torch.randn(rows, width, device="cuda").to(dtype) * 3
     residual = torch.randn(rows, width, device="cuda").to(dtype) * 3
@@ -107,7 +107,7 @@ def test_rotary_store_rotates_and_writes_slots(
     dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int
 ) -> None:
     """Equal to `fused.rotary` of q and k plus an indexed write of k and v into the pool."""
-    from workers.model import fused
+    from workers.kernels import fused
 
     tokens, pages, page_size, layers = 37, 11, 4, 3
     packed = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, device="cuda").to(dtype)
@@ -138,9 +138,9 @@ def test_step_inputs_gather_rows_their_exact_sums_of_squares_and_cos_sin(
     """The rows of `F.embedding`, bit for bit; entry 0 holds each row's float64 sum of squares
     (exact: squares of 16-bit values) in its first slot, every other slot and entry zero; cos
     and sin as the `cos_sin` kernel gives them."""
-    from workers.model.fused import cos_sin
-    from workers.model.skinny_gemm import SUMSQ_SLOTS
-    from workers.model.step_inputs import step_inputs
+    from workers.kernels.fused import cos_sin
+    from workers.kernels.skinny_gemm import SUMSQ_SLOTS
+    from workers.kernels.step_inputs import step_inputs
 
     weight = (torch.randn(1000, dim, device="cuda") * 8).to(dtype)
     ids = torch.randint(0, 1000, (rows,), device="cuda")

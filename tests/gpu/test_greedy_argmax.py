@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.sampler import argmax_rows
+from workers.sampling.sampler import argmax_rows
 
 pytestmark = pytest.mark.gpu
 

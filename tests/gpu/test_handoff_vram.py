@@ -22,10 +22,12 @@ import torch
 pytest.importorskip("nixl")
 
 from workers import LLM, SamplingParams  # noqa: E402
-from workers.config import EngineConfig  # noqa: E402
-from workers.decode_engine import DecodeEngine  # noqa: E402
-from workers.handoff import KVTransferConfig  # noqa: E402
-from workers.prefill_engine import PrefillEngine  # noqa: E402
+from workers.config import (
+    EngineConfig,  # noqa: E402
+    KVTransferConfig,  # noqa: E402
+)
+from workers.disagg.decode import DecodeEngine  # noqa: E402
+from workers.disagg.prefill import PrefillEngine  # noqa: E402
 from workers.protocol import GenerateRequest, RequestOutput, TokenLogprob  # noqa: E402
 
 pytestmark = pytest.mark.gpu

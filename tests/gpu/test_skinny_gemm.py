@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from workers.tp import TPGroup
+from workers.parallel.group import TPGroup
 
 pytestmark = pytest.mark.gpu
 
@@ -34,7 +34,7 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> No
 )
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 13, 16, 31, 32, 64])
 def test_skinny_linear_matches_fp64_reference(m: int, n: int, k: int, dtype: torch.dtype) -> None:
-    from workers.model.skinny_gemm import skinny_linear
+    from workers.kernels.skinny_gemm import skinny_linear
 
     torch.manual_seed(m * 7919 + n + k)
     x = torch.randn(m, k, device="cuda").to(dtype)
@@ -53,7 +53,7 @@ SPLIT_CONFIGS = [
 @pytest.mark.parametrize("n,k", [(4096, 14336), (333, 4104), (100, 300)])
 @pytest.mark.parametrize("m", [1, 5, 33, 64])
 def test_split_k_sums_the_partials_of_every_split(m: int, n: int, k: int, cfg: dict) -> None:
-    from workers.model.skinny_gemm import MAX_GEMV_ROWS, Config, skinny_linear
+    from workers.kernels.skinny_gemm import MAX_GEMV_ROWS, Config, skinny_linear
 
     if not cfg.get("dot") and m > MAX_GEMV_ROWS:
         pytest.skip("the GEMV kernel takes few rows")
@@ -75,7 +75,7 @@ def assert_float32_close(out: torch.Tensor, ref: torch.Tensor) -> None:
 @pytest.mark.parametrize("m", [1, 5, 64])
 def test_float32_output_keeps_what_16_bit_rounding_drops(m: int, cfg: dict | None) -> None:
     """Logits: the fp32 sums of every kernel (GEMV, tensor-core, split-K) come out unrounded."""
-    from workers.model.skinny_gemm import MAX_GEMV_ROWS, Config, skinny_linear
+    from workers.kernels.skinny_gemm import MAX_GEMV_ROWS, Config, skinny_linear
 
     if cfg is not None and not cfg.get("dot") and m > MAX_GEMV_ROWS:
         pytest.skip("the GEMV kernel takes few rows")
@@ -89,7 +89,7 @@ def test_float32_output_keeps_what_16_bit_rounding_drops(m: int, cfg: dict | Non
 
 @pytest.mark.parametrize("m", [1, 4, 24])
 def test_skinny_linear_adds_bias_and_reads_strided_rows(m: int) -> None:
-    from workers.model.skinny_gemm import skinny_linear
+    from workers.kernels.skinny_gemm import skinny_linear
 
     x = torch.randn(m, 2 * 1000, device="cuda", dtype=torch.bfloat16)[:, ::2]  # stride 2 in K
     rows = torch.randn(m, 1024 + 512, device="cuda", dtype=torch.bfloat16)[:, :1024]  # row stride
@@ -103,7 +103,7 @@ def test_skinny_linear_adds_bias_and_reads_strided_rows(m: int) -> None:
 @pytest.mark.parametrize("cfg", [None, *SPLIT_CONFIGS])
 @pytest.mark.parametrize("m", [1, 8, 64])
 def test_skinny_linear_replays_in_a_cuda_graph(m: int, cfg: dict | None) -> None:
-    from workers.model.skinny_gemm import MAX_GEMV_ROWS, Config, skinny_linear
+    from workers.kernels.skinny_gemm import MAX_GEMV_ROWS, Config, skinny_linear
 
     if cfg and not cfg.get("dot") and m > MAX_GEMV_ROWS:
         pytest.skip("the GEMV kernel takes few rows")
@@ -130,7 +130,7 @@ def test_layers_use_the_kernel_only_where_it_was_measured_to_win(
 ) -> None:
     """With PDL: every measured (shape, rows) cell, the gated GEMV for gate_up where its config
     is a GEMV; without: the cells that won on their own. Unmeasured shapes: F.linear."""
-    from workers.model import fused, pdl, skinny_gemm
+    from workers.kernels import fused, pdl, skinny_gemm
     from workers.model.layers import (
         ColumnParallelLinear,
         ParallelLMHead,
@@ -195,8 +195,8 @@ def test_gated_product_equals_the_gemm_then_silu_and_mul(
     """One GEMV launch for [gate; up] gives silu(gate) * up rounded where the unfused path
     rounds (gate and up, then silu), and what the GEMM (same config) followed by
     `fused.silu_and_mul` gives, to 16-bit rounding (the fp32 sums may reduce in another order)."""
-    from workers.model import fused
-    from workers.model.skinny_gemm import config_for, skinny_linear
+    from workers.kernels import fused
+    from workers.kernels.skinny_gemm import config_for, skinny_linear
 
     x = torch.randn(m, k, device="cuda").to(dtype)
     w = (torch.randn(2 * n, k, device="cuda") / k**0.5).to(dtype)
@@ -209,7 +209,7 @@ def test_gated_product_equals_the_gemm_then_silu_and_mul(
 
 
 def test_gated_product_refuses_what_the_gemv_kernel_cannot_do() -> None:
-    from workers.model.skinny_gemm import Config, skinny_linear
+    from workers.kernels.skinny_gemm import Config, skinny_linear
 
     x = torch.randn(2, 256, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
@@ -238,7 +238,7 @@ def test_residual_sums_of_squares_and_the_next_norm(m: int, n: int, k: int, cfg:
     """`residual` + `sumsq_out`: y = residual + x W^T, and the slots of each row hold the sum of
     the squares of y's stored (rounded) values, exactly. `sumsq_in` (+ bias): the next launch
     multiplies y / rms(y) from those sums, as an RMSNorm with unit gain would."""
-    from workers.model.skinny_gemm import MAX_GEMV_ROWS, SUMSQ_SLOTS, Config, skinny_linear
+    from workers.kernels.skinny_gemm import MAX_GEMV_ROWS, SUMSQ_SLOTS, Config, skinny_linear
 
     config = Config(**cfg)
     if not config.dot and m > MAX_GEMV_ROWS:
@@ -262,7 +262,7 @@ def test_residual_sums_of_squares_and_the_next_norm(m: int, n: int, k: int, cfg:
 @pytest.mark.parametrize("n,k", [(14336, 4096), (1536, 576)])
 @pytest.mark.parametrize("m", [1, 5])
 def test_gated_product_of_the_normed_input(m: int, n: int, k: int) -> None:
-    from workers.model.skinny_gemm import SUMSQ_SLOTS, config_for, skinny_linear
+    from workers.kernels.skinny_gemm import SUMSQ_SLOTS, config_for, skinny_linear
 
     dtype = torch.bfloat16
     x = (torch.randn(m, k, device="cuda") * 5).to(dtype)
@@ -276,7 +276,7 @@ def test_gated_product_of_the_normed_input(m: int, n: int, k: int) -> None:
 
 
 def test_sums_and_residual_of_the_wrong_shape_are_refused() -> None:
-    from workers.model.skinny_gemm import SUMSQ_SLOTS, skinny_linear
+    from workers.kernels.skinny_gemm import SUMSQ_SLOTS, skinny_linear
 
     x = torch.randn(2, 256, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
@@ -294,8 +294,8 @@ def _decoder_chain(
     """A decode layer's kernel sequence, each reading the one before: norm, GEMV, gated GEMV;
     `folded`: no norm kernel, the GEMVs normalise their input from the sums of squares that the
     one before left, and add the residual."""
-    from workers.model import fused
-    from workers.model.skinny_gemm import SUMSQ_SLOTS, skinny_linear
+    from workers.kernels import fused
+    from workers.kernels.skinny_gemm import SUMSQ_SLOTS, skinny_linear
 
     residual = x
     if folded:
@@ -319,7 +319,7 @@ def test_dependent_launches_give_the_serial_results(
     weights early: a chain of 24-36 of them, captured and replayed on fresh inputs, must equal
     the same chain launched without it, bit for bit (a read before `gdc_wait` would see stale
     x, a residual or sums of squares not yet written)."""
-    from workers.model import pdl
+    from workers.kernels import pdl
 
     hidden, inter = 4096, 14336
     torch.manual_seed(0)

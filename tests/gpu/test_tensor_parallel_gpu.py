@@ -17,8 +17,8 @@ import torch
 from tests.conftest import make_random_checkpoint
 from tests.gpu.conftest import count_replays, hf_judge
 from workers import LLM, SamplingParams
-from workers.tp import TPGroup
-from workers.tp_ranks import STOP_TIMEOUT_S
+from workers.parallel.group import TPGroup
+from workers.parallel.ranks import STOP_TIMEOUT_S
 
 pytestmark = [
     pytest.mark.gpu,
@@ -92,8 +92,8 @@ def _ipc_rank(rank: int, address: str) -> None:
     os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
     import torch.distributed as dist
 
-    from workers.ipc_all_reduce import MAX_BYTES
-    from workers.tp import destroy_group, init_group
+    from workers.parallel.ipc_all_reduce import MAX_BYTES
+    from workers.parallel.rendezvous import destroy_group, init_group
 
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
@@ -138,8 +138,8 @@ def _check_fused_norm(tp: TPGroup, gen: torch.Generator, device: torch.device) -
     between two GEMVs (all launched with PDL: it must wait for the first one's output)."""
     import torch.distributed as dist
 
-    from workers.model import fused
-    from workers.model.skinny_gemm import skinny_linear
+    from workers.kernels import fused
+    from workers.kernels.skinny_gemm import skinny_linear
 
     assert tp.ipc is not None
     norm = (torch.rand(4096, generator=gen, device=device) + 0.5).to(torch.bfloat16)
@@ -186,7 +186,7 @@ def test_ipc_all_reduce_equals_nccl_in_and_out_of_graphs() -> None:
     with the residual add and RMSNorm equals NCCL followed by `fused.add_rms_norm`."""
     import torch.multiprocessing as mp
 
-    from workers.tp import free_port
+    from workers.parallel.rendezvous import free_port
 
     address = f"127.0.0.1:{free_port('127.0.0.1')}"
     mp.spawn(_ipc_rank, args=(address,), nprocs=2, join=True)

@@ -8,8 +8,8 @@ import asyncio
 import pytest
 
 from workers.config import EngineConfig
-from workers.engine_core import Engine, RequestRejectedError
-from workers.engine_loop import AsyncEngine
+from workers.engine.async_engine import AsyncEngine
+from workers.engine.engine import Engine, RequestRejectedError
 from workers.protocol import GenerateRequest, RequestOutput, SamplingParams, TokenLogprob
 
 

@@ -83,7 +83,7 @@ def test_smollm2_prompt_logprobs_equal_hf(
     logprobs recompute them)."""
     import torch
 
-    from workers import engine
+    from workers.engine import model_runner as engine
 
     monkeypatch.setattr(engine, "PROMPT_ROWS_AT_ONCE", rows_at_once)
     prompts = smollm2_reference[0][:4]

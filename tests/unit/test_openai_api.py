@@ -23,8 +23,8 @@ import uvicorn
 from router.openai_api import LocalBackend, build_openai_app
 from router.params import generation_defaults
 from workers.config import EngineConfig
-from workers.engine_core import Engine
-from workers.engine_loop import AsyncEngine
+from workers.engine.async_engine import AsyncEngine
+from workers.engine.engine import Engine
 from workers.protocol import GenerateRequest, RequestOutput
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

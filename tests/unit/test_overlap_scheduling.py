@@ -14,7 +14,7 @@ import pytest
 from tests.engine_checks import drain_and_check_released
 from workers import LLM, SamplingParams
 from workers.config import EngineConfig
-from workers.engine_core import Engine
+from workers.engine.engine import Engine
 from workers.protocol import GenerateRequest
 
 PROMPTS = [f"Item {i}: the history of the number {i} is" for i in range(5)] + [

@@ -8,9 +8,9 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from workers.penalties import LogitAdjustments, adjusts_logits
 from workers.protocol import SamplingParams
-from workers.sampler import SamplingBatch, sample
+from workers.sampling.penalties import LogitAdjustments, adjusts_logits
+from workers.sampling.sampler import SamplingBatch, sample
 
 VOCAB = 50
 

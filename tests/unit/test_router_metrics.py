@@ -7,7 +7,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from router.backend import RoleStats
 from router.metrics import Metrics, RequestStats
-from workers.engine_core import EngineStats
+from workers.protocol import EngineStats
 
 
 def stats(running: int, used: int, pinned: int, generated: int) -> EngineStats:

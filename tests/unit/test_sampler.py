@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from workers.sampler import SamplingBatch, apply_filters, sample
+from workers.sampling.sampler import SamplingBatch, apply_filters, sample
 
 
 def batch(

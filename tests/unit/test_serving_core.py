@@ -9,7 +9,7 @@ import pytest
 from tests.engine_checks import drain_and_check_released
 from workers import LLM, SamplingParams
 from workers.config import EngineConfig
-from workers.engine_core import Engine, RequestRejectedError
+from workers.engine.engine import Engine, RequestRejectedError
 from workers.protocol import GenerateRequest
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)

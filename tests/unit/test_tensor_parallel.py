@@ -16,8 +16,8 @@ import torch.distributed as dist
 
 from tests.conftest import local_ray
 from workers import LLM, SamplingParams
+from workers.parallel.ranks import TPRankError
 from workers.protocol import GenerateRequest
-from workers.tp_ranks import TPRankError
 
 PROMPTS = [
     "The capital of France is",
@@ -132,7 +132,7 @@ def test_a_row_parallel_linear_defers_its_all_reduce_only_without_bias() -> None
     import torch
 
     from workers.model.layers import RowParallelLinear
-    from workers.tp import TPGroup
+    from workers.parallel.group import TPGroup
 
     x = torch.randn(2, 8)
     plain = RowParallelLinear(8, 4, bias=False, tp=TPGroup())

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from workers.config import EngineConfig
-from workers.engine import ModelRunner
+from workers.engine.model_runner import ModelRunner
 from workers.protocol import SamplingParams
+from workers.scheduler.step import StepInput
 from workers.sequence import Sequence
-from workers.step import StepInput
 
 PAGE = 4  # several pages a row
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4)

@@ -12,7 +12,7 @@ writes K/V, `fused.rotary_store`):
 - `FlashInferAttention` plans whatever step comes: a decode wrapper when every sequence adds one
   token, else a causal prefill wrapper whose queries are the last `q_len` of `kv_len` positions.
 - `GraphDecodeAttention` serves decode steps of exactly one batch size from fixed buffers, so a
-  CUDA graph captured over the model can be replayed after each re-plan (`workers/cuda_graph.py`).
+  CUDA graph captured over the model can be replayed after each re-plan (`engine/cuda_graph.py`).
 """
 
 from __future__ import annotations
@@ -25,12 +25,11 @@ import flashinfer
 import numpy as np
 import torch
 
-from workers.attention import split_kv_decode
 from workers.attention.base import AttentionBackend, AttentionBatch
-from workers.attention.split_kv_decode import SplitKVDecode
+from workers.attention.rotary import apply_rotary
+from workers.kernels import fused, split_kv_decode
+from workers.kernels.split_kv_decode import SplitKVDecode
 from workers.kvcache.pool import KVPool
-from workers.model import fused
-from workers.model.rotary import apply_rotary
 
 WORKSPACE_BYTES = 256 * 2**20  # FlashInfer's split-KV scratch; 128 MiB is its recommended floor
 # Decode on tensor cores (FlashInfer's fa2 prefill kernels, each GQA group packed as query rows)

@@ -1,0 +1,2 @@
+"""The model: its config, the Llama-family module over paged KV, its tensor-parallel layers, and
+loading weights (GGUF, safetensors, or random for benchmarks)."""

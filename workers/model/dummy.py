@@ -13,7 +13,7 @@ import torch
 
 from workers.model.config import ModelConfig
 from workers.model.llama import STACKED_PARAMS, LlamaForCausalLM
-from workers.tp import TPGroup
+from workers.parallel.group import TPGroup
 
 INIT_STD = 0.02
 

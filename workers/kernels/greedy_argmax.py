@@ -4,7 +4,7 @@ torch's `argmax` reduces a row in one thread block (37 µs for Llama-3's 128k lo
 the chunked torch form that replaced it is four kernels, ~14 µs of a batch-1 decode step. Here
 each row is cut into <= 256 chunks, one program each (first launch), and one program a row picks
 the first chunk holding the row's maximum (second); both launch with programmatic dependent
-launch (`workers/model/pdl.py`). The answer is torch's: the first index of the maximum, a NaN
+launch (`workers/kernels/pdl.py`). The answer is torch's: the first index of the maximum, a NaN
 counting as the maximum.
 """
 
@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from workers.model import pdl
-from workers.model.pdl import start_dependents, wait_for_inputs
+from workers.kernels import pdl
+from workers.kernels.pdl import start_dependents, wait_for_inputs
 
 MAX_CHUNKS = 256
 

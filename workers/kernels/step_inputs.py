@@ -13,10 +13,10 @@ import torch
 import triton
 import triton.language as tl
 
-from workers.model import pdl
-from workers.model.fused import cos_sin_row
-from workers.model.pdl import start_dependents, wait_for_inputs
-from workers.model.skinny_gemm import SUMSQ_SLOTS
+from workers.kernels import pdl
+from workers.kernels.fused import cos_sin_row
+from workers.kernels.pdl import start_dependents, wait_for_inputs
+from workers.kernels.skinny_gemm import SUMSQ_SLOTS
 
 
 @triton.jit

@@ -15,7 +15,7 @@ from typing import TypeVar
 
 from pydantic import BaseModel
 
-from workers.engine_core import EngineStats
+from workers.protocol import EngineStats
 from workers.transfer.peers import ray_internal_kv
 
 NAMESPACE = "pdserve-stats"

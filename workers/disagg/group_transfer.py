@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from workers.engine.tp_runner import RankCommand, RankRunner, TPDriverRunner
 from workers.protocol import KVLayout
-from workers.tp_runner import RankCommand, RankRunner, TPDriverRunner
 from workers.transfer.agent import KVTransferAgent
 from workers.transfer.errors import TransportUnavailableError
 from workers.transfer.handle import TransferStats, XferState, combine

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from workers.prefill_engine import PrefillEngine
+from workers.disagg.prefill import PrefillEngine
 from workers.protocol import GenerateRequest, RequestOutput
-from workers.serve_worker import EngineWorker
+from workers.serve.worker import EngineWorker
 
 
 class PrefillWorker(EngineWorker):

@@ -15,7 +15,7 @@ here is one kernel and rounds where the torch code rounds, so results match it t
 - `cos_sin`: rotary's per-token cos and sin from the positions, in float32 like HF, rounded to
   the 16-bit dtype (torch's form is seven kernels: a batch-1 step's kernels before its first
   layer took 19.5 µs with them, 8.7 with this one).
-Each launches with programmatic dependent launch where the GPU has it (`workers/model/pdl.py`).
+Each launches with programmatic dependent launch where the GPU has it (`workers/kernels/pdl.py`).
 Callers (`workers/model/layers.py`, `rotary.py`, `llama.py`, `attention/flashinfer.py`) use them
 only when `applies(x)`, so float32 and CPU runs keep the exact torch arithmetic that the
 HF-equality tests pin.
@@ -27,8 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from workers.model import pdl
-from workers.model.pdl import start_dependents, wait_for_inputs
+from workers.kernels import pdl
+from workers.kernels.pdl import start_dependents, wait_for_inputs
 
 
 def applies(x: torch.Tensor) -> bool:

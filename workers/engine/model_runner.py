@@ -22,9 +22,10 @@ from workers.kvcache.page_table import PageTable
 from workers.kvcache.pool import KVPool
 from workers.model.dummy import build_dummy_model
 from workers.model.loader import load_model, load_model_config, resolve_model
-from workers.penalties import LogitAdjustments, adjusts_logits
+from workers.parallel.group import SINGLE, TPGroup
 from workers.protocol import KVLayout
-from workers.sampler import (
+from workers.sampling.penalties import LogitAdjustments, adjusts_logits
+from workers.sampling.sampler import (
     SampledTensors,
     SampleResult,
     SamplingBatch,
@@ -32,12 +33,11 @@ from workers.sampler import (
     prompt_logprobs,
     sample,
 )
+from workers.scheduler.step import LaunchedStep, StepInput, StepOutputs, StepPlan
 from workers.sequence import Sequence
-from workers.step import LaunchedStep, StepInput, StepOutputs, StepPlan
-from workers.tp import SINGLE, TPGroup
 
 if TYPE_CHECKING:
-    from workers.cuda_graph import DecodeCudaGraphs
+    from workers.engine.cuda_graph import DecodeCudaGraphs
 
 
 CPU_DEFAULT_KV_GB = 1.0
@@ -81,7 +81,7 @@ class ModelRunner:
         self.graphs: DecodeCudaGraphs | None = None
         graph_sizes = cfg.resolved_graph_batch_sizes()
         if graph_sizes and backend == "flashinfer" and self.device.type == "cuda":
-            from workers.cuda_graph import DecodeCudaGraphs  # CUDA only
+            from workers.engine.cuda_graph import DecodeCudaGraphs  # CUDA only
 
             max_pages = -(-self.max_model_len // cfg.page_size)
             self.graphs = DecodeCudaGraphs(

@@ -25,9 +25,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from workers.engine_core import EngineStats, RequestRejectedError
-from workers.handoff import HandoffEngine
-from workers.protocol import GenerateRequest, KVHandle, RequestOutput
+from workers.disagg.handoff import HandoffEngine
+from workers.engine.engine import RequestRejectedError
+from workers.protocol import EngineStats, GenerateRequest, KVHandle, RequestOutput
 from workers.sequence import SeqStatus, Sequence
 from workers.transfer import KVLayoutMismatchError, TransferError, TransferHandle, XferState
 from workers.transfer.handle import combine

@@ -4,7 +4,7 @@ A decode step multiplies 1-64 rows by every weight of the model once, so its GEM
 reading W, not by arithmetic. On its own the kernel beats cuBLAS on some of Llama-3-8B's shapes
 only (4-8% on the LM head at every M <= 64, 7-17% on q/k/v and o_proj at M = 1, 3-5% on o_proj
 at M = 4-32; an H200, bench/bench_gemm_decode.py). Inside a decode step it also launches with
-programmatic dependent launch (`workers/model/pdl.py`): it loads its first K tile of W before
+programmatic dependent launch (`workers/kernels/pdl.py`): it loads its first K tile of W before
 waiting for x, so the weight stream starts while the previous kernel ends; there it beat cuBLAS
 on every measured shape (see WINS). Two kernels, one accumulation rule (fp32, one rounding to
 x's dtype at the end, bias added in fp32 before it):
@@ -33,8 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from workers.model import pdl
-from workers.model.pdl import start_dependents, wait_for_inputs
+from workers.kernels import pdl
+from workers.kernels.pdl import start_dependents, wait_for_inputs
 
 SUMSQ_SLOTS = 8  # float64 sums of squares per row (`_finish`): 1/8 of the adds contend on each
 _SLOTS = tl.constexpr(SUMSQ_SLOTS)

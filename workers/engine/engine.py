@@ -17,47 +17,24 @@ from __future__ import annotations
 import logging
 import time
 
-from pydantic import BaseModel
-
 from workers.config import EngineConfig
 from workers.detokenizer import IncrementalDetokenizer
+from workers.engine.tp_runner import create_runner
 from workers.kvcache.allocator import PageAllocator
 from workers.kvcache.manager import KVManager
 from workers.model.loader import load_tokenizer
-from workers.protocol import GenerateRequest, RequestOutput, TokenLogprob
-from workers.sampler import SampleResult
+from workers.parallel.group import SINGLE, TPGroup
+from workers.protocol import EngineStats, GenerateRequest, RequestOutput, TokenLogprob
+from workers.sampling.sampler import SampleResult
 from workers.scheduler.scheduler import Scheduler
+from workers.scheduler.step import LaunchedStep, StepInput
 from workers.sequence import SeqStatus, Sequence
-from workers.step import LaunchedStep, StepInput
-from workers.tp import SINGLE, TPGroup
-from workers.tp_runner import create_runner
 
 logger = logging.getLogger(__name__)
 
 
 class RequestRejectedError(ValueError):
     """The request can never be served (too long for the context or the KV pool)."""
-
-
-class EngineStats(BaseModel):
-    num_running: int
-    num_waiting: int
-    kv_pages_total: int
-    kv_pages_used: int
-    kv_pages_pinned: int
-    kv_pages_cached: int = 0  # in the radix tree (used, but evictable unless pinned)
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-    num_handoffs_pending: int = 0  # prefill: pinned prompts awaiting a reader; decode: reads
-    nixl_bytes_transferred: int = 0  # decode: KV bytes read from prefill replicas
-    nixl_transfers: int = 0
-    nixl_xfer_time_s: float = 0.0
-    kv_pages_read: int = 0  # decode: prompt pages read over NIXL ...
-    kv_pages_reused: int = 0  # ... and found in this replica's prefix cache instead
-    num_recomputed: int = 0  # decode: hand-offs that failed and were prefilled here
-    prompt_tokens_computed: int
-    generation_tokens: int
 
 
 class _RunningStep:

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from workers.decode_engine import DecodeEngine
+from workers.disagg.decode import DecodeEngine
 from workers.protocol import GenerateRequest, RequestOutput
-from workers.serve_worker import EngineWorker
+from workers.serve.worker import EngineWorker
 
 
 class DecodeWorker(EngineWorker):

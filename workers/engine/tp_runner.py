@@ -12,7 +12,7 @@ the plan (queued like any collective: no host sync), and the other ranks use the
 `_prev`. A plan without unseen tokens sends nothing more.
 
 Between steps rank 0 may also send a `RankCommand` (e.g. the KV hand-off's transfer ops, see
-`workers/transfer/group.py`): every rank 1..N-1 runs it and the answers are gathered back to
+`workers/disagg/group_transfer.py`): every rank 1..N-1 runs it and the answers are gathered back to
 rank 0 over the control group. Nothing is sent unless an engine asks (never at TP=1).
 
 Invariant: every rank's KV pool has the same number of pages (the fewest any rank can hold), so
@@ -30,15 +30,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from workers.config import EngineConfig
-from workers.engine import ModelRunner
+from workers.engine.model_runner import ModelRunner
 from workers.model.llama import LlamaForCausalLM
 from workers.model.loader import load_model_config, resolve_model
-from workers.step import StepOutputs, StepPlan
-from workers.tp import SINGLE, TPGroup, destroy_group, free_port, init_group
+from workers.parallel.group import SINGLE, TPGroup
+from workers.parallel.rendezvous import destroy_group, free_port, init_group
+from workers.scheduler.step import StepOutputs, StepPlan
 
 if TYPE_CHECKING:
-    from workers.cuda_graph import DecodeCudaGraphs
-    from workers.tp_ranks import RankActors, TPRankError
+    from workers.engine.cuda_graph import DecodeCudaGraphs
+    from workers.parallel.ranks import RankActors, TPRankError
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +105,7 @@ class TPDriverRunner(RankRunner):
     def __init__(self, cfg: EngineConfig) -> None:
         import ray
 
-        from workers.tp_ranks import RankActors
+        from workers.parallel.ranks import RankActors
 
         _check_shardable(cfg)
         size, device = cfg.tensor_parallel_size, _device(cfg)

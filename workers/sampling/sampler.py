@@ -1,5 +1,5 @@
 """Batched sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs, and
-logit bias and penalties (`workers/penalties.py`) first where rows ask for them.
+logit bias and penalties (`workers/sampling/penalties.py`) first where rows ask for them.
 
 Sampling draws `argmax(p / q)` with q ~ Exponential(1) per vocabulary entry, which picks token i
 with probability p_i. Seeded requests draw q from their own generator, so their tokens do not
@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from workers.penalties import LogitAdjustments
+from workers.sampling.penalties import LogitAdjustments
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
@@ -24,7 +24,7 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     row of Llama-3's 128k logits on an H200, 1% of a batch-1 step); there two Triton launches
     reduce chunks of the row in parallel (`greedy_argmax`)."""
     if x.is_cuda and x.stride(-1) == 1:
-        from workers import greedy_argmax  # Triton: imported on first CUDA use
+        from workers.kernels import greedy_argmax  # Triton: imported on first CUDA use
 
         return greedy_argmax.argmax_rows(x)
     return x.argmax(dim=-1)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from workers.sampler import SampledTensors, SampleResult
+from workers.sampling.sampler import SampledTensors, SampleResult
 from workers.sequence import Sequence
 
 

@@ -6,7 +6,7 @@ FlashInfer's split-KV decode, its merge of the splits; README, one H200), the we
 idle. Here one launch does all of it, and starts reading before its input exists:
 - programs are (sequence, KV head, split of the sequence's past tokens); each first loads the page
   ids and the K/V of its first tile: tokens of earlier steps, which no kernel of this forward
-  writes, so under programmatic dependent launch (`workers/model/pdl.py`) they stream while the
+  writes, so under programmatic dependent launch (`workers/kernels/pdl.py`) they stream while the
   q/k/v GEMM ends. Then it waits for that GEMM's output;
 - it rotates its query heads (the KV head's GQA group, as tensor-core rows) and the new token's
   k; split 0 writes the new k and v into their pool slot and counts the new token in its
@@ -20,8 +20,8 @@ Arithmetic as FlashInfer's: bf16 q, K and probabilities into fp32 tensor-core pr
 
 One launch cannot see writes of its own other programs, so a step whose rows include several
 tokens of one sequence (a prefill chunk laid out one row per token) must not use it: each row's
-past would include the K/V other rows write in the same launch. `cuda_graph.py` never runs such
-a step on a graph that uses this kernel.
+past would include the K/V other rows write in the same launch. `engine/cuda_graph.py` never
+runs such a step on a graph that uses this kernel.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from workers.model import pdl
-from workers.model.pdl import start_dependents, wait_for_inputs
+from workers.kernels import pdl
+from workers.kernels.pdl import start_dependents, wait_for_inputs
 
 MAX_BATCH = 1  # batch sizes whose decode graphs use this kernel (FlashInfer above)
 TILE = 32  # past tokens per inner step

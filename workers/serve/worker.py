@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from workers.config import EngineConfig
-from workers.engine_core import EngineStats
-from workers.engine_loop import AsyncEngine
-from workers.handoff import HandoffEngine, KVTransferConfig
-from workers.stats_board import StatsPoster
+from workers.config import EngineConfig, KVTransferConfig
+from workers.disagg.handoff import HandoffEngine
+from workers.engine.async_engine import AsyncEngine
+from workers.protocol import EngineStats
+from workers.serve.stats_board import StatsPoster
 
 
 def replica_context() -> Any:

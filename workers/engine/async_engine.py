@@ -15,8 +15,8 @@ import threading
 from collections.abc import AsyncGenerator, Callable
 from typing import Any, TypeVar
 
-from workers.engine_core import Engine, EngineStats
-from workers.protocol import GenerateRequest, RequestOutput
+from workers.engine.engine import Engine
+from workers.protocol import EngineStats, GenerateRequest, RequestOutput
 
 logger = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ from workers.attention.base import AttentionBatch
 from workers.attention.flashinfer import GraphDecodeAttention, new_workspace
 from workers.kvcache.pool import KVPool
 from workers.model.llama import LlamaForCausalLM
-from workers.sampler import argmax_rows
+from workers.sampling.sampler import argmax_rows
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,8 @@ import logging
 import time
 from typing import Any
 
-from workers.handoff import HandoffEngine, Lease, LeaseTable
+from workers.disagg.handoff import HandoffEngine
+from workers.disagg.leases import Lease, LeaseTable
 from workers.protocol import KVHandle, RequestOutput
 from workers.sequence import Sequence
 

@@ -1,0 +1,36 @@
+"""The workers' door: everything the router (and the app that wires it) may use of the workers.
+
+Types that cross between the router and the engines (requests, sampling parameters, output
+chunks, engine stats) and the stats board's readers, through which the router sees every
+replica's counters. The router imports nothing else from `workers`; `tests/unit/test_layout.py`
+holds it to that.
+"""
+
+from __future__ import annotations
+
+from workers.protocol import (
+    MAX_LOGPROBS,
+    EngineStats,
+    FinishReason,
+    GenerateRequest,
+    KVHandle,
+    RequestOutput,
+    SamplingParams,
+    TokenLogprob,
+)
+from workers.serve.stats_board import POST_INTERVAL_S, StatsPoster, read_pool, read_role
+
+__all__ = [
+    "MAX_LOGPROBS",
+    "POST_INTERVAL_S",
+    "EngineStats",
+    "FinishReason",
+    "GenerateRequest",
+    "KVHandle",
+    "RequestOutput",
+    "SamplingParams",
+    "StatsPoster",
+    "TokenLogprob",
+    "read_pool",
+    "read_role",
+]

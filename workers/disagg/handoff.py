@@ -1,0 +1,53 @@
+"""The base of both hand-off roles: an engine with a NIXL agent over its KV pool.
+
+Protocol (pull, DESIGN.md "One request"):
+1. The prefill engine computes the prompt, samples the first token and pins the prompt's pages
+   under a lease; the first chunk carries a `KVHandle` naming them.
+2. The decode engine allocates local pages for what its own prefix cache lacks and READs the rest
+   from the prefill agent. NIXL delivers the lease id to the prefill agent when the read is done.
+3. The prefill engine unpins on that notification, on `release_lease()`, or when the lease
+   expires, whichever comes first. The decode engine trusts a read only if the pages' generation
+   numbers, read after the data, still equal those in the handle (no free/reuse in between).
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from workers.config import EngineConfig, KVTransferConfig
+from workers.disagg.group_transfer import GroupTransfer
+from workers.engine.engine import Engine
+from workers.engine.tp_runner import TPDriverRunner
+from workers.parallel.group import SINGLE, TPGroup
+from workers.protocol import KVLayout
+from workers.transfer import KVTransferAgent
+
+
+class HandoffEngine(Engine):
+    """An engine with a NIXL agent over its KV pool: the common part of both sides.
+
+    With tensor_parallel_size N > 1 every rank has its own agent over its own pool: rank 0's is
+    `agent`, ranks 1..N-1's are driven through `group` (workers/disagg/group_transfer.py), and
+    `agent_names` / `kv_layouts` list all N in rank order. At N == 1 `group` is None.
+    """
+
+    role: str
+
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        transfer: KVTransferConfig,
+        replica_tag: str | None = None,
+        tp: TPGroup = SINGLE,
+    ) -> None:
+        super().__init__(cfg, tp)
+        self.transfer = transfer
+        tag = replica_tag or uuid.uuid4().hex[:8]
+        self.agent = KVTransferAgent(self.runner.pool, self.role, tag, tp.rank)
+        self.group: GroupTransfer | None = None
+        self.agent_names: list[str] = [self.agent.name]
+        self.kv_layouts: list[KVLayout] = [self.agent.layout]
+        if isinstance(self.runner, TPDriverRunner):
+            self.group = GroupTransfer(self.runner, self.role, tag)
+            self.agent_names += self.group.agent_names
+            self.kv_layouts += self.group.layouts

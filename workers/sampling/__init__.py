@@ -1,0 +1,1 @@
+"""Tokens from logits: logit adjustments (bias, penalties, min_tokens), then batched sampling."""
