@@ -8,7 +8,7 @@ batch's page table, so planning never waits on the GPU.
 
 Two backends share the per-layer work (write the new K/V into the pool, then attend; the model
 calls `forward_rotary`, which also applies the rotary embedding to q and k in the kernel that
-writes K/V, `fused.rotary_store`):
+writes K/V, `rope.rotary_store`):
 - `FlashInferAttention` plans whatever step comes: a decode wrapper when every sequence adds one
   token, else a causal prefill wrapper whose queries are the last `q_len` of `kv_len` positions.
 - `GraphDecodeAttention` serves decode steps of exactly one batch size from fixed buffers, so a
@@ -26,7 +26,7 @@ import torch
 
 from workers.attention.base import AttentionBackend, AttentionBatch
 from workers.attention.rotary import apply_rotary
-from workers.kernels import fused, split_kv_decode
+from workers.kernels import rope, split_kv_decode
 from workers.kernels.split_kv_decode import SplitKVDecode
 from workers.kvcache.pool import KVPool
 
@@ -146,13 +146,13 @@ class _PagedFlashInfer(AttentionBackend):
     ) -> torch.Tensor:
         """`forward` of q and k before their rotary embedding: one Triton kernel rotates q and k
         and writes k and v into the pool (per layer, 1 launch instead of 2 rotary kernels and
-        2 index writes). Same values as rotating with `fused.rotary` and then `forward`."""
+        2 index writes). Same values as rotating with `rope.rotary` and then `forward`."""
         kv = self.pool.layer(layer_id)
         half = q.shape[-1] // 2
         if q.dtype != kv.dtype or k.dtype != kv.dtype or half & (half - 1):
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             return self.forward(layer_id, q, k, v)
-        q = fused.rotary_store(q, k, v, cos, sin, kv, self._slot_pages, self._slot_offsets)
+        q = rope.rotary_store(q, k, v, cos, sin, kv, self._slot_pages, self._slot_offsets)
         assert self._wrapper is not None, "plan() first"
         return self._wrapper.run(q, kv)
 

@@ -1,7 +1,7 @@
 """Decode attention for small batches in one Triton kernel: rotary, K/V write, split-KV, merge.
 
 At batch 1 a Llama-3-8B layer's attention reads 4 MB of KV (1 µs at the HBM rate) but took
-~12 µs after the q/k/v GEMM on an H200 as three dependent kernels (`fused.rotary_store`,
+~12 µs after the q/k/v GEMM on an H200 as three dependent kernels (`rope.rotary_store`,
 FlashInfer's split-KV decode, its merge of the splits; README, one H200), the weight stream
 idle. Here one launch does all of it, and starts reading before its input exists:
 - programs are (sequence, KV head, split of the sequence's past tokens); each first loads the page
