@@ -17,7 +17,7 @@ eager step; `--profile` adds, for two cases, where the graph replay's device tim
 a layer's critical path, kernel by kernel).
 
     python -m bench.bench_decode --tokenizer-dir DIR [--shape llama3-8b] [--tp 2] [--json F]
-        [--profile [--trace DIR]]
+        [--profile [--trace DIR]] [--set kernels.pdl=false ...]
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from bench.gpu_common import (
     copy_bandwidth_gbps,
     cuda_ms,
     dummy_model_dir,
+    engine_options,
     read_bandwidth_gbps,
     step_timeline,
     top_kernels,
@@ -145,7 +146,8 @@ def main() -> None:
         cases = [tuple(int(v) for v in c.split("x")) for c in args.cases.split(",")]
     page_size = 16
     pages = max(b * -(-c // page_size) for b, c in CASES + cases) + 1
-    cfg = EngineConfig(
+    cfg = EngineConfig(**engine_options(
+        args,
         model=str(dummy_model_dir(args.shape, args.tokenizer_dir, args.work)),
         load_format="dummy",
         dtype="bfloat16",
@@ -155,7 +157,7 @@ def main() -> None:
         max_num_batched_tokens=16384,
         cuda_graph_batch_sizes=tuple(sorted({b for b, _ in CASES + cases})),
         tensor_parallel_size=args.tp,
-    )
+    ))  # fmt: skip
     engine = Engine(cfg)
     assert engine.overlap
     runner = engine.runner

@@ -1,6 +1,6 @@
 """Decode-step GEMMs: cuBLAS (F.linear) against the Triton skinny GEMM, Llama-3-8B shapes.
 
-    python -m bench.bench_gemm_decode [--json FILE] [--sweep] [--tp N]
+    python -m bench.bench_gemm_decode [--json FILE] [--tp N]
 
 For each weight (q/k/v, o_proj, gate_up, down, LM head) and M in 1..64 rows: weight GB/s of
 each, its fraction of the measured device copy bandwidth, the speedup, and whether
@@ -11,8 +11,8 @@ down split K).
 
 Every call reads its own copy of the weight from a set larger than the L2 (as a decode step
 reads each weight once), and calls are timed as CUDA-graph replays, as the engine runs decode,
-so launch overhead on the host is not counted. `--sweep` times a list of launch configs per
-shape and M and prints the best, the source of `skinny_gemm.CONFIGS`.
+so launch overhead on the host is not counted. `bench/sweep_skinny_gemm.py` times launch configs
+the same way and writes the GPU's launch table.
 """
 
 from __future__ import annotations
@@ -64,61 +64,6 @@ def graph_ms(fn: Callable[[torch.Tensor], object], ws: list[torch.Tensor]) -> fl
     return cuda_ms(graph.replay, warmup=3, iters=20) / len(calls)
 
 
-def sweep_candidates(m: int, n: int) -> list[object]:
-    from workers.kernels.skinny_gemm import Config
-
-    splits = (1, 2, 4, 8) if n <= 8192 else (1, 2)
-    out: list[object] = []
-    if m == 1:
-        gemv = [(4, 512), (8, 512), (8, 256), (16, 256)]
-        out += [Config(bn, bk, 4, split_k=s) for bn, bk in gemv for s in splits[:3]]
-    swap = [(64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3)]
-    plain = [] if m == 1 else [(32, 256, 4, 3), (32, 128, 4, 4)]
-    out += [Config(bn, bk, w, st, True, True, s) for bn, bk, w, st in swap for s in splits]
-    out += [Config(bn, bk, w, st, True, False, s) for bn, bk, w, st in plain for s in splits[:3]]
-    return out
-
-
-def sweep(shapes: dict[str, tuple[int, int]]) -> list[dict]:
-    from workers.kernels.skinny_gemm import skinny_linear
-
-    rows = []
-    for name, (n, k) in shapes.items():
-        ws = weights(n, k)
-        for m in ROWS:
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            cublas = graph_ms(lambda w, x=x: F.linear(x, w), ws)
-            results = []
-            for cfg in sweep_candidates(m, n):
-                try:
-                    ms = graph_ms(lambda w, x=x, c=cfg: skinny_linear(x, w, config=c), ws)
-                except Exception as e:  # noqa: BLE001 - e.g. out of shared memory
-                    print(f"  {name} M={m} {cfg}: {type(e).__name__}")
-                    continue
-                results.append((ms, cfg))
-            results.sort(key=lambda r: r[0])
-            gbps = n * k * 2 / 1e6
-            print(
-                f"{name:8} M={m:<3} cublas {gbps / cublas:7.0f} GB/s | "
-                + " | ".join(f"{gbps / ms:5.0f} {c}" for ms, c in results[:3])
-            )
-            best_ms, best = results[0]
-            rows.append(
-                dict(shape=name, m=m, cublas_ms=cublas, best_ms=best_ms, best=repr(best),
-                     all={repr(c): ms for ms, c in results})
-            )  # fmt: skip
-        del ws
-    print("CONFIGS = {")
-    for r in rows:
-        n, k = shapes[r["shape"]]
-        print(f"    ({n}, {k}, {r['m']}): {r['best']},  # {r['cublas_ms'] / r['best_ms']:.3f}x")
-    print("}")
-    for name in shapes:
-        wins = [r["m"] for r in rows if r["shape"] == name and r["best_ms"] < 0.98 * r["cublas_ms"]]
-        print(f"{name}: beats cuBLAS by >2% at M in {wins}")
-    return rows
-
-
 def compare(shapes: dict[str, tuple[int, int]], copy_gbps: float) -> list[dict]:
     from workers.kernels import skinny_gemm
 
@@ -167,7 +112,6 @@ def step_totals(rows: list[dict]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json")
-    ap.add_argument("--sweep", action="store_true", help="time launch configs, print the best")
     ap.add_argument("--tp", type=int, default=1, help="one rank's shards at this many ranks")
     args = ap.parse_args()
     shapes = shard_shapes(args.tp)
@@ -175,9 +119,6 @@ def main() -> None:
     weight_gb = sum(n * k * 2 * (1 if s == "lm_head" else LAYERS) for s, (n, k) in shapes.items())
     print(f"device copy bandwidth {copy_gbps:.0f} GB/s; step weights {weight_gb / 1e9:.2f} GB")
     with torch.inference_mode():
-        if args.sweep:
-            write_json(args.json, sweep(shapes))
-            return
         rows = compare(shapes, copy_gbps)
     step_totals(rows)
     write_json(args.json, dict(copy_gbps=copy_gbps, rows=rows))

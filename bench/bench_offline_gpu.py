@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from bench.gpu_common import bench_parser, dummy_model_dir, write_json
+from bench.gpu_common import bench_parser, dummy_model_dir, engine_options, write_json
 from workers import LLM, SamplingParams
 
 
@@ -87,12 +87,15 @@ def main() -> None:
     prompts, outputs = workload()
     llm = LLM(
         str(model_dir),
-        load_format="dummy",
-        dtype="bfloat16",
-        max_num_seqs=256,
-        max_num_batched_tokens=16384,
-        max_model_len=4096,
-        kv_cache_memory_gb=60,
+        **engine_options(
+            args,
+            load_format="dummy",
+            dtype="bfloat16",
+            max_num_seqs=256,
+            max_num_batched_tokens=16384,
+            max_model_len=4096,
+            kv_cache_memory_gb=60,
+        ),
     )
     llm.generate([prompts[0][:50]], SamplingParams(max_tokens=8))  # warm-up
     full = run_engine(llm, prompts, outputs)

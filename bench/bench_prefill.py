@@ -18,6 +18,7 @@ import random
 from bench.gpu_common import (
     bench_parser,
     dummy_model_dir,
+    engine_options,
     gemm_peak_tflops,
     read_bandwidth_gbps,
     top_kernels,
@@ -68,12 +69,13 @@ def main() -> None:
     peak = gemm_peak_tflops()
     print(f"bf16 GEMM peak {peak:.0f} TFLOP/s", flush=True)
     pages = max(n * -(-t // 16) for n, t in CASES) + 1
-    cfg = EngineConfig(
+    cfg = EngineConfig(**engine_options(
+        args,
         model=str(dummy_model_dir(args.shape, args.tokenizer_dir, args.work)),
         load_format="dummy",
         dtype="bfloat16",
         num_kv_pages=pages,
-    )
+    ))  # fmt: skip
     runner = ModelRunner(cfg)
     rows = []
     for prompts, tokens in CASES:

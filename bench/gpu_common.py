@@ -61,13 +61,24 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 
 def bench_parser(doc: str, shape: str = "llama3-8b") -> argparse.ArgumentParser:
     """The arguments every GPU bench takes: the tokenizer files, the model shape, where to put
-    the dummy model, and a JSON file for the rows."""
+    the dummy model, a JSON file for the rows, and overrides of the engine's config."""
     ap = argparse.ArgumentParser(description=doc.split("\n")[0])
     ap.add_argument("--tokenizer-dir", type=Path, required=True)
     ap.add_argument("--shape", default=shape, choices=sorted(SHAPES))
     ap.add_argument("--work", type=Path, default=Path("/tmp/pdserve-bench"))
     ap.add_argument("--json")
+    ap.add_argument(
+        "--set", dest="assignments", action="append", default=[], metavar="PATH=VALUE",
+        help="an EngineConfig field, as `pdserve serve --set` (e.g. kernels.pdl=false)",
+    )  # fmt: skip
     return ap
+
+
+def engine_options(args: argparse.Namespace, **fields: Any) -> dict[str, Any]:
+    """The bench's EngineConfig fields, then its `--set` overrides."""
+    from cluster.cli import apply_overrides
+
+    return apply_overrides(fields, args.assignments)
 
 
 def dummy_model_dir(shape: str, tokenizer_dir: Path, root: Path) -> Path:

@@ -99,8 +99,8 @@ part serving 420 python3 bench/bench_serving.py --device cuda --tokenizer-dir "$
   --request-rate 8,12 --goodput ttft:500 tpot:25 --json "$OUT/serving.json"
 part compare 120 python3 -m bench.compare_attention_backends
 part attn 90 python3 -m bench.bench_decode_attention --json "$OUT/attn.json"
-PDSERVE_FLASHINFER_DECODE_TC=1 part decode_tc 240 python3 -m bench.bench_decode "${tok[@]}" \
-  --json "$OUT/decode_tc.json"
+part decode_tc 240 python3 -m bench.bench_decode "${tok[@]}" \
+  --set kernels.flashinfer_decode_tensor_cores=true --json "$OUT/decode_tc.json"
 if compgen -G "$FLASHINFER_WORKSPACE_BASE/.cache/flashinfer/*/*/cached_ops/*/*.so" >/dev/null; then
   kit_save_jit  # modules the prebuilt archive lacked: bring $OUT/fi-aot-*.tar.xz back to .kit/
 fi

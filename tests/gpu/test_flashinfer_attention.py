@@ -162,19 +162,16 @@ def _pad(batch: AttentionBatch, rows: int) -> AttentionBatch:
     )
 
 
-@pytest.mark.parametrize("tensor_cores", ["0", "1"])
-def test_both_decode_kernels_match_reference_for_gqa_32_8(
-    tensor_cores: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.mark.parametrize("tensor_cores", [False, True])
+def test_both_decode_kernels_match_reference_for_gqa_32_8(tensor_cores: bool) -> None:
     """`auto` picks tensor cores for this group of 4; the CUDA-core kernel must stay right too."""
     from workers.attention import flashinfer as fi
 
-    monkeypatch.setattr(fi, "DECODE_TENSOR_CORES", tensor_cores)
     hq, hkv, d = HEADS["gqa-32/8-d128"]
     pool, batch = random_batch("decode", 16, hkv, d, seed=7)
     q, k, v = qkv(batch.num_tokens, hq, hkv, d, seed=7)
-    fast = fi.FlashInferAttention(pool, hq, d**-0.5)
-    assert fast._tensor_cores == (tensor_cores == "1")
+    fast = fi.FlashInferAttention(pool, hq, d**-0.5, tensor_cores=tensor_cores)
+    assert fast._tensor_cores == tensor_cores
     fast.plan(batch)
     out = fast.forward(2, q, k, v)
     ref_backend = TorchAttention(pool, hq, d**-0.5)
@@ -268,9 +265,8 @@ def _cos_sin(batch: AttentionBatch, head_dim: int) -> tuple[torch.Tensor, ...]:
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("kv_lens", [None, [4100], [1, 2, 33, 700, 4097]])
 def test_split_kv_decode_kernel_matches_reference(
-    heads: str, page_size: int, kv_lens: list[int] | None, all_merge: bool,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:  # fmt: skip
+    heads: str, page_size: int, kv_lens: list[int] | None, all_merge: bool
+) -> None:
     """The one-launch decode kernel (rotary, K/V write, split-KV attention, merge) equals
     rotating, writing and attending in float32; its pool slots hold the rotated k and v.
     Lengths: NUM_SEQS random ones with a sequence of one token; one long sequence (several tiles
@@ -287,8 +283,9 @@ def test_split_kv_decode_kernel_matches_reference(
     cos, sin = _cos_sin(batch, d)
     ref = _rotated_reference(pool, batch, q, k, v, cos, sin, layer=2)
     meta = paged_metadata(batch, page_size)
-    monkeypatch.setenv("PDSERVE_SPLIT_KV_ALL_MERGE", "1" if all_merge else "0")
     kernel = SplitKVDecode(len(batch.q_lens), hq, hkv, d, d**-0.5, pool.pages.device)
+    if not all_merge:
+        kernel.all_merge = False  # else chosen on the first call: every split merges on an H200
     for launch in range(2):
         out = kernel.forward(
             q, k, v, cos, sin, pool.layer(2), meta.kv_indptr.cuda(), meta.kv_indices,

@@ -37,7 +37,7 @@ def test_rms_norm_matches_torch(dtype: torch.dtype, shape: tuple[int, ...]) -> N
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,head_dim", [(32, 128), (9, 64), (8, 128)])
 def test_rotary_matches_torch(dtype: torch.dtype, heads: int, head_dim: int) -> None:
-    from workers.kernels import fused
+    from workers.kernels import rope
 
     tokens = 37
     packed = torch.randn(tokens, (heads + 2) * head_dim, device="cuda").to(dtype)
@@ -46,7 +46,7 @@ def test_rotary_matches_torch(dtype: torch.dtype, heads: int, head_dim: int) -> 
     cos, sin = RotaryEmbedding(head_dim, 500000.0, None).cuda().cos_sin(positions, dtype)
     half = head_dim // 2
     ref = x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-    close(fused.rotary(x, cos, sin), ref)
+    close(rope.rotary(x, cos, sin), ref)
 
 
 LLAMA3_SCALING = dict(
@@ -106,8 +106,8 @@ def test_add_rms_norm_matches_add_then_norm(dtype: torch.dtype, rows: int, width
 def test_rotary_store_rotates_and_writes_slots(
     dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int
 ) -> None:
-    """Equal to `fused.rotary` of q and k plus an indexed write of k and v into the pool."""
-    from workers.kernels import fused
+    """Equal to `rope.rotary` of q and k plus an indexed write of k and v into the pool."""
+    from workers.kernels import rope
 
     tokens, pages, page_size, layers = 37, 11, 4, 3
     packed = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, device="cuda").to(dtype)
@@ -122,9 +122,9 @@ def test_rotary_store_rotates_and_writes_slots(
     pool = torch.randn(pages, layers, 2, page_size, kv_heads, head_dim, device="cuda").to(dtype)
     before = pool.clone()
     layer = 1
-    q_out = fused.rotary_store(q, k, v, cos, sin, pool[:, layer], slot_pages, slot_offsets)
-    close(q_out, fused.rotary(q, cos, sin))
-    close(pool[slot_pages, layer, 0, slot_offsets], fused.rotary(k, cos, sin))
+    q_out = rope.rotary_store(q, k, v, cos, sin, pool[:, layer], slot_pages, slot_offsets)
+    close(q_out, rope.rotary(q, cos, sin))
+    close(pool[slot_pages, layer, 0, slot_offsets], rope.rotary(k, cos, sin))
     assert torch.equal(pool[slot_pages, layer, 1, slot_offsets], v)
     pool[slot_pages, layer, :, slot_offsets] = before[slot_pages, layer, :, slot_offsets]
     assert torch.equal(pool, before)  # no slot but the tokens' own was written
@@ -138,8 +138,8 @@ def test_step_inputs_gather_rows_their_exact_sums_of_squares_and_cos_sin(
     """The rows of `F.embedding`, bit for bit; entry 0 holds each row's float64 sum of squares
     (exact: squares of 16-bit values) in its first slot, every other slot and entry zero; cos
     and sin as the `cos_sin` kernel gives them."""
-    from workers.kernels.fused import cos_sin
-    from workers.kernels.skinny_gemm import SUMSQ_SLOTS
+    from workers.kernels.rope import cos_sin
+    from workers.kernels.skinny_tiles import SUMSQ_SLOTS
     from workers.kernels.step_inputs import step_inputs
 
     weight = (torch.randn(1000, dim, device="cuda") * 8).to(dtype)

@@ -53,7 +53,8 @@ SPLIT_CONFIGS = [
 @pytest.mark.parametrize("n,k", [(4096, 14336), (333, 4104), (100, 300)])
 @pytest.mark.parametrize("m", [1, 5, 33, 64])
 def test_split_k_sums_the_partials_of_every_split(m: int, n: int, k: int, cfg: dict) -> None:
-    from workers.kernels.skinny_gemm import MAX_GEMV_ROWS, Config, skinny_linear
+    from workers.kernels.skinny_gemm import MAX_GEMV_ROWS, skinny_linear
+    from workers.kernels.tuning import Config
 
     if not cfg.get("dot") and m > MAX_GEMV_ROWS:
         pytest.skip("the GEMV kernel takes few rows")
@@ -75,7 +76,8 @@ def assert_float32_close(out: torch.Tensor, ref: torch.Tensor) -> None:
 @pytest.mark.parametrize("m", [1, 5, 64])
 def test_float32_output_keeps_what_16_bit_rounding_drops(m: int, cfg: dict | None) -> None:
     """Logits: the fp32 sums of every kernel (GEMV, tensor-core, split-K) come out unrounded."""
-    from workers.kernels.skinny_gemm import MAX_GEMV_ROWS, Config, skinny_linear
+    from workers.kernels.skinny_gemm import MAX_GEMV_ROWS, skinny_linear
+    from workers.kernels.tuning import Config
 
     if cfg is not None and not cfg.get("dot") and m > MAX_GEMV_ROWS:
         pytest.skip("the GEMV kernel takes few rows")
@@ -103,7 +105,8 @@ def test_skinny_linear_adds_bias_and_reads_strided_rows(m: int) -> None:
 @pytest.mark.parametrize("cfg", [None, *SPLIT_CONFIGS])
 @pytest.mark.parametrize("m", [1, 8, 64])
 def test_skinny_linear_replays_in_a_cuda_graph(m: int, cfg: dict | None) -> None:
-    from workers.kernels.skinny_gemm import MAX_GEMV_ROWS, Config, skinny_linear
+    from workers.kernels.skinny_gemm import MAX_GEMV_ROWS, skinny_linear
+    from workers.kernels.tuning import Config
 
     if cfg and not cfg.get("dot") and m > MAX_GEMV_ROWS:
         pytest.skip("the GEMV kernel takes few rows")
@@ -200,7 +203,7 @@ def test_gated_product_equals_the_gemm_then_silu_and_mul(
 
     x = torch.randn(m, k, device="cuda").to(dtype)
     w = (torch.randn(2 * n, k, device="cuda") / k**0.5).to(dtype)
-    cfg = config_for(1, 2 * n, k)  # a GEMV config
+    cfg = config_for(1, 2 * n, k, x.device)  # a GEMV config
     out = skinny_linear(x, w, config=cfg, gated=True)
     assert out.shape == (m, n)
     gate, up = (part.to(dtype).double() for part in reference(x, w).chunk(2, dim=-1))
@@ -209,7 +212,8 @@ def test_gated_product_equals_the_gemm_then_silu_and_mul(
 
 
 def test_gated_product_refuses_what_the_gemv_kernel_cannot_do() -> None:
-    from workers.kernels.skinny_gemm import Config, skinny_linear
+    from workers.kernels.skinny_gemm import skinny_linear
+    from workers.kernels.tuning import Config
 
     x = torch.randn(2, 256, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
@@ -238,7 +242,9 @@ def test_residual_sums_of_squares_and_the_next_norm(m: int, n: int, k: int, cfg:
     """`residual` + `sumsq_out`: y = residual + x W^T, and the slots of each row hold the sum of
     the squares of y's stored (rounded) values, exactly. `sumsq_in` (+ bias): the next launch
     multiplies y / rms(y) from those sums, as an RMSNorm with unit gain would."""
-    from workers.kernels.skinny_gemm import MAX_GEMV_ROWS, SUMSQ_SLOTS, Config, skinny_linear
+    from workers.kernels.skinny_gemm import MAX_GEMV_ROWS, skinny_linear
+    from workers.kernels.skinny_tiles import SUMSQ_SLOTS
+    from workers.kernels.tuning import Config
 
     config = Config(**cfg)
     if not config.dot and m > MAX_GEMV_ROWS:
@@ -262,21 +268,23 @@ def test_residual_sums_of_squares_and_the_next_norm(m: int, n: int, k: int, cfg:
 @pytest.mark.parametrize("n,k", [(14336, 4096), (1536, 576)])
 @pytest.mark.parametrize("m", [1, 5])
 def test_gated_product_of_the_normed_input(m: int, n: int, k: int) -> None:
-    from workers.kernels.skinny_gemm import SUMSQ_SLOTS, config_for, skinny_linear
+    from workers.kernels.skinny_gemm import config_for, skinny_linear
+    from workers.kernels.skinny_tiles import SUMSQ_SLOTS
 
     dtype = torch.bfloat16
     x = (torch.randn(m, k, device="cuda") * 5).to(dtype)
     sums = torch.zeros(m, SUMSQ_SLOTS, device="cuda", dtype=torch.float64)
     sums[:, 3] = x.double().pow(2).sum(-1)
     w = (torch.randn(2 * n, k, device="cuda") / k**0.5).to(dtype)
-    cfg = config_for(1, 2 * n, k)  # a GEMV config
+    cfg = config_for(1, 2 * n, k, x.device)  # a GEMV config
     out = skinny_linear(x, w, config=cfg, gated=True, sumsq_in=sums, eps=1e-6)
     gate, up = (part.to(dtype) for part in (rms_normed(x, 1e-6) @ w.double().T).chunk(2, -1))
     assert_close(out, F.silu(gate.double()).to(dtype).double() * up.double(), dtype)
 
 
 def test_sums_and_residual_of_the_wrong_shape_are_refused() -> None:
-    from workers.kernels.skinny_gemm import SUMSQ_SLOTS, skinny_linear
+    from workers.kernels.skinny_gemm import skinny_linear
+    from workers.kernels.skinny_tiles import SUMSQ_SLOTS
 
     x = torch.randn(2, 256, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
@@ -295,7 +303,8 @@ def _decoder_chain(
     `folded`: no norm kernel, the GEMVs normalise their input from the sums of squares that the
     one before left, and add the residual."""
     from workers.kernels import fused
-    from workers.kernels.skinny_gemm import SUMSQ_SLOTS, skinny_linear
+    from workers.kernels.skinny_gemm import skinny_linear
+    from workers.kernels.skinny_tiles import SUMSQ_SLOTS
 
     residual = x
     if folded:

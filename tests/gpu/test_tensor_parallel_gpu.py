@@ -97,7 +97,7 @@ def _ipc_rank(rank: int, address: str) -> None:
 
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
-    tp = init_group(rank, 2, address, device)
+    tp = init_group(rank, 2, address, device, ipc_all_reduce=True)
     assert tp.ipc is not None, "the IPC all-reduce did not start"
     gen = torch.Generator(device).manual_seed(rank)
     for dtype in (torch.bfloat16, torch.float32):

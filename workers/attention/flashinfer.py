@@ -8,7 +8,7 @@ batch's page table, so planning never waits on the GPU.
 
 Two backends share the per-layer work (write the new K/V into the pool, then attend; the model
 calls `forward_rotary`, which also applies the rotary embedding to q and k in the kernel that
-writes K/V, `fused.rotary_store`):
+writes K/V, `rope.rotary_store`):
 - `FlashInferAttention` plans whatever step comes: a decode wrapper when every sequence adds one
   token, else a causal prefill wrapper whose queries are the last `q_len` of `kv_len` positions.
 - `GraphDecodeAttention` serves decode steps of exactly one batch size from fixed buffers, so a
@@ -17,7 +17,6 @@ writes K/V, `fused.rotary_store`):
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import TypeAlias
 
@@ -27,7 +26,7 @@ import torch
 
 from workers.attention.base import AttentionBackend, AttentionBatch
 from workers.attention.rotary import apply_rotary
-from workers.kernels import fused, split_kv_decode
+from workers.kernels import rope, split_kv_decode
 from workers.kernels.split_kv_decode import SplitKVDecode
 from workers.kvcache.pool import KVPool
 
@@ -36,14 +35,14 @@ WORKSPACE_BYTES = 256 * 2**20  # FlashInfer's split-KV scratch; 128 MiB is its r
 # or on its CUDA-core decode kernel. `auto` takes tensor cores for groups of 4 or more query heads
 # per KV head: on an H200 with Llama-3-8B shapes (group 4) they cut a CUDA-graph decode step by
 # 4% at batch 1 and by 24% at 64 x 2048 (bench/bench_decode.py). Smaller groups keep the
-# CUDA-core kernel (not measured against the other). `1` / `0` force either.
-DECODE_TENSOR_CORES = os.environ.get("PDSERVE_FLASHINFER_DECODE_TC", "auto")
+# CUDA-core kernel (not measured against the other). True / False force either
+# (`KernelConfig.flashinfer_decode_tensor_cores`).
 MIN_TENSOR_CORE_GROUP = 4
 
 
-def decode_on_tensor_cores(num_q_heads: int, num_kv_heads: int) -> bool:
-    if DECODE_TENSOR_CORES in ("0", "1"):
-        return DECODE_TENSOR_CORES == "1"
+def decode_on_tensor_cores(choice: bool | None, num_q_heads: int, num_kv_heads: int) -> bool:
+    if choice is not None:
+        return choice
     return num_q_heads // num_kv_heads >= MIN_TENSOR_CORE_GROUP
 
 
@@ -99,7 +98,9 @@ class _PagedFlashInfer(AttentionBackend):
     """Shared per-layer work. Invariant: `plan` sets `_wrapper`, `_slot_pages` and
     `_slot_offsets` before any `forward` of the step."""
 
-    def __init__(self, pool: KVPool, num_q_heads: int, scale: float) -> None:
+    def __init__(
+        self, pool: KVPool, num_q_heads: int, scale: float, tensor_cores: bool | None = None
+    ) -> None:
         super().__init__(pool, num_q_heads, scale)
         if pool.pages.device.type != "cuda" or pool.pages.dtype not in _FLOAT16:
             raise ValueError(
@@ -108,7 +109,7 @@ class _PagedFlashInfer(AttentionBackend):
             )
         layout = pool.layout
         self._heads = (num_q_heads, layout.num_kv_heads, layout.head_dim, layout.page_size)
-        self._tensor_cores = decode_on_tensor_cores(num_q_heads, layout.num_kv_heads)
+        self._tensor_cores = decode_on_tensor_cores(tensor_cores, num_q_heads, layout.num_kv_heads)
         self._plan_dtypes = dict(q_data_type=pool.pages.dtype, kv_data_type=pool.pages.dtype)
         self._wrapper: _Wrapper | None = None
         self._slot_pages = self._slot_offsets = torch.empty(0)
@@ -145,13 +146,13 @@ class _PagedFlashInfer(AttentionBackend):
     ) -> torch.Tensor:
         """`forward` of q and k before their rotary embedding: one Triton kernel rotates q and k
         and writes k and v into the pool (per layer, 1 launch instead of 2 rotary kernels and
-        2 index writes). Same values as rotating with `fused.rotary` and then `forward`."""
+        2 index writes). Same values as rotating with `rope.rotary` and then `forward`."""
         kv = self.pool.layer(layer_id)
         half = q.shape[-1] // 2
         if q.dtype != kv.dtype or k.dtype != kv.dtype or half & (half - 1):
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             return self.forward(layer_id, q, k, v)
-        q = fused.rotary_store(q, k, v, cos, sin, kv, self._slot_pages, self._slot_offsets)
+        q = rope.rotary_store(q, k, v, cos, sin, kv, self._slot_pages, self._slot_offsets)
         assert self._wrapper is not None, "plan() first"
         return self._wrapper.run(q, kv)
 
@@ -165,8 +166,9 @@ class FlashInferAttention(_PagedFlashInfer):
         num_q_heads: int,
         scale: float,
         workspace: torch.Tensor | None = None,
+        tensor_cores: bool | None = None,
     ) -> None:
-        super().__init__(pool, num_q_heads, scale)
+        super().__init__(pool, num_q_heads, scale, tensor_cores)
         self.workspace = new_workspace(pool.pages.device) if workspace is None else workspace
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=self._tensor_cores
@@ -215,8 +217,9 @@ class GraphDecodeAttention(_PagedFlashInfer):
         batch_size: int,
         workspace: torch.Tensor,
         indices_buffer: torch.Tensor,
+        tensor_cores: bool | None = None,
     ) -> None:
-        super().__init__(pool, num_q_heads, scale)
+        super().__init__(pool, num_q_heads, scale, tensor_cores)
         device = pool.pages.device
         self.batch_size = batch_size
         self.slot_pages = torch.zeros(batch_size, dtype=torch.int64, device=device)

@@ -41,9 +41,9 @@ class RotaryEmbedding(nn.Module):
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """Per-token `[T, 1, head_dim]` cos and sin, computed in float32 like HF."""
         if positions.is_cuda and dtype in (torch.bfloat16, torch.float16):
-            from workers.kernels import fused  # Triton: imported on first CUDA use
+            from workers.kernels import rope  # Triton: imported on first CUDA use
 
-            return fused.cos_sin(positions, self.inv_freq, dtype)
+            return rope.cos_sin(positions, self.inv_freq, dtype)
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -52,8 +52,8 @@ class RotaryEmbedding(nn.Module):
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and half & (half - 1) == 0:
-        from workers.kernels import fused  # Triton: imported on first CUDA use
+        from workers.kernels import rope  # Triton: imported on first CUDA use
 
-        return fused.rotary(x, cos, sin)
+        return rope.rotary(x, cos, sin)
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

@@ -48,6 +48,7 @@ class DecodeCudaGraphs:
         scale: float,
         batch_sizes: tuple[int, ...],
         max_pages_per_seq: int,
+        tensor_cores: bool | None = None,
     ) -> None:
         if not batch_sizes:
             raise ValueError("no batch sizes to capture")
@@ -66,7 +67,9 @@ class DecodeCudaGraphs:
         mem_pool = torch.cuda.graph_pool_handle()
         start, free_before = time.perf_counter(), torch.cuda.mem_get_info(device)[0]
         for bs in reversed(self.batch_sizes):  # largest first: smaller ones reuse its memory
-            attn = GraphDecodeAttention(pool, num_q_heads, scale, bs, workspace, indices)
+            attn = GraphDecodeAttention(
+                pool, num_q_heads, scale, bs, workspace, indices, tensor_cores
+            )
             self.attn[bs] = attn
             self._capture(bs, attn, mem_pool)
         torch.cuda.synchronize(device)

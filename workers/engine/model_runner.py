@@ -51,13 +51,21 @@ class ModelRunner:
         self.device = cfg.resolved_device()
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device.index or 0)
+            from workers.kernels import pdl  # Triton: CUDA only
+
+            pdl.allow(cfg.kernels.pdl)
         self.dtype = cfg.resolved_dtype(self.device)
         self.model_dir = resolve_model(cfg.model, cfg.load_format)
         self.model_config = load_model_config(self.model_dir)
         if cfg.load_format == "dummy":
-            self.model = build_dummy_model(self.model_config, self.dtype, self.device, tp, cfg.seed)
+            self.model = build_dummy_model(
+                self.model_config, self.dtype, self.device, tp, cfg.seed, cfg.kernels.fold_norms
+            )
         else:
-            self.model = load_model(self.model_dir, self.model_config, self.dtype, self.device, tp)
+            self.model = load_model(
+                self.model_dir, self.model_config, self.dtype, self.device, tp,
+                cfg.kernels.fold_norms,
+            )  # fmt: skip
         attn = self.model.attention
         self.kv_layout = KVLayout(
             num_layers=self.model_config.num_layers,
@@ -72,7 +80,8 @@ class ModelRunner:
         self.pool = KVPool(self.kv_layout, self._num_pages(), self.device)
         backend = cfg.resolved_backend(self.device, self.dtype)
         scale = attn.head_dim**-0.5
-        self.attn = create_backend(backend, self.pool, attn.num_heads, scale)
+        tensor_cores = cfg.kernels.flashinfer_decode_tensor_cores
+        self.attn = create_backend(backend, self.pool, attn.num_heads, scale, tensor_cores)
         self.max_model_len = self.model_config.context_limit(cfg.max_model_len)
         self._pin = self.device.type == "cuda"
         self.page_table = PageTable()
@@ -85,7 +94,7 @@ class ModelRunner:
 
             max_pages = -(-self.max_model_len // cfg.page_size)
             self.graphs = DecodeCudaGraphs(
-                self.model, self.pool, attn.num_heads, scale, graph_sizes, max_pages
+                self.model, self.pool, attn.num_heads, scale, graph_sizes, max_pages, tensor_cores
             )
 
     def _num_pages(self) -> int:

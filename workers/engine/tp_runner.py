@@ -114,7 +114,7 @@ class TPDriverRunner(RankRunner):
             host = ray.util.get_node_ip_address()
             address = f"{host}:{free_port(host)}"
             started = ranks.start(address)
-            tp = init_group(0, size, address, device)
+            tp = init_group(0, size, address, device, ipc_all_reduce=cfg.kernels.ipc_all_reduce)
             super().__init__(cfg, tp)
             ranks.wait_started(started)
             ranks.serve()
@@ -219,7 +219,10 @@ class RankWorker:
 
     def start(self, address: str) -> None:
         try:
-            tp = init_group(self.rank, self.size, address, self.device)
+            tp = init_group(
+                self.rank, self.size, address, self.device,
+                ipc_all_reduce=self.cfg.kernels.ipc_all_reduce,
+            )  # fmt: skip
             self.runner = RankRunner(self.cfg, tp)
         except BaseException:  # noqa: BLE001 - see _die
             _die(f"TP rank {self.rank} could not start")

@@ -1,7 +1,9 @@
 """Every Triton kernel of the forward, and the launch options they share.
 
 CUDA only; imported lazily by the code that calls them, so CPU machines never compile them.
-`pdl` (programmatic dependent launch), `fused` (elementwise: norms, rotary, SiLU-and-mul),
-`skinny_gemm` (GEMV/GEMM for a few rows), `step_inputs` (a decode step's first kernel),
-`split_kv_decode` (batch-1 attention), `greedy_argmax`, `all_reduce` (the IPC all-reduce).
+`pdl` (programmatic dependent launch), `fused` (elementwise: norms, SiLU-and-mul), `rope`
+(rotary embedding), `skinny_gemm` (GEMV/GEMM for a few rows: its dispatch; the kernels in
+`skinny_gemv`, `skinny_dot`, `skinny_tiles`; launch configs per GPU in `tuning` and `tables/`),
+`step_inputs` (a decode step's first kernel), `split_kv_decode` (batch-1 attention),
+`greedy_argmax`, `all_reduce` (the IPC all-reduce). `tuning` imports no Triton.
 """

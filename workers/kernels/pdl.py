@@ -16,22 +16,35 @@ Rules every kernel here follows, so that chains of them stay correct:
   kernel of the stream has ended: the previous one has, and it waited for its own predecessor.
 cuBLAS and torch kernels launch without PDL and serialise as usual; FlashInfer's kernels use PDL
 by their own default on Hopper and wait for their inputs the same way.
-`PDSERVE_PDL=0` turns it off (for a comparison, or a driver that mishandles it).
+`EngineConfig.kernels.pdl = False` turns it off (for a comparison, or a driver that mishandles
+it): the model runner passes it to `allow` at its start, on every rank.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from workers import env
+
+# A process setting, not an argument: it would otherwise travel through every launch site of a
+# forward (the model's layers, attention, sampling, the all-reduce) to reach `launch_options`.
+_allowed = True
+
+
+def allow(on: bool) -> None:
+    """Whether this process's kernels may launch with PDL (`KernelConfig.pdl`); the model runner
+    calls it once at its start, before the model loads (the norm folding asks `enabled`)."""
+    global _allowed
+    _allowed = on
+
 
 @functools.cache
 def _supported(device_index: int) -> bool:
-    if os.environ.get("PDSERVE_PDL", "1") == "0" or os.environ.get("TRITON_INTERPRET") == "1":
+    if env.triton_interpret():
         return False
     cuda = getattr(getattr(tl, "extra", None), "cuda", None)
     if not hasattr(cuda, "gdc_wait"):  # a Triton without the PDL instructions
@@ -41,7 +54,7 @@ def _supported(device_index: int) -> bool:
 
 def enabled(device: torch.device) -> bool:
     """Whether kernels on `device` launch with PDL."""
-    if device.type != "cuda":
+    if device.type != "cuda" or not _allowed:
         return False
     return _supported(device.index if device.index is not None else torch.cuda.current_device())
 

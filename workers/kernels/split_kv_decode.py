@@ -1,7 +1,7 @@
 """Decode attention for small batches in one Triton kernel: rotary, K/V write, split-KV, merge.
 
 At batch 1 a Llama-3-8B layer's attention reads 4 MB of KV (1 µs at the HBM rate) but took
-~12 µs after the q/k/v GEMM on an H200 as three dependent kernels (`fused.rotary_store`,
+~12 µs after the q/k/v GEMM on an H200 as three dependent kernels (`rope.rotary_store`,
 FlashInfer's split-KV decode, its merge of the splits; README, one H200), the weight stream
 idle. Here one launch does all of it, and starts reading before its input exists:
 - programs are (sequence, KV head, split of the sequence's past tokens); each first loads the page
@@ -26,7 +26,6 @@ runs such a step on a graph that uses this kernel.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -242,7 +241,9 @@ class SplitKVDecode:
         self.part_o = torch.empty(rows * head_dim, dtype=torch.float32, device=device)
         self.part_lse = torch.empty(rows, dtype=torch.float32, device=device)
         self.locks = torch.zeros(pairs, dtype=torch.int32, device=device)
-        self.all_merge: bool | None = None  # chosen on the first call (`_all_merge_fits`)
+        # Chosen on the first call (`_all_merge_fits`) unless set before it; False: the last
+        # split merges all (a comparison's choice).
+        self.all_merge: bool | None = None
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
@@ -280,10 +281,7 @@ def _all_merge_fits(compiled: Any, programs: int, x: torch.Tensor) -> bool:
     """Whether the merge by every split (`_merge_a_slice`, whose programs spin until all have
     stored their parts) may run: all `programs` fit on the device at once, by the compiled
     kernel's registers, shared memory and warps (Hopper's limits: 64K registers, allocated 256
-    a warp, 32 blocks and 2048 threads a multiprocessor). `PDSERVE_SPLIT_KV_ALL_MERGE=0`: the
-    last split merges all (for a comparison)."""
-    if os.environ.get("PDSERVE_SPLIT_KV_ALL_MERGE", "1") == "0":
-        return False
+    a warp, 32 blocks and 2048 threads a multiprocessor)."""
     compiled._init_handles()  # loads the binary: its register count
     props = torch.cuda.get_device_properties(x.device)
     warps = compiled.metadata.num_warps

@@ -2,8 +2,8 @@
 
 `LlamaForCausalLM._forward_folded` starts from the embedding rows, the float64 sums of their
 squares (the first layer's input norm, read by its q/k/v GEMV), a zeroed buffer of sums for
-the later residual streams (`skinny_gemm._finish` adds into it) and rotary's cos/sin. As a
-gather, a memset, a norm kernel and `fused.cos_sin` they took 8.7 µs of a batch-1 step on an
+the later residual streams (`skinny_tiles.finish` adds into it) and rotary's cos/sin. As a
+gather, a memset, a norm kernel and `rope.cos_sin` they took 8.7 µs of a batch-1 step on an
 H200 before the first layer; in this one launch 3.2 (README, batch 1).
 """
 
@@ -14,9 +14,9 @@ import triton
 import triton.language as tl
 
 from workers.kernels import pdl
-from workers.kernels.fused import cos_sin_row
 from workers.kernels.pdl import start_dependents, wait_for_inputs
-from workers.kernels.skinny_gemm import SUMSQ_SLOTS
+from workers.kernels.rope import cos_sin_row
+from workers.kernels.skinny_tiles import SUMSQ_SLOTS
 
 
 @triton.jit
@@ -36,7 +36,7 @@ def _step_inputs_kernel(
     row = tl.load(w_ptr + tl.load(ids_ptr + m).to(tl.int64) * w_stride + cols, mask=mask, other=0)
     tl.store(out_ptr + m * dim + cols, row, mask=mask)
     x = row.to(tl.float64)
-    total = tl.sum(x * x, axis=0)  # exact: float64 squares of 16-bit values (skinny_gemm._finish)
+    total = tl.sum(x * x, axis=0)  # exact: float64 squares of 16-bit values (skinny_tiles.finish)
     slots = tl.arange(0, SLOTS)
     tl.store(sums_ptr + m * SLOTS + slots, tl.where(slots == 0, total, 0.0))
     for i in range(1, num_sums):
@@ -51,7 +51,7 @@ def step_inputs(
     """What a forward with the norms inside its GEMMs (`LlamaForCausalLM._forward_folded`)
     starts from, in one kernel instead of a gather, a memset, a norm and `cos_sin`: the
     embedding rows of `ids` `[T]` (`weight` `[V, D]`); a float64
-    `[num_sums, T, skinny_gemm.SUMSQ_SLOTS]` buffer of sums of squares of the residual
+    `[num_sums, T, skinny_tiles.SUMSQ_SLOTS]` buffer of sums of squares of the residual
     streams, whose entry 0 holds the embedding rows' (the first layer's input norm reads it)
     and the rest zeros for the GEMMs to add into; and `cos_sin(positions, inv_freq)`."""
     rows, dim = ids.shape[0], weight.shape[1]

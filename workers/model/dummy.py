@@ -66,14 +66,16 @@ def load_dummy_weights(model: LlamaForCausalLM, seed: int = 0) -> None:
 
 
 def build_dummy_model(
-    cfg: ModelConfig, dtype: torch.dtype, device: torch.device, tp: TPGroup, seed: int = 0
+    cfg: ModelConfig, dtype: torch.dtype, device: torch.device, tp: TPGroup, seed: int = 0,
+    fold_norms: bool = True,
 ) -> LlamaForCausalLM:
-    """`LlamaForCausalLM` for `cfg` on `device` in `dtype`, with seeded random weights."""
+    """`LlamaForCausalLM` for `cfg` on `device` in `dtype`, with seeded random weights
+    (`fold_norms`: `LlamaForCausalLM`'s)."""
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(cfg, tp)
+            model = LlamaForCausalLM(cfg, tp, fold_norms)
     finally:
         torch.set_default_dtype(old)
     load_dummy_weights(model, seed)

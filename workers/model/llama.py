@@ -6,7 +6,6 @@ Module names mirror HF checkpoints so weight names map one to one, except the fu
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 from typing import cast
 
@@ -172,7 +171,9 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, fold_norms: bool = True) -> None:
+        """`fold_norms` (`KernelConfig.fold_norms`): fold the norm gains at load where it pays
+        (`_folding_pays`)."""
         super().__init__()
         self.config = cfg
         self.model = LlamaModel(cfg, tp)
@@ -181,6 +182,7 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.tp = tp
+        self.fold_norms = fold_norms
         self.norms_folded = False  # see fold_norm_gains
 
     @property
@@ -263,8 +265,8 @@ class LlamaForCausalLM(nn.Module):
 
     def _folding_pays(self) -> bool:
         """One rank, and the skinny GEMM runs every weight of a batch-1 decode step: where
-        folding removes the norm kernels (`PDSERVE_FOLD_NORMS=0` keeps them, for comparison)."""
-        if self.tp.size != 1 or os.environ.get("PDSERVE_FOLD_NORMS", "1") == "0":
+        folding removes the norm kernels (`fold_norms=False` keeps them, for comparison)."""
+        if self.tp.size != 1 or not self.fold_norms:
             return False
         return self._skinny_runs_every_weight(1)
 

@@ -24,6 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from workers import env
 from workers.config import DEFAULT_MODEL
 from workers.model.config import ModelConfig
 from workers.model.llama import LlamaForCausalLM
@@ -39,7 +40,7 @@ class ModelNotFoundError(FileNotFoundError):
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("PDSERVE_CACHE", "~/.cache/pdserve")).expanduser()
+    return env.cache_dir()
 
 
 def resolve_model(model: str, load_format: str = "auto") -> Path:
@@ -160,10 +161,12 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def load_model(
-    model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, tp: TPGroup
+    model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, tp: TPGroup,
+    fold_norms: bool = True,
 ) -> LlamaForCausalLM:
-    """Build the module directly on `device` in `dtype`, then fill this rank's weight shards."""
+    """Build the module directly on `device` in `dtype`, then fill this rank's weight shards
+    (`fold_norms`: `LlamaForCausalLM`'s)."""
     with torch.device(device), _default_dtype(dtype):
-        model = LlamaForCausalLM(cfg, tp)
+        model = LlamaForCausalLM(cfg, tp, fold_norms)
     model.load_weights(iter_safetensors(model_dir))
     return model.eval()

@@ -44,8 +44,9 @@ from workers.parallel.group import TPGroup
 logger = logging.getLogger(__name__)
 
 # Per message: up to 8 rows of Llama-3-8B's hidden size in bf16. Two H200s, TP=2 decode steps
-# (`bench_decode --tp 2`, PDSERVE_IPC_ALL_REDUCE=0 against 1): 8 KiB messages (batch 1) and
-# 32 KiB (batch 4) gained 0.13-0.16 ms a step, 128 KiB (16) 0.02, and 512 KiB (64) lost 0.44.
+# (`bench_decode --tp 2`, with and without `--set kernels.ipc_all_reduce=false`): 8 KiB messages
+# (batch 1) and 32 KiB (batch 4) gained 0.13-0.16 ms a step, 128 KiB (16) 0.02, and 512 KiB (64)
+# lost 0.44.
 MAX_BYTES = 64 * 1024
 MAX_PROGRAMS = 64  # and at most one per multiprocessor: all resident at once
 MIN_BLOCK = 1024  # elements a program: small messages still spread over a few programs

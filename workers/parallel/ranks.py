@@ -9,7 +9,6 @@ tensor_parallel_size > 1, so a single-rank engine never imports Ray.
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
@@ -18,12 +17,14 @@ import torch
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from workers import env
+
 logger = logging.getLogger(__name__)
 
 PLACEMENT_TIMEOUT_S = 60.0
 START_TIMEOUT_S = 300.0  # loading a shard of a large checkpoint
 STOP_TIMEOUT_S = 10.0
-REPO_ROOT = str(Path(__file__).resolve().parents[1])
+REPO_ROOT = str(Path(__file__).resolve().parents[2])
 
 
 class TPRankError(RuntimeError):
@@ -39,7 +40,7 @@ def _ensure_ray() -> bool:
     """Start a local Ray for an offline engine; True if this call started it."""
     if ray.is_initialized():
         return False
-    path = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
+    path = env.python_path(REPO_ROOT)
     ray.init(include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
     return True
 

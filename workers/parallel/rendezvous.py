@@ -7,7 +7,6 @@ for plans, and on one host's GPUs the IPC all-reduce for small messages (`ipc_al
 from __future__ import annotations
 
 import logging
-import os
 import socket
 from dataclasses import replace
 from datetime import timedelta
@@ -30,8 +29,12 @@ def free_port(host: str) -> int:
         return int(s.getsockname()[1])
 
 
-def init_group(rank: int, size: int, address: str, device: torch.device) -> TPGroup:
+def init_group(
+    rank: int, size: int, address: str, device: torch.device, *, ipc_all_reduce: bool
+) -> TPGroup:
     """Join this process to the TP group that rendezvouses at `address` ("host:port").
+    `ipc_all_reduce` (`KernelConfig.ipc_all_reduce`): on CUDA, small all-reduces over the peers'
+    memory instead of NCCL.
 
     torch.distributed keeps one default group per process, so a process holds one TP engine.
     """
@@ -53,10 +56,10 @@ def init_group(rank: int, size: int, address: str, device: torch.device) -> TPGr
     control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     logger.info("TP rank %d/%d joined %s over %s", rank, size, address, dist.get_backend())
     tp = TPGroup(rank, size, dist.group.WORLD, control)
-    if cuda and os.environ.get("PDSERVE_IPC_ALL_REDUCE", "1") != "0":
-        from workers.parallel import ipc_all_reduce  # Triton: CUDA only
+    if cuda and ipc_all_reduce:
+        from workers.parallel.ipc_all_reduce import start  # Triton: CUDA only
 
-        tp = replace(tp, ipc=ipc_all_reduce.start(tp, device))
+        tp = replace(tp, ipc=start(tp, device))
     return tp
 
 

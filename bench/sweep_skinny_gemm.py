@@ -1,0 +1,92 @@
+"""Sweep the skinny GEMM's launch configs on this GPU and write its launch table.
+
+    python -m bench.sweep_skinny_gemm [--tp 1,2] [--out FILE] [--json FILE]
+
+For each Llama-3-8B weight (`bench_gemm_decode.SHAPES`, or one rank's shards at each `--tp`)
+and M in 1..64 rows, times every candidate config and F.linear as CUDA-graph replays over
+copies of the weight larger than the L2 (`bench_gemm_decode.graph_ms`), and keeps the fastest
+config per (N, K, M bucket). A cell is a win where that config beat F.linear by at least
+`WIN_MARGIN` on its own. The table goes to `--out`, by default the file the kernel loads for
+this GPU (`workers/kernels/tuning.table_path`); `--json` keeps every timing. A sweep times
+kernels alone: docs/notes/skinny-gemm-tuning.md tells which H200 cells were then re-chosen
+inside whole decode steps, and why.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from bench.bench_gemm_decode import ROWS, graph_ms, shard_shapes, weights
+from bench.gpu_common import write_json
+from workers.kernels.tuning import Cell, Config, SkinnyGemmTable, dumps, table_path
+
+WIN_MARGIN = 0.02  # below this the difference is within run-to-run noise
+
+
+def candidates(m: int, n: int) -> list[Config]:
+    splits = (1, 2, 4, 8) if n <= 8192 else (1, 2)
+    out: list[Config] = []
+    if m == 1:
+        gemv = [(4, 512), (8, 512), (8, 256), (16, 256)]
+        out += [Config(bn, bk, 4, split_k=s) for bn, bk in gemv for s in splits[:3]]
+    swap = [(64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3)]
+    plain = [] if m == 1 else [(32, 256, 4, 3), (32, 128, 4, 4)]
+    out += [Config(bn, bk, w, st, True, True, s) for bn, bk, w, st in swap for s in splits]
+    out += [Config(bn, bk, w, st, True, False, s) for bn, bk, w, st in plain for s in splits[:3]]
+    return out
+
+
+def sweep_shape(n: int, k: int, rows: list[dict]) -> tuple[dict[Cell, Config], set[Cell]]:
+    """The fastest config per M of an [N, K] weight, and the cells where it wins."""
+    from workers.kernels.skinny_gemm import skinny_linear
+
+    configs: dict[Cell, Config] = {}
+    wins: set[Cell] = set()
+    ws = weights(n, k)
+    for m in ROWS:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        cublas = graph_ms(lambda w, x=x: F.linear(x, w), ws)
+        timed = []
+        for cfg in candidates(m, n):
+            try:
+                ms = graph_ms(lambda w, x=x, c=cfg: skinny_linear(x, w, config=c), ws)
+                timed.append((ms, cfg))
+            except Exception as e:  # noqa: BLE001 - e.g. out of shared memory
+                print(f"  {n}x{k} M={m} {cfg}: {type(e).__name__}")
+        best_ms, best = min(timed, key=lambda t: t[0])
+        configs[(n, k, m)] = best
+        if best_ms < (1 - WIN_MARGIN) * cublas:
+            wins.add((n, k, m))
+        print(f"{n}x{k} M={m:<3} F.linear {cublas:.4f} ms, best {best_ms:.4f} {best}", flush=True)
+        rows.append(dict(n=n, k=k, m=m, linear_ms=cublas, all={repr(c): t for t, c in timed}))
+    return configs, wins
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tp", default="1", help="shards at these rank counts, e.g. 1,2")
+    ap.add_argument("--out", type=Path, help="the table file (default: this GPU's)")
+    ap.add_argument("--json", help="every timing")
+    args = ap.parse_args()
+    gpu = torch.cuda.get_device_name()
+    shapes = {shape for tp in args.tp.split(",") for shape in shard_shapes(int(tp)).values()}
+    configs: dict[Cell, Config] = {}
+    wins: set[Cell] = set()
+    rows: list[dict] = []
+    with torch.inference_mode():
+        for n, k in sorted(shapes):
+            shape_configs, shape_wins = sweep_shape(n, k, rows)
+            configs.update(shape_configs)
+            wins |= shape_wins
+    out = args.out or table_path(gpu)
+    out.write_text(dumps(SkinnyGemmTable(configs, frozenset(wins)), gpu))
+    print(f"wrote {out} ({len(configs)} cells, {len(wins)} wins) for {gpu}")
+    write_json(args.json, rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,228 @@
+"""Rotary position embedding kernels (Triton) for 16-bit activations on CUDA, each one launch
+where torch's form takes several, rounding where the torch code rounds (`fused.py`'s rule):
+- `rotary`: `x * cos + rotate_half(x) * sin` in float32, one rounding at the end;
+- `rotary_store`: `rotary` of q and k, with the rotated k and the untouched v written straight
+  into their KV pool slots (what `AttentionBackend.store_kv` does), in one kernel;
+- `cos_sin`: the per-token cos and sin from the positions, in float32 like HF, rounded to the
+  16-bit dtype (torch's form is seven kernels: a batch-1 step's kernels before its first layer
+  took 19.5 µs with them, 8.7 with this one).
+Each launches with programmatic dependent launch where the GPU has it (`pdl.py`). Callers
+(`workers/attention/rotary.py`, `attention/flashinfer.py`) use them for CUDA bf16/fp16 only.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from workers.kernels import pdl
+from workers.kernels.pdl import start_dependents, wait_for_inputs
+
+
+@triton.jit
+def _rotary_kernel(
+    x_ptr,
+    cos_ptr,
+    sin_ptr,
+    out_ptr,
+    x_token_stride,
+    x_head_stride,
+    cs_stride,
+    num_heads,
+    HALF: tl.constexpr,
+    HEADS_BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    start_dependents(PDL)
+    wait_for_inputs(PDL)
+    token = tl.program_id(0).to(tl.int64)
+    heads = tl.arange(0, HEADS_BLOCK)[:, None]
+    dims = tl.arange(0, HALF)[None, :]
+    mask = heads < num_heads
+    cos = tl.load(cos_ptr + token * cs_stride + dims).to(tl.float32)  # first half == second half
+    sin = tl.load(sin_ptr + token * cs_stride + dims).to(tl.float32)
+    src = x_ptr + token * x_token_stride + heads * x_head_stride + dims
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    dst = out_ptr + token * num_heads * 2 * HALF + heads * 2 * HALF + dims
+    tl.store(dst, (x1 * cos - x2 * sin).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + HALF, (x2 * cos + x1 * sin).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`x` `[T, H, D]` (last dim contiguous), `cos`/`sin` `[T, 1, D]` -> new `[T, H, D]`."""
+    tokens, heads, dim = x.shape
+    assert x.stride(-1) == 1 and cos.stride(-1) == 1 and cos.stride() == sin.stride()
+    out = torch.empty((tokens, heads, dim), dtype=x.dtype, device=x.device)
+    if tokens:
+        _rotary_kernel[(tokens,)](
+            x,
+            cos,
+            sin,
+            out,
+            x.stride(0),
+            x.stride(1),
+            cos.stride(0),
+            heads,
+            HALF=dim // 2,
+            HEADS_BLOCK=triton.next_power_of_2(heads),
+            num_warps=4,
+            **pdl.launch_options(x),
+        )
+    return out
+
+
+@triton.jit
+def _rotary_store_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    cos_ptr,
+    sin_ptr,
+    q_out_ptr,
+    kv_ptr,
+    slot_pages_ptr,
+    slot_offsets_ptr,
+    q_stride_t,
+    q_stride_h,
+    k_stride_t,
+    k_stride_h,
+    v_stride_t,
+    v_stride_h,
+    cs_stride,
+    kv_stride_page,
+    kv_stride_kv,
+    kv_stride_slot,
+    kv_stride_head,
+    num_q_heads,
+    num_kv_heads,
+    HALF: tl.constexpr,
+    Q_BLOCK: tl.constexpr,
+    KV_BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    start_dependents(PDL)
+    wait_for_inputs(PDL)
+    token = tl.program_id(0).to(tl.int64)
+    dims = tl.arange(0, HALF)[None, :]
+    cos = tl.load(cos_ptr + token * cs_stride + dims).to(tl.float32)  # first half == second half
+    sin = tl.load(sin_ptr + token * cs_stride + dims).to(tl.float32)
+    # q: rotated into a new packed [T, Hq, D] tensor.
+    qh = tl.arange(0, Q_BLOCK)[:, None]
+    qm = qh < num_q_heads
+    src = q_ptr + token * q_stride_t + qh * q_stride_h + dims
+    x1 = tl.load(src, mask=qm, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=qm, other=0.0).to(tl.float32)
+    dst = q_out_ptr + token * num_q_heads * 2 * HALF + qh * 2 * HALF + dims
+    tl.store(dst, (x1 * cos - x2 * sin).to(q_out_ptr.dtype.element_ty), mask=qm)
+    tl.store(dst + HALF, (x2 * cos + x1 * sin).to(q_out_ptr.dtype.element_ty), mask=qm)
+    # k (rotated) and v (as is): into slot (page, offset) of the layer's pool view.
+    page = tl.load(slot_pages_ptr + token).to(tl.int64)
+    slot = tl.load(slot_offsets_ptr + token).to(tl.int64)
+    kh = tl.arange(0, KV_BLOCK)[:, None]
+    km = kh < num_kv_heads
+    k_dst = kv_ptr + page * kv_stride_page + slot * kv_stride_slot + kh * kv_stride_head + dims
+    src = k_ptr + token * k_stride_t + kh * k_stride_h + dims
+    y1 = tl.load(src, mask=km, other=0.0).to(tl.float32)
+    y2 = tl.load(src + HALF, mask=km, other=0.0).to(tl.float32)
+    tl.store(k_dst, (y1 * cos - y2 * sin).to(kv_ptr.dtype.element_ty), mask=km)
+    tl.store(k_dst + HALF, (y2 * cos + y1 * sin).to(kv_ptr.dtype.element_ty), mask=km)
+    src = v_ptr + token * v_stride_t + kh * v_stride_h + dims
+    v_dst = k_dst + kv_stride_kv
+    tl.store(v_dst, tl.load(src, mask=km, other=0.0).to(kv_ptr.dtype.element_ty), mask=km)
+    v2 = tl.load(src + HALF, mask=km, other=0.0)
+    tl.store(v_dst + HALF, v2.to(kv_ptr.dtype.element_ty), mask=km)
+
+
+def rotary_store(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv: torch.Tensor,
+    slot_pages: torch.Tensor,
+    slot_offsets: torch.Tensor,
+) -> torch.Tensor:
+    """Rotate q `[T, Hq, D]` and k `[T, Hkv, D]` (`cos`/`sin` `[T, 1, D]`); write k and v
+    `[T, Hkv, D]` into `kv` `[pages, 2, page_size, Hkv, D]` at (`slot_pages[t]`,
+    `slot_offsets[t]`); return the rotated q as a new packed tensor."""
+    tokens, num_q_heads, dim = q.shape
+    num_kv_heads = k.shape[1]
+    assert k.shape == v.shape == (tokens, num_kv_heads, dim) and kv.shape[-2:] == k.shape[1:]
+    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == kv.stride(-1) == cos.stride(-1) == 1
+    assert cos.stride() == sin.stride() and slot_pages.shape == slot_offsets.shape == (tokens,)
+    out = torch.empty((tokens, num_q_heads, dim), dtype=q.dtype, device=q.device)
+    if tokens:
+        _rotary_store_kernel[(tokens,)](
+            q,
+            k,
+            v,
+            cos,
+            sin,
+            out,
+            kv,
+            slot_pages,
+            slot_offsets,
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            v.stride(0),
+            v.stride(1),
+            cos.stride(0),
+            kv.stride(0),
+            kv.stride(1),
+            kv.stride(2),
+            kv.stride(3),
+            num_q_heads,
+            num_kv_heads,
+            HALF=dim // 2,
+            Q_BLOCK=triton.next_power_of_2(num_q_heads),
+            KV_BLOCK=triton.next_power_of_2(num_kv_heads),
+            num_warps=4,
+            **pdl.launch_options(q),
+        )
+    return out
+
+
+@triton.jit
+def cos_sin_row(pos_ptr, inv_freq, cos_ptr, sin_ptr, t, half, cols):
+    """Token t's cos and sin (`inv_freq` loaded, at `cols`), both halves of the row."""
+    mask = cols < half
+    freqs = tl.load(pos_ptr + t).to(tl.float32) * inv_freq
+    dtype = cos_ptr.dtype.element_ty
+    cos, sin = tl.cos(freqs).to(dtype), tl.sin(freqs).to(dtype)
+    row = t * 2 * half + cols
+    for offset in tl.static_range(2):  # both halves of the row: `cat((freqs, freqs))`
+        tl.store(cos_ptr + row + offset * half, cos, mask=mask)
+        tl.store(sin_ptr + row + offset * half, sin, mask=mask)
+
+
+@triton.jit
+def _cos_sin_kernel(
+    pos_ptr, inv_freq_ptr, cos_ptr, sin_ptr, half, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
+    start_dependents(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    inv_freq = tl.load(inv_freq_ptr + cols, mask=cols < half, other=0.0)
+    wait_for_inputs(PDL)
+    cos_sin_row(pos_ptr, inv_freq, cos_ptr, sin_ptr, t, half, cols)
+
+
+def cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`RotaryEmbedding.cos_sin`: `[T, 1, 2 * len(inv_freq)]` cos and sin in one kernel."""
+    half = inv_freq.shape[0]
+    shape = (positions.shape[0], 1, 2 * half)
+    cos = torch.empty(shape, dtype=dtype, device=positions.device)
+    sin = torch.empty(shape, dtype=dtype, device=positions.device)
+    if positions.shape[0]:
+        _cos_sin_kernel[(positions.shape[0],)](
+            positions, inv_freq, cos, sin, half, BLOCK=triton.next_power_of_2(half),
+            num_warps=1, **pdl.launch_options(cos),
+        )  # fmt: skip
+    return cos, sin

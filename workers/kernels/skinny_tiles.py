@@ -1,0 +1,125 @@
+"""What both skinny GEMM kernels (`skinny_gemv`, `skinny_dot`) share: the addressing and loads
+of a program's tiles, the scale of an input RMSNorm folded into W, and the epilogue (bias,
+residual, the next norm's sums of squares, split-K's sum over programs). Accumulation is fp32
+with one rounding to y's dtype at the end, bias added in fp32 before it.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+SUMSQ_SLOTS = 8  # float64 sums of squares per row (`finish`): 1/8 of the adds contend on each
+_SLOTS = tl.constexpr(SUMSQ_SLOTS)
+
+
+@triton.jit
+def finish(
+    acc, res, y_ptr, b_ptr, ss_ptr, offs_m, offs_n, M, N, stride_y,
+    HAS_BIAS: tl.constexpr, ADD_RESIDUAL: tl.constexpr, SUMSQ_OUT: tl.constexpr,
+):  # fmt: skip
+    """Store y = acc (+ bias) (+ res) in y's dtype. SUMSQ_OUT: also add the squares of each
+    stored row's values to one of its SUMSQ_SLOTS float64 sums (this program's, by tile): the next
+    RMSNorm's variance, so no norm kernel reads y again. The adds land in any order, but in
+    float64 the squares of 16-bit values sum exactly unless a row's values span more than
+    ~2^18, and even then the order moves only the float64's last bit, not the float32 rms
+    (bar a tie one time in ~2^29)."""
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    if ADD_RESIDUAL:
+        acc += res
+    y_ptrs = y_ptr + offs_m[:, None] * stride_y + offs_n[None, :]
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    y = acc.to(y_ptr.dtype.element_ty)
+    tl.store(y_ptrs, y, mask=mask)
+    if SUMSQ_OUT:
+        y64 = tl.where(mask, y.to(tl.float64), 0.0)
+        slot = ss_ptr + offs_m * _SLOTS + tl.program_id(0) % _SLOTS
+        tl.atomic_add(slot, tl.sum(y64 * y64, axis=1), mask=offs_m < M, sem="relaxed")
+
+
+@triton.jit
+def residual_tile(r_ptr, offs_m, offs_n, M, N, stride_r, ADD_RESIDUAL: tl.constexpr):
+    """The [BLOCK_M, BLOCK_N] tile of the residual that `finish` adds (fp32), or 0."""
+    if ADD_RESIDUAL:
+        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        ptrs = r_ptr + offs_m[:, None] * stride_r + offs_n[None, :]
+        return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    else:
+        return 0.0
+
+
+@triton.jit
+def input_scale(ss_ptr, offs_m, M, K, eps, NORM_IN: tl.constexpr):
+    """NORM_IN: 1 / rms of each row of x, from the SUMSQ_SLOTS float64 sums of its squares that the
+    kernel which wrote x added (`finish`); x is then the input of an RMSNorm whose gain was
+    folded into W's columns, and the product scaled by this equals W times the normed x."""
+    if NORM_IN:
+        slots = tl.arange(0, _SLOTS)[None, :]
+        sums = tl.load(ss_ptr + offs_m[:, None] * _SLOTS + slots, mask=(offs_m < M)[:, None])
+        return tl.rsqrt((tl.sum(sums, axis=1) / K).to(tl.float32) + eps)
+    else:
+        return tl.full(offs_m.shape, 1.0, tl.float32)
+
+
+@triton.jit
+def epilogue(
+    acc, res, y_ptr, b_ptr, ss_ptr, ws_ptr, lock_ptr, offs_m, offs_n, M, N, stride_y,
+    HAS_BIAS: tl.constexpr, ADD_RESIDUAL: tl.constexpr, SUMSQ_OUT: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+):  # fmt: skip
+    """Store the [BLOCK_M, BLOCK_N] fp32 tile. With SPLIT_K > 1 each of the tile's programs
+    writes its partial sum to the workspace and counts itself in on the tile's lock; the last
+    one to arrive adds the partials (in split order, so results do not depend on arrival),
+    writes y and resets the lock to 0 for the next launch."""
+    if SPLIT_K == 1:
+        finish(acc, res, y_ptr, b_ptr, ss_ptr, offs_m, offs_n, M, N, stride_y,
+                HAS_BIAS, ADD_RESIDUAL, SUMSQ_OUT)  # fmt: skip
+    else:
+        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        ws = ws_ptr + offs_m[:, None] * N + offs_n[None, :]
+        tl.store(ws + tl.program_id(2) * M * N, acc, mask=mask)
+        tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+        tl.debug_barrier()  # every thread's partial is written before the count goes up
+        if tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel") == SPLIT_K - 1:
+            total = tl.zeros_like(acc)
+            for s in range(SPLIT_K):
+                total += tl.load(ws + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+            finish(total, res, y_ptr, b_ptr, ss_ptr, offs_m, offs_n, M, N, stride_y,
+                    HAS_BIAS, ADD_RESIDUAL, SUMSQ_OUT)  # fmt: skip
+            tl.atomic_xchg(lock_ptr + tile, 0)
+
+
+@triton.jit
+def k_tile(ptrs, k0, K, offs_k, EVEN_K: tl.constexpr, WEIGHT: tl.constexpr):
+    """Columns [k0, k0 + BLOCK_K) of a row block of x or W (zeros past K). W is read once per
+    step, so it goes first when L2 evicts, keeping x and the KV cache there."""
+    if EVEN_K:
+        if WEIGHT:  # noqa: SIM108 - constexpr branches
+            tile = tl.load(ptrs, eviction_policy="evict_first")
+        else:
+            tile = tl.load(ptrs)
+    else:
+        mask = (k0 + offs_k < K)[None, :]
+        if WEIGHT:  # noqa: SIM108 - constexpr branches
+            tile = tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
+        else:
+            tile = tl.load(ptrs, mask=mask, other=0.0)
+    return tile
+
+
+@triton.jit
+def program_tiles(
+    x_ptr, w_ptr, M, N, K_PER, stride_x, stride_w,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """This program's rows of x and y (offs_m), rows of W (offs_n), first K column and pointers
+    to its first K tile of x and W. A tail tile re-reads valid rows (modulo); its results are
+    never stored."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    k_start = tl.program_id(2) * K_PER
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + (offs_n % N).to(tl.int64)[:, None] * stride_w + (k_start + offs_k)[None, :]
+    x_ptrs = x_ptr + (offs_m % M)[:, None] * stride_x + (k_start + offs_k)[None, :]
+    return offs_m, offs_n, offs_k, k_start, w_ptrs, x_ptrs

@@ -1,0 +1,87 @@
+"""The skinny GEMM's launch configs per GPU model: data files under `tables/`, one per GPU.
+
+Each file (`bench/sweep_skinny_gemm.py` writes one for the GPU it runs on) maps a cell,
+"N,K,M bucket" (M rounded up to a power of two), to the `Config` that ran fastest there, and
+lists the cells where that config beat F.linear on its own (`wins`). A GPU without a file gets
+an empty table: F.linear everywhere. docs/notes/skinny-gemm-tuning.md tells how the H200's
+table was chosen. No Triton here, so the tables load and test on any machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+TABLES = Path(__file__).parent / "tables"
+Cell = tuple[int, int, int]  # (N, K, M bucket)
+
+
+@dataclass(frozen=True)
+class Config:
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 1
+    dot: bool = False  # tensor-core kernel (else the GEMV kernel, for M <= MAX_GEMV_ROWS)
+    swap: bool = False  # dot kernel computes y^T = W x^T
+    split_k: int = 1  # programs per output tile, each over a K range (see skinny_tiles.epilogue)
+    maxnreg: int | None = None  # registers a thread at most (ptxas's own choice when None)
+
+
+@dataclass(frozen=True)
+class SkinnyGemmTable:
+    configs: dict[Cell, Config]
+    wins: frozenset[Cell]  # cells where the kernel beat F.linear without dependent launch
+
+
+EMPTY = SkinnyGemmTable({}, frozenset())
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Config)}
+
+
+def table_path(gpu_name: str) -> Path:
+    """`tables/skinny_gemm_<name>.json`, the name as torch.cuda.get_device_name gives it."""
+    return TABLES / f"skinny_gemm_{re.sub(r'[^A-Za-z0-9]+', '_', gpu_name).strip('_')}.json"
+
+
+def _cell(key: str) -> Cell:
+    n, k, m = (int(v) for v in key.split(","))
+    return n, k, m
+
+
+def parse(data: dict[str, Any]) -> SkinnyGemmTable:
+    configs = {_cell(key): Config(**fields) for key, fields in data["configs"].items()}
+    wins = frozenset(_cell(key) for key in data["wins"])
+    if not wins <= configs.keys():
+        raise ValueError(f"wins without a config: {sorted(wins - configs.keys())}")
+    return SkinnyGemmTable(configs, wins)
+
+
+def dumps(table: SkinnyGemmTable, gpu_name: str) -> str:
+    """The JSON text of `table`, a cell a line, each config by its fields that differ from the
+    defaults."""
+    lines = []
+    for (n, k, m), cfg in sorted(table.configs.items()):
+        fields = {f: v for f, v in dataclasses.asdict(cfg).items() if v != _DEFAULTS[f]}
+        lines.append(f'    "{n},{k},{m}": {json.dumps(fields)}')
+    wins = ", ".join(f'"{n},{k},{m}"' for n, k, m in sorted(table.wins))
+    configs = ",\n".join(lines)
+    head = f'{{\n  "gpu": {json.dumps(gpu_name)},\n  "configs": {{\n'
+    return f'{head}{configs}\n  }},\n  "wins": [{wins}]\n}}\n'
+
+
+@functools.cache
+def skinny_gemm_table(gpu_name: str) -> SkinnyGemmTable:
+    """The table for a GPU model, read once; EMPTY where none was measured."""
+    path = table_path(gpu_name)
+    if not path.is_file():
+        logger.info("no skinny GEMM launch table for %s (%s): F.linear throughout", gpu_name, path)
+        return EMPTY
+    return parse(json.loads(path.read_text()))
