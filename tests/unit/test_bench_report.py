@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from bench import report
@@ -66,3 +67,10 @@ def test_the_committed_page_is_what_the_results_render() -> None:
     assert report.DOC.read_text() == expected, "run `python -m bench.report`"
     for plot in report.plan_plots(report.load_results(report.RESULTS)):
         assert (report.RESULTS / "plots" / plot.name).is_file(), plot.name
+
+
+def test_the_notes_link_to_sections_that_exist() -> None:
+    page = report.DOC.read_text()
+    for note in (report.ROOT / "docs" / "notes").glob("*.md"):
+        for target in re.findall(r"\(\.\./benchmarks\.md#([^)]+)\)", note.read_text()):
+            assert f'<a id="{target}"></a>' in page, f"{note.name}: no section {target}"
