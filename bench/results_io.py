@@ -62,8 +62,17 @@ def hardware() -> str:
             return f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
     except ImportError:
         pass
-    cpu = platform.processor() or platform.machine()
-    return f"CPU: {cpu}, {os.cpu_count()} cores"
+    return f"CPU: {cpu_model()}, {os.cpu_count()} cores"
+
+
+def cpu_model() -> str:
+    """The CPU's model name (Linux's /proc/cpuinfo), else the architecture."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    return platform.processor() or platform.machine()
 
 
 def software() -> dict[str, str]:
