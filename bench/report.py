@@ -255,55 +255,54 @@ def draw_serving(panels: list[tuple[Result, str, str]]) -> Callable[[Path], None
     return draw
 
 
+def ttft_tpot_panels(
+    path: Path, title: str, fill: Callable[[Any, str], None], log_axis: str
+) -> None:
+    """A figure of two panels, TTFT then TPOT, each drawn by `fill(ax, metric)` and given a log
+    `log_axis` ("x" or "y") with plain tick labels."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10.4, 4.2))
+    for ax, metric in zip(axes, ("ttft", "tpot"), strict=True):
+        fill(ax, metric)
+        getattr(ax, f"set_{log_axis}scale")("log")
+        plain_ticks(getattr(ax, f"{log_axis}axis"))
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    save(fig, path)
+
+
 def draw_latency(result: Result) -> Callable[[Path], None]:
     """Median and P99 TTFT and TPOT against the offered rate, a line a mode."""
 
-    def draw(path: Path) -> None:
-        import matplotlib.pyplot as plt
+    def fill(ax: Any, metric: str) -> None:
+        medians = sorted(by_mode(result, f"median_{metric}_ms").items(), reverse=True)
+        for i, (mode, (rates, med)) in enumerate(medians):
+            _, p99 = by_mode(result, f"p99_{metric}_ms")[mode]
+            ax.plot(rates, med, "o-", color=f"C{i}", label=f"{mode}, median")
+            ax.plot(rates, p99, "s--", color=f"C{i}", alpha=0.7, label=f"{mode}, P99")
+        ax.set_xlabel("offered requests a second")
+        ax.set_ylabel(f"{metric.upper()} ms")
 
-        fig, axes = plt.subplots(1, 2, figsize=(10.4, 4.2))
-        for ax, metric in zip(axes, ("ttft", "tpot"), strict=True):
-            for i, (mode, (rates, med)) in enumerate(
-                sorted(by_mode(result, f"median_{metric}_ms").items(), reverse=True)
-            ):
-                _, p99 = by_mode(result, f"p99_{metric}_ms")[mode]
-                ax.plot(rates, med, "o-", color=f"C{i}", label=f"{mode}, median")
-                ax.plot(rates, p99, "s--", color=f"C{i}", alpha=0.7, label=f"{mode}, P99")
-            ax.set_yscale("log")
-            plain_ticks(ax.yaxis)
-            ax.set_xlabel("offered requests a second")
-            ax.set_ylabel(f"{metric.upper()} ms")
-            ax.grid(True, which="both", alpha=0.3)
-            ax.legend(fontsize=8)
-        fig.suptitle(f"{result['title']} ({result['hardware']})")
-        save(fig, path)
-
-    return draw
+    title = f"{result['title']} ({result['hardware']})"
+    return lambda path: ttft_tpot_panels(path, title, fill, "y")
 
 
 def draw_distributions(result: Result) -> Callable[[Path], None]:
     """Per-request TTFT and TPOT as cumulative distributions, a line per mode and rate."""
 
-    def draw(path: Path) -> None:
-        import matplotlib.pyplot as plt
+    def fill(ax: Any, metric: str) -> None:
+        for label, requests in sorted(result["requests"].items()):
+            key = f"{metric}_s"
+            values = sorted(1e3 * r[key] for r in requests if r["ok"] and r[key])
+            if values:
+                ax.plot(values, [(i + 1) / len(values) for i in range(len(values))], label=label)
+        ax.set_xlabel(f"{metric.upper()} ms")
+        ax.set_ylabel("share of requests")
 
-        fig, axes = plt.subplots(1, 2, figsize=(10.4, 4.2))
-        for ax, key in zip(axes, ("ttft_s", "tpot_s"), strict=True):
-            for label, requests in sorted(result["requests"].items()):
-                values = sorted(1e3 * r[key] for r in requests if r["ok"] and r[key])
-                if values:
-                    share = [(i + 1) / len(values) for i in range(len(values))]
-                    ax.plot(values, share, label=label)
-            ax.set_xscale("log")
-            plain_ticks(ax.xaxis)
-            ax.set_xlabel(key.removesuffix("_s").upper() + " ms")
-            ax.set_ylabel("share of requests")
-            ax.grid(True, which="both", alpha=0.3)
-            ax.legend(fontsize=8)
-        fig.suptitle(f"{result['title']}: per-request distributions")
-        save(fig, path)
-
-    return draw
+    title = f"{result['title']}: per-request distributions"
+    return lambda path: ttft_tpot_panels(path, title, fill, "x")
 
 
 def save(fig: Any, path: Path) -> None:
