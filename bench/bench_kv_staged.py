@@ -168,11 +168,11 @@ def main() -> None:
             )
         )
     ray.shutdown()
-    model = (
+    what = (
         f"{args.layout} KV ({shard.dtype}), decode rank {rank} of TP {args.tp} reading from TP 1 "
         f"(staged) against TP {args.tp} (direct), median of {args.iters}"
     )
-    write_result(args.out, "kv-staged", rows, model=model)
+    write_result(args.out, "kv-staged", rows, model=what)
 
 
 if __name__ == "__main__":
