@@ -16,7 +16,7 @@ eager step; `--profile` adds, for two cases, where the graph replay's device tim
 `--trace DIR` also writes each profiled replay as a Chrome trace (every kernel's start and end:
 a layer's critical path, kernel by kernel).
 
-    python -m bench.bench_decode --tokenizer-dir DIR [--shape llama3-8b] [--tp 2] [--json F]
+    python -m bench.bench_decode --tokenizer-dir DIR [--shape llama3-8b] [--tp 2] [--out DIR]
         [--profile [--trace DIR]] [--set kernels.pdl=false ...]
 """
 
@@ -39,8 +39,8 @@ from bench.gpu_common import (
     top_kernels,
     wall_ms,
     weight_bytes_read,
-    write_json,
 )
+from bench.results_io import write_result
 from workers.config import EngineConfig
 from workers.engine.engine import Engine
 from workers.engine.model_runner import ModelRunner
@@ -212,7 +212,10 @@ def main() -> None:
             runner.graphs = graphs
             print(top_host_ops(lambda: runner.execute(step)), flush=True)  # noqa: B023
         torch.cuda.synchronize()
-    write_json(args.json, dict(copy_bandwidth_gbps=bandwidth, rows=rows))
+    name = "decode" if args.tp == 1 else f"decode-tp{args.tp}"
+    model = f"{args.shape} shapes, random bf16 weights, page {page_size}, CUDA graphs"
+    measured = dict(copy_bandwidth_gbps=round(bandwidth))
+    write_result(args.out, name, rows, model=model, measured=measured)
 
 
 if __name__ == "__main__":

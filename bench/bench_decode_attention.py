@@ -7,7 +7,7 @@ kernel, then the merge of its KV splits). Each variant is captured as a CUDA gra
 attention per layer over the model's 32 layers, each layer its own K/V (so L2 holds none of it),
 as the decode graph runs them.
 
-    python -m bench.bench_decode_attention [--cases 1x1024,16x1024] [--json FILE]
+    python -m bench.bench_decode_attention [--cases 1x1024,16x1024] [--out DIR]
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from typing import Any
 import flashinfer
 import torch
 
-from bench.gpu_common import cuda_ms, read_bandwidth_gbps, write_json
+from bench.gpu_common import cuda_ms, read_bandwidth_gbps
+from bench.results_io import add_out_argument, write_result
 from workers.attention.flashinfer import new_workspace
 
 LAYERS, Q_HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 32, 8, 128, 16  # Llama-3-8B
@@ -74,7 +75,7 @@ def layer_graph(
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cases", default="1x1024,1x4096,16x1024,64x2048")
-    ap.add_argument("--json")
+    add_out_argument(ap)
     args = ap.parse_args()
     read_gbps = read_bandwidth_gbps()
     print(f"read bandwidth {read_gbps:.0f} GB/s (a reduction over 4 GiB)")
@@ -86,6 +87,7 @@ def main() -> None:
         batch, context = (int(x) for x in case.split("x"))
         kv_bytes = batch * context * 2 * KV_HEADS * HEAD_DIM * 2
         floor_us = kv_bytes / read_gbps / 1e3
+        row: dict[str, Any] = dict(batch=batch, context=context)
         for name, (wrapper_opts, plan_opts) in VARIANTS.items():
             try:
                 replay = layer_graph(batch, context, wrapper_opts, plan_opts)
@@ -94,9 +96,15 @@ def main() -> None:
                 continue
             us = cuda_ms(replay, warmup=3, iters=20) * 1e3 / LAYERS
             print(f"{case:>15} {name:>24} {us:10.2f} {floor_us:8.2f} {us / floor_us:7.1f}")
-            rows.append(dict(batch=batch, context=context, variant=name, us=us, floor_us=floor_us))
+            row[name.replace(",", "").replace(" ", "_").lower() + "_us"] = round(us, 2)
             torch.cuda.empty_cache()
-    write_json(args.json, rows)
+        engine_us = row.get("tensor_cores_us")  # the engine's variant
+        row["floor_us"] = round(floor_us, 2)
+        row["x_floor"] = engine_us and round(engine_us / floor_us, 1)
+        rows.append(row)
+    model = "Llama-3-8B attention heads, page 16, a CUDA graph of 32 layers"
+    measured = dict(read_gbps=round(read_gbps))
+    write_result(args.out, "decode-attention", rows, model=model, measured=measured)
 
 
 if __name__ == "__main__":

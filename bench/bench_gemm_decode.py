@@ -1,6 +1,6 @@
 """Decode-step GEMMs: cuBLAS (F.linear) against the Triton skinny GEMM, Llama-3-8B shapes.
 
-    python -m bench.bench_gemm_decode [--json FILE] [--tp N]
+    python -m bench.bench_gemm_decode [--out DIR] [--tp N]
 
 For each weight (q/k/v, o_proj, gate_up, down, LM head) and M in 1..64 rows: weight GB/s of
 each, its fraction of the measured device copy bandwidth, the speedup, and whether
@@ -23,7 +23,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from bench.gpu_common import copy_bandwidth_gbps, cuda_ms, write_json
+from bench.gpu_common import copy_bandwidth_gbps, cuda_ms
+from bench.results_io import add_out_argument, write_result
 
 # name -> (N, K), bf16, Llama-3-8B unsharded
 SHAPES = {
@@ -111,17 +112,19 @@ def step_totals(rows: list[dict]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--json")
+    add_out_argument(ap)
     ap.add_argument("--tp", type=int, default=1, help="one rank's shards at this many ranks")
     args = ap.parse_args()
     shapes = shard_shapes(args.tp)
     copy_gbps = copy_bandwidth_gbps()
     weight_gb = sum(n * k * 2 * (1 if s == "lm_head" else LAYERS) for s, (n, k) in shapes.items())
     print(f"device copy bandwidth {copy_gbps:.0f} GB/s; step weights {weight_gb / 1e9:.2f} GB")
+    model = "Llama-3-8B shapes" + (f", one rank's shards at TP {args.tp}" if args.tp > 1 else "")
+    measured = dict(copy_bandwidth_gbps=round(copy_gbps))
     with torch.inference_mode():
         rows = compare(shapes, copy_gbps)
     step_totals(rows)
-    write_json(args.json, dict(copy_gbps=copy_gbps, rows=rows))
+    write_result(args.out, "gemm-decode", rows, model=model, measured=measured)
 
 
 if __name__ == "__main__":

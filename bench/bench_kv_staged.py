@@ -35,6 +35,7 @@ import ray  # noqa: E402
 import torch  # noqa: E402
 
 from bench.bench_kv_transfer import LAYOUTS  # noqa: E402
+from bench.results_io import add_out_argument, write_result  # noqa: E402
 from workers.kvcache.pool import KVPool  # noqa: E402
 from workers.protocol import KVLayout  # noqa: E402
 from workers.transfer import KVTransferAgent  # noqa: E402
@@ -93,6 +94,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--num-gpus", type=float, default=0.3, help="per actor, with --device cuda")
     ap.add_argument("--decode-own-gpu", action="store_true", help="decode on a GPU of its own")
+    add_out_argument(ap)
     args = ap.parse_args()
     layers, heads, head_dim = LAYOUTS[args.layout]
     if heads % args.tp:
@@ -136,6 +138,7 @@ def main() -> None:
     )
     print(f"{'tokens':>6} {'kept MiB':>8} {'direct ms':>9} {'staged ms':>9} {'ratio':>5} "
           f"{'staged GB/s moved':>17}")  # fmt: skip
+    rows = []
     for n_tok in tokens:
         n = -(-n_tok // 16)
         remote = list(range(1, n + 1))
@@ -154,7 +157,22 @@ def main() -> None:
             f"{n_tok:>6} {n * shard.page_bytes / 2**20:>8.1f} {1e3 * t_direct:>9.2f} "
             f"{1e3 * t_staged:>9.2f} {t_staged / t_direct:>5.2f} {moved / t_staged / 1e9:>17.2f}"
         )
+        rows.append(
+            dict(
+                tokens=n_tok,
+                kept_mib=round(n * shard.page_bytes / 2**20, 1),
+                direct_ms=round(1e3 * t_direct, 2),
+                staged_ms=round(1e3 * t_staged, 2),
+                x_direct=round(t_staged / t_direct, 1),
+                staged_gbps_moved=round(moved / t_staged / 1e9, 1),
+            )
+        )
     ray.shutdown()
+    what = (
+        f"{args.layout} KV ({shard.dtype}), decode rank {rank} of TP {args.tp} reading from TP 1 "
+        f"(staged) against TP {args.tp} (direct), median of {args.iters}"
+    )
+    write_result(args.out, "kv-staged", rows, model=what)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import statistics
 import sys
@@ -38,6 +37,7 @@ import numpy as np  # noqa: E402
 import ray  # noqa: E402
 import torch  # noqa: E402
 
+from bench.results_io import add_out_argument, write_result  # noqa: E402
 from workers.kvcache.pool import KVPool  # noqa: E402
 from workers.protocol import KVLayout  # noqa: E402
 from workers.transfer import KVTransferAgent, merge_page_runs  # noqa: E402
@@ -178,7 +178,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--num-gpus", type=float, default=0.5, help="per actor, with --device cuda")
     ap.add_argument("--progress-thread", action="store_true", help="NIXL's (spinning) thread")
-    ap.add_argument("--json", action="store_true", help="also print one JSON line per row")
+    add_out_argument(ap)
     ap.add_argument("--layout", choices=sorted(LAYOUTS), default="smollm2")
     args = ap.parse_args()
 
@@ -219,6 +219,7 @@ def main() -> None:
     )
 
     rng = np.random.default_rng(0)
+    rows = []
     head = (
         f"{'tokens':>6} {'pattern':>9} {'mode':>7} {'MiB':>6} {'descs':>5} {'make_us':>7} "
         f"{'post_ms':>7} {'first_ms':>8} {'nixl_GB/s':>9} {'best':>5} {'torch_GB/s':>10} "
@@ -266,9 +267,10 @@ def main() -> None:
                     f"{row['make_us']:>7.0f} {row['post_ms']:>7.2f} {row['first_ms']:>8.1f} "
                     f"{gbps:>9.2f} {best:>5.2f} {torch_gbps:>10.2f} {row['ratio']:>5.2f}"
                 )
-                if args.json:
-                    print("BENCH_KV_TRANSFER", json.dumps(row))
+                rows.append({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()})
     ray.shutdown()
+    model = f"{args.layout} KV layout ({layout.dtype}, page 16), NIXL READ, median of {args.iters}"
+    write_result(args.out, "kv-transfer", rows, model=model)
 
 
 if __name__ == "__main__":

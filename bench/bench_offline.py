@@ -2,8 +2,8 @@
 also the engine with every request penalised (frequency, presence, repetition, logit bias)
 against itself without, which is the cost of those rules on the sampling path.
 
-python bench/bench_offline.py                      # SmolLM2 on CPU, batch 8 x 128 in / 64 out
-python bench/bench_offline.py --batch 32 --device cuda --dtype bfloat16
+python -m bench.bench_offline                      # SmolLM2 on CPU, batch 8 x 128 in / 64 out
+python -m bench.bench_offline --batch 32 --device cuda --dtype bfloat16 [--out DIR]
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from bench.results_io import add_out_argument, write_result
 from workers import LLM, SamplingParams
 
 
@@ -61,6 +62,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
+    add_out_argument(ap)
     args = ap.parse_args()
     llm = LLM(args.model, device=args.device, dtype=args.dtype, enable_prefix_caching=False)
     prompts = workload(llm.engine.runner.model_config.vocab_size, args.batch, args.prompt_len)
@@ -81,6 +83,17 @@ def main() -> None:
     print(
         f"ratio pdserve / HF: {hf / ours:.2f}x; penalised / plain pdserve: {ours / penalised:.2f}x"
     )
+    row = dict(
+        dtype=args.dtype,
+        pdserve_out_tok_per_s=round(tokens / ours, 1),
+        hf_out_tok_per_s=round(tokens / hf, 1),
+        x_hf=round(hf / ours, 2),
+        penalised_s=round(penalised, 2),
+        plain_s=round(ours, 2),
+        x_plain_penalised=round(ours / penalised, 2),
+    )
+    model = f"{args.model}: {args.batch} x {args.prompt_len} tokens in, {args.output_len} out"
+    write_result(args.out, f"offline-{args.device}-{args.dtype}", [row], model=model)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ The workload (nano-vllm's bench.py): 256 requests, prompts of 100-1024 random to
 weights in bf16. HF runs a subset (one left-padded batch, sampling to the subset's longest
 output); the engine runs the same subset too, so the ratio compares like with like.
 
-    python -m bench.bench_offline_gpu --tokenizer-dir DIR [--hf-subset 32] [--json out.json]
+    python -m bench.bench_offline_gpu --tokenizer-dir DIR [--hf-subset 32] [--out DIR]
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from bench.gpu_common import bench_parser, dummy_model_dir, engine_options, write_json
+from bench.gpu_common import bench_parser, dummy_model_dir, engine_options
+from bench.results_io import write_result
 from workers import LLM, SamplingParams
 
 
@@ -109,7 +110,13 @@ def main() -> None:
     print("OFFLINE hf-subset", hf, flush=True)
     ratio = subset["tokens_per_s"] / hf["tokens_per_s"]
     print(f"OFFLINE engine/hf on the same {n} requests: {ratio:.1f}x", flush=True)
-    write_json(args.json, dict(engine=full, engine_subset=subset, hf_subset=hf, ratio=ratio))
+    rows = [
+        dict(run="engine, all requests", **full),
+        dict(run=f"engine, first {n}", **subset, x_hf=round(ratio, 1)),
+        dict(run=f"HF generate, first {n}", **hf),
+    ]
+    model = f"{args.shape} shapes, random bf16 weights; nano-vllm's workload"
+    write_result(args.out, "offline-gpu", rows, model=model)
 
 
 if __name__ == "__main__":

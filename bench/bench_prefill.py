@@ -8,7 +8,7 @@ query-key pair, half the square) and the LM head for the last token of each prom
 at the read bandwidth measured in the same process (GEMMs that thin wait on their weights),
 as the engine runs them (on a decode CUDA graph, one row a token) and eagerly.
 
-    python -m bench.bench_prefill --tokenizer-dir DIR [--shape llama3-8b] [--json out.json]
+    python -m bench.bench_prefill --tokenizer-dir DIR [--shape llama3-8b] [--out DIR]
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from bench.gpu_common import (
     top_kernels,
     wall_ms,
     weight_bytes_read,
-    write_json,
 )
+from bench.results_io import write_result
 from workers.config import EngineConfig
 from workers.engine.model_runner import ModelRunner
 from workers.model.config import ModelConfig
@@ -109,7 +109,9 @@ def main() -> None:
                    x_floor=round(ms / floor_ms, 2))  # fmt: skip
         rows.append(row)
         print("PREFILL", row, flush=True)
-    write_json(args.json, dict(gemm_peak_tflops=peak, read_gbps=read_gbps, rows=rows))
+    measured = dict(gemm_peak_tflops=round(peak), read_gbps=round(read_gbps))
+    model = f"{args.shape} shapes, random bf16 weights, one step, no cached prefix"
+    write_result(args.out, "prefill", rows, model=model, measured=measured)
 
 
 if __name__ == "__main__":

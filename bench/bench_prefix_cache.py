@@ -1,6 +1,8 @@
 """Shared-prefix workload: throughput and mean TTFT with the prefix cache on vs off, one run.
 
-python bench/bench_prefix_cache.py  # 64 requests: 512-token system prompt + 64-token questions
+python -m bench.bench_prefix_cache [--out DIR]
+
+64 requests by default: a 512-token system prompt + 64-token questions.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import time
 
 import torch
 
+from bench.results_io import add_out_argument, write_result
 from workers.config import EngineConfig
 from workers.engine.async_engine import AsyncEngine
 from workers.engine.engine import Engine
@@ -58,6 +61,7 @@ def main() -> None:
     ap.add_argument("--system-len", type=int, default=512)
     ap.add_argument("--question-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=16)
+    add_out_argument(ap)
     args = ap.parse_args()
     prompts = workload(args.requests, args.system_len, args.question_len)
     on = measure(True, prompts, args.output_len)
@@ -71,6 +75,17 @@ def main() -> None:
     for name, (secs, ttft) in (("on", on), ("off", off)):
         print(f"{name:<14}{secs:>10.2f}{tokens / secs:>12.1f}{ttft:>13.2f}")
     print(f"throughput on/off: {off[0] / on[0]:.2f}x   mean TTFT off/on: {off[1] / on[1]:.2f}x")
+    rows = [
+        dict(prefix_cache=name, seconds=round(secs, 1), out_tok_per_s=round(tokens / secs, 1),
+             mean_ttft_s=round(ttft, 1), x_off_throughput=round(off[0] / secs, 1),
+             x_off_ttft=round(off[1] / ttft, 1))
+        for name, (secs, ttft) in (("on", on), ("off", off))
+    ]  # fmt: skip
+    model = (
+        f"SmolLM2-135M-Instruct on CPU: {args.requests} requests, a shared {args.system_len}-token"
+        f" prefix + {args.question_len}-token questions, {args.output_len} out"
+    )
+    write_result(args.out, "prefix-cache", rows, model=model)
 
 
 if __name__ == "__main__":

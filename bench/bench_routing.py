@@ -1,14 +1,14 @@
 """Prefill routing policies on a simulated pool, each against round-robin in the same run.
 
-    python bench/bench_routing.py                    # both scenarios: scarce and ample KV
-    python bench/bench_routing.py --scenario scarce --replicas 8 --rate 60
+    python -m bench.bench_routing                    # both scenarios: scarce and ample KV
+    python -m bench.bench_routing --scenario scarce --replicas 8 --rate 60 [--out DIR]
 
 N prefill replicas, each with the engine's own prefix cache (`KVManager`: radix tree over a
 `PageAllocator`), no model. A replica runs engine steps back to back while it has work: a step
 prefills up to `--budget` tokens of its queued prompts, first come first served, in chunks, and
-takes step_ms + tokens / tok_s (defaults: Llama-3-8B on one H200, from this README's prefill
-table: 8192 tokens in 220 ms). A prompt matches the cache when a step first admits it and is
-cached when its last chunk is done; its TTFT is that moment minus its arrival.
+takes step_ms + tokens / tok_s (defaults: Llama-3-8B on one H200, from the prefill figures
+in docs/benchmarks.md: 8192 tokens in 220 ms). A prompt matches the cache when a step first
+admits it and is cached when its last chunk is done; its TTFT is that moment minus its arrival.
 
 Workload: Poisson arrivals of chat requests from tenants with Zipf popularity. Each tenant has
 its own system prompt; a request starts a new conversation (system prompt + question) or, with
@@ -30,6 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from bench.results_io import add_out_argument, write_result
 from router.routing.policy import PrefixAwarePolicy
 from workers.kvcache.allocator import PageAllocator
 from workers.kvcache.manager import KVManager
@@ -221,8 +222,10 @@ def pct(xs: list[float], q: int) -> float:
     return statistics.quantiles(xs, n=100)[q - 1] if len(xs) > 1 else xs[0]
 
 
-def report(name: str, kv_tokens: int, args: argparse.Namespace) -> None:
+def report(name: str, kv_tokens: int, args: argparse.Namespace) -> list[dict[str, object]]:
+    """Print the scenario's table; return its rows for the result file."""
     requests = workload(args)
+    rows: list[dict[str, object]] = []
     total = sum(len(p) for _, p in requests)
     print(
         f"\n## {name}: {args.replicas} replicas x {kv_tokens} KV tokens; {args.requests} requests "
@@ -244,9 +247,22 @@ def report(name: str, kv_tokens: int, args: argparse.Namespace) -> None:
             f"| {ratio:.2f}x | {1e3 * pct(res.ttfts, 50):.0f} | {1e3 * pct(res.ttfts, 99):.0f} "
             f"| {spread:.2f} |"
         )
+        rows.append(
+            dict(
+                kv_tokens_per_replica=kv_tokens,
+                policy=label,
+                cache_hit_pct=round(100 * res.cached_tokens / res.prompt_tokens, 1),
+                prefill_tokens_computed=computed,
+                x_round_robin=round(ratio, 2),
+                ttft_p50_ms=round(1e3 * pct(res.ttfts, 50)),
+                ttft_p99_ms=round(1e3 * pct(res.ttfts, 99)),
+                busiest_x_idlest=round(spread, 2),
+            )
+        )
         if label == "prefix-aware":
             us = 1e6 * res.route_s / len(requests)
-            print(f"\nprefix-aware routing took {us:.0f} us a request (this machine, Python)")
+            print(f"\nprefix-aware routing took {us:.0f} us a request (this host, Python)")
+    return rows
 
 
 def main() -> None:
@@ -269,10 +285,15 @@ def main() -> None:
     ap.add_argument("--tok-s", type=float, default=8192 / 0.215, help="prefill tokens/s")
     ap.add_argument("--step-ms", type=float, default=5.0)
     ap.add_argument("--seed", type=int, default=0)
+    add_out_argument(ap)
     args = ap.parse_args()
     names = list(SCENARIOS) if args.scenario == "both" else [args.scenario]
-    for name in names:
-        report(name, SCENARIOS[name], args)
+    rows = [row for name in names for row in report(name, SCENARIOS[name], args)]
+    model = (
+        f"simulated pool: {args.replicas} prefill replicas, {args.requests} requests at "
+        f"{args.rate}/s from {args.tenants} tenants (Zipf {args.zipf})"
+    )
+    write_result(args.out, "routing", rows, model=model)
 
 
 if __name__ == "__main__":

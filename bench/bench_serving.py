@@ -40,6 +40,7 @@ import httpx  # noqa: E402
 import ray  # noqa: E402
 from ray import serve  # noqa: E402
 
+from bench.results_io import add_out_argument, write_result  # noqa: E402
 from bench.serving_load import make_conversations, parse_slo, run_workload, summarize, tpot  # noqa: E402
 from cluster.app import build_app  # noqa: E402
 from workers.config import DEFAULT_MODEL  # noqa: E402
@@ -130,7 +131,7 @@ def main() -> None:
                     help="SLOs for the goodput, e.g. ttft:500 tpot:50")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--base-url", help="also measure the server there, e.g. http://host:8000")
-    ap.add_argument("--json", help="write the figures here")
+    add_out_argument(ap)
     args = ap.parse_args()
     if args.gpus_per_replica is None:
         args.gpus_per_replica = 1.0 if args.device == "cuda" else 0.0
@@ -193,24 +194,24 @@ def main() -> None:
         served = httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]
         measure(urlparse(base).netloc, f"{base}/v1/completions", served)
     shape = args.shape or Path(model).name
-    print(
-        f"\n{shape} on {args.device}: {args.num_prompts} conversations of {args.turns} turns "
+    workload_text = (
+        f"{shape} on {args.device}: {args.num_prompts} conversations of {args.turns} turns "
         f"of {args.input_len} new tokens "
         f"(+{args.prefix_len} shared, ±{args.range_ratio:.0%}), {args.output_len} out, "
         f"concurrency {args.max_concurrency or 'unlimited'}; disaggregated: "
         f"{args.prefill_replicas}P+{args.decode_replicas}D, colocated: "
         f"{args.prefill_replicas + args.decode_replicas} replicas"
     )
+    print(f"\n{workload_text}")
     for rate, by_mode in rows.items():
         print(f"\nrate {rate}/s")
         print_table(by_mode)
-    if args.json:
-        figures = dict(
-            args=vars(args),
-            rows={str(rate): by_mode for rate, by_mode in rows.items()},
-            requests=per_request,
-        )
-        Path(args.json).write_text(json.dumps(figures, default=str, indent=1))
+    table = [
+        dict(rate_per_s=rate, mode=mode, **{k: round(v, 3) for k, v in figures.items()})
+        for rate, by_mode in rows.items()
+        for mode, figures in by_mode.items()
+    ]
+    write_result(args.out, "serving", table, model=workload_text, requests=per_request)
 
 
 if __name__ == "__main__":

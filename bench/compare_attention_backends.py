@@ -10,8 +10,8 @@ weights, unlike random ones, attention is sharp enough that a wrong kernel input
 
 On CUDA it checks FlashInfer in bfloat16 (the model rotates q and k itself, so the check sees
 exactly what the backend attends); on CPU, the torch backend in float32 against itself, which
-exercises the tool. The model defaults to `$PDSERVE_SMOLLM2_GGUF` (bench/gpu_suite.sh joins it
-there), else the embedded SmolLM2.
+exercises the tool. The model defaults to `$PDSERVE_SMOLLM2_GGUF` (what `bench/gpu_suite.sh
+--model` sets), else the embedded SmolLM2.
 """
 
 from __future__ import annotations

@@ -8,7 +8,6 @@ copy bandwidth (bytes read + written per second, one large copy) and the bf16 GE
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 import time
@@ -17,6 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from bench.results_io import add_out_argument
 
 if TYPE_CHECKING:
     from workers.engine.model_runner import ModelRunner
@@ -61,12 +62,13 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 
 def bench_parser(doc: str, shape: str = "llama3-8b") -> argparse.ArgumentParser:
     """The arguments every GPU bench takes: the tokenizer files, the model shape, where to put
-    the dummy model, a JSON file for the rows, and overrides of the engine's config."""
+    the dummy model, a folder for the result file (`--out`), and overrides of the engine's
+    config (`--set`)."""
     ap = argparse.ArgumentParser(description=doc.split("\n")[0])
     ap.add_argument("--tokenizer-dir", type=Path, required=True)
     ap.add_argument("--shape", default=shape, choices=sorted(SHAPES))
     ap.add_argument("--work", type=Path, default=Path("/tmp/pdserve-bench"))
-    ap.add_argument("--json")
+    add_out_argument(ap)
     ap.add_argument(
         "--set", dest="assignments", action="append", default=[], metavar="PATH=VALUE",
         help="an EngineConfig field, as `pdserve serve --set` (e.g. kernels.pdl=false)",
@@ -157,11 +159,6 @@ def weight_bytes_read(runner: ModelRunner, batch: int) -> int:
         embed = runner.model.model.embed_tokens.weight
         total -= embed.numel() * embed.element_size() - batch * cfg.hidden_size * 2
     return total
-
-
-def write_json(path: str | None, rows: object) -> None:
-    if path:
-        Path(path).write_text(json.dumps(rows, indent=1))
 
 
 def top_kernels(fn: Callable[[], object], limit: int = 12) -> str:

