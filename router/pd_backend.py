@@ -10,7 +10,7 @@ at once instead of waiting for the lease to expire.
 A prompt of at most `decode_prefill_max_tokens` tokens skips step 1: its decode replica prefills
 it in its own steps (as in colocated mode). The running batch's next step waits for that short
 prefill; the request is spared a second replica's queue, the hop and the KV transfer. Which
-weighs more depends on the hardware (README: no gain on CPU).
+weighs more depends on the hardware (docs/notes/serving.md: no gain on CPU).
 """
 
 from __future__ import annotations

@@ -90,7 +90,7 @@ class EngineConfig(BaseModel):
         description="a request's stream sends at most one chunk per interval, holding the "
         "tokens in between for it (its first and last chunk go at once); 0: a chunk per token, "
         "as vLLM. Each chunk is a Ray message through the router, whose per-message cost "
-        "limited a router replica to ~2k tokens/s (README, serving)",
+        "limited a router replica to ~2k tokens/s (docs/notes/serving.md)",
     )
     kernels: KernelConfig = KernelConfig()
 

@@ -93,7 +93,7 @@ class PrefillEngine(HandoffEngine):
             # pages through. A reader needs that only to wire up its first READ of a rank (no
             # notification goes to ranks 1..N-1: leases are rank 0's business), so a command
             # round every GROUP_DRAIN_S, not every 1 ms poll: with a lease out and nothing to
-            # step, each rank of a TP-2 group on the CPU machine was 37% busy, now 7% / 4%.
+            # step, each rank of a TP-2 group on a CPU host was 37% busy, now 7% / 4%.
             self.group.sync(drain_notifs=True)
             self._next_drain = time.monotonic() + GROUP_DRAIN_S
         return []

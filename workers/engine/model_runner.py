@@ -281,7 +281,7 @@ class ModelRunner:
 
         A decode step runs on the graph of its batch size. A step with prefill chunks of few
         tokens runs on the graph of its token count, one row per token: eagerly its ~10
-        launches a layer take several times its GPU work on the host (README, short prompts).
+        launches a layer take several times its GPU work on the host (docs/benchmarks.md, prefill).
         Rows of a chunk each read their sequence's KV up to themselves, so this is done only
         while those reads stay within as many bytes as the weights (read once a step)."""
         if self.graphs is None or step.scores_prompt():

@@ -2,8 +2,8 @@
 
 At batch 1 a Llama-3-8B layer's attention reads 4 MB of KV (1 µs at the HBM rate) but took
 ~12 µs after the q/k/v GEMM on an H200 as three dependent kernels (`rope.rotary_store`,
-FlashInfer's split-KV decode, its merge of the splits; README, one H200), the weight stream
-idle. Here one launch does all of it, and starts reading before its input exists:
+FlashInfer's split-KV decode, its merge of the splits; docs/notes/attention.md), the weight
+stream idle. Here one launch does all of it, and starts reading before its input exists:
 - programs are (sequence, KV head, split of the sequence's past tokens); each first loads the page
   ids and the K/V of its first tile: tokens of earlier steps, which no kernel of this forward
   writes, so under programmatic dependent launch (`workers/kernels/pdl.py`) they stream while the

@@ -4,7 +4,7 @@
 squares (the first layer's input norm, read by its q/k/v GEMV), a zeroed buffer of sums for
 the later residual streams (`skinny_tiles.finish` adds into it) and rotary's cos/sin. As a
 gather, a memset, a norm kernel and `rope.cos_sin` they took 8.7 µs of a batch-1 step on an
-H200 before the first layer; in this one launch 3.2 (README, batch 1).
+H200 before the first layer; in this one launch 3.2 (docs/notes/decode-kernels.md).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A decode step all-reduces each row-parallel output: at batch 1 on Llama-3-8B that is 65 messages
 of 8 KiB a step, and NCCL's all-reduce took 6.5-10 µs for each inside a CUDA graph on two H200s
-(README, tensor-parallel decode). PyTorch's symmetric-memory all-reduce does not start under
+(docs/notes/tensor-parallel.md). PyTorch's symmetric-memory all-reduce does not start under
 Ray, where every rank sees its own GPU as `cuda:0`; CUDA IPC maps a peer's memory regardless
 (as UCX does for the KV hand-off). So each rank shares one buffer with its peers at start-up
 (`torch.multiprocessing`'s CUDA IPC handles), and one kernel per all-reduce, in each program:

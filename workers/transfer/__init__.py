@@ -10,13 +10,13 @@ takes no locks). Exactly one thread, the rank's engine loop, calls every method 
 and the loop keeps stepping other requests while a read is in flight. One exception, measured:
 between processes of one host over DRAM, UCX reads with cma (process_vm_readv) and the whole
 copy happens inside the post, so `read_pages` returns when the bytes are there (about 8 GB/s on
-the CPU machine: 47 ms for 8k SmolLM2 tokens). VRAM reads (cuda_ipc, RDMA) are asynchronous.
+a CPU host: 47 ms for 8k SmolLM2 tokens). VRAM reads (cuda_ipc, RDMA) are asynchronous.
 
 Progress: NIXL's progress thread is off by default, because it spins (one full core per idle
-agent, measured on the CPU machine). Then UCX moves only inside an agent's calls, so a rank
+agent, measured on a CPU host). Then UCX moves only inside an agent's calls, so a rank
 whose pages are being read must keep calling `get_notifs()`: every engine step, and every
 millisecond or so while idle with pages leased out (ranks 1..N-1 of a prefill TP group, which
-get no notifications, every `prefill_engine.GROUP_DRAIN_S`). Measured on the CPU machine (data
+get no notifications, every `disagg.prefill.GROUP_DRAIN_S`). Measured on a CPU host (data
 moves over cma, notifications over tcp/lo): a peer's first READ waits for the owner's side of
 the UCX wire-up; a READ that carries a notification, or is posted while an earlier notification
 to the owner is still unconsumed, stays PROC until the owner calls in; other READs need nothing

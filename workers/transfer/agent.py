@@ -7,7 +7,8 @@ Invariants:
   (`PoolRegion`), so no per-request registration happens.
 - A peer's record is fetched (Ray internal KV) and its NIXL metadata loaded once per peer name,
   then cached until `forget_peer`; there is no per-request handshake.
-- A read is refused unless the remote `KVLayout` equals the local one (no heterogeneous TP yet).
+- A direct read is refused unless the remote `KVLayout` equals the expected one: ours, or for
+  a heterogeneous-TP read into staging pages, the remote layout the handle names.
 - Local page `local_pages[i]` receives remote page `remote_pages[i]`; the caller owns both
   lists' pages until the handle reports DONE or ERR (and the remote owner until it is notified).
 - The owner's writes to its pages are complete before it hands them out (on CUDA: its stream
