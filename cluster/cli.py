@@ -3,7 +3,8 @@
     pdserve check configs/llama.yaml      validate each pdserve application's `args` (AppConfig)
                                           without deploying: exit 1 naming every bad field (a
                                           KubeRay RayService: its serveConfigV2)
-    pdserve schema                        every knob of AppConfig with its default and meaning
+    pdserve schema [--markdown]           every knob of AppConfig with its default and meaning: JSON
+                                          schema, or the markdown of docs/configuration.md
     pdserve serve CONFIG [--set engine.model=/models/x --set decode.num_replicas=2 ...]
                   [--host H] [--port P]   `serve run CONFIG` with these overrides of the args
                                           and of its http_options
@@ -26,6 +27,7 @@ import yaml
 from pydantic import ValidationError
 
 from cluster.config import AppConfig
+from cluster.schema_doc import schema_markdown
 
 IMPORT_PATH = "cluster.app:build_app"
 
@@ -135,7 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="command", required=True)
     p_check = sub.add_parser("check", help="validate Serve config files without deploying")
     p_check.add_argument("configs", nargs="+", type=Path)
-    sub.add_parser("schema", help="print every knob of the application config")
+    p_schema = sub.add_parser("schema", help="print every knob of the application config")
+    p_schema.add_argument("--markdown", action="store_true",
+                          help="as markdown (docs/configuration.md), not JSON schema")  # fmt: skip
     p_serve = sub.add_parser("serve", help="serve a config file with overrides")
     p_serve.add_argument("config", type=Path)
     p_serve.add_argument("--set", dest="assignments", action="append", default=[],
@@ -146,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "check":
         return check(args.configs)
     if args.command == "schema":
-        print(schema())
+        sys.stdout.write(schema_markdown() if args.markdown else schema() + "\n")
         return 0
     try:
         http = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}

@@ -6,12 +6,13 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+
+from tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 START_DEADLINE_S = 240
@@ -31,17 +32,16 @@ def app_process(
     with open(log, "w") as out:
         proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)  # fmt: skip
+
+    def healthy() -> bool:
+        assert proc.poll() is None, f"{command[0]} exited: {log.read_text()[-3000:]}"
+        try:
+            return httpx.get(f"{base_url}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
     try:
-        t0 = time.monotonic()
-        while True:
-            assert proc.poll() is None, f"{command[0]} exited: {log.read_text()[-3000:]}"
-            try:
-                if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() - t0 < START_DEADLINE_S, "the application did not come up"
-            time.sleep(1)
+        wait_until(healthy, START_DEADLINE_S, interval_s=1, what=f"{base_url}/health to answer")
         yield proc
     finally:
         if proc.poll() is None:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import time
-
 import httpx
+
+from tests.waiting import wait_settled
 
 
 def pool_counter(base_url: str, name: str, role: str = "decode") -> float:
@@ -17,11 +17,9 @@ def pool_counter(base_url: str, name: str, role: str = "decode") -> float:
 def settled_counters(base_url: str, keys: list[tuple[str, str]]) -> dict[str, float]:
     """The (role, name) counters, keyed "role name", once two readings 1.5 s apart agree (the
     engines post their stats about once a second)."""
-    last: dict[str, float] = {}
-    for _ in range(20):
-        now = {f"{r} {n}": pool_counter(base_url, n, r) for r, n in keys}
-        if now == last:
-            return now
-        last = now
-        time.sleep(1.5)
-    raise AssertionError(f"the pools' counters kept moving: {last}")
+    return wait_settled(
+        lambda: {f"{r} {n}": pool_counter(base_url, n, r) for r, n in keys},
+        1.5,
+        30,
+        what="the pools' counters",
+    )

@@ -9,16 +9,12 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+from ray import serve
 
-ray = pytest.importorskip("ray")
-pytest.importorskip("nixl")
-
-from ray import serve  # noqa: E402
-
-from cluster.app import build_app  # noqa: E402
-from tests.conftest import local_ray  # noqa: E402
-from tests.e2e.serve_metrics import settled_counters  # noqa: E402
-from workers.parallel.rendezvous import free_port  # noqa: E402
+from cluster.app import build_app
+from tests.conftest import local_ray
+from tests.e2e.serve_metrics import settled_counters
+from workers.parallel.rendezvous import free_port
 
 pytestmark = pytest.mark.e2e
 

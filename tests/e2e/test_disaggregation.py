@@ -6,15 +6,14 @@ import time
 from collections.abc import Iterator
 
 import pytest
+import ray
 
-ray = pytest.importorskip("ray")
-pytest.importorskip("nixl")
-
-from tests.conftest import local_ray  # noqa: E402
-from workers import LLM  # noqa: E402
-from workers.protocol import GenerateRequest, RequestOutput, SamplingParams  # noqa: E402
-from workers.serve.decode import DecodeWorker  # noqa: E402
-from workers.serve.prefill import PrefillWorker  # noqa: E402
+from tests.conftest import local_ray
+from tests.waiting import wait_until
+from workers import LLM
+from workers.protocol import GenerateRequest, RequestOutput, SamplingParams
+from workers.serve.decode import DecodeWorker
+from workers.serve.prefill import PrefillWorker
 
 pytestmark = pytest.mark.e2e
 
@@ -87,13 +86,6 @@ def request(llm: LLM, rid: str, text: str, params: SamplingParams = GREEDY) -> G
     return GenerateRequest(request_id=rid, prompt_token_ids=ids, params=params)
 
 
-def wait_for(cond, what: str, deadline_s: float = DEADLINE_S) -> None:  # noqa: ANN001
-    t0 = time.monotonic()
-    while not cond():
-        assert time.monotonic() - t0 < deadline_s, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
 def tokens(first: RequestOutput, rest: list[RequestOutput]) -> list[int]:
     return first.token_ids + [t for c in rest for t in c.token_ids]
 
@@ -109,7 +101,11 @@ def test_split_prefill_and_decode_equal_the_single_process_engine(llm, prefill, 
     rests = ray.get([decode.run.remote(r, f) for r, f in zip(reqs, firsts)])
     assert [tokens(f, r) for f, r in zip(firsts, rests)] == expected
     assert rests[0][-1].finish_reason == "length"
-    wait_for(lambda: ray.get(prefill.stats.remote()).kv_pages_pinned == 0, "prefill unpin")
+    wait_until(
+        lambda: ray.get(prefill.stats.remote()).kv_pages_pinned == 0,
+        DEADLINE_S,
+        what="prefill unpin",
+    )
     stats = ray.get(decode.stats.remote())
     assert stats.kv_pages_pinned == 0 and stats.num_recomputed == 0
     assert stats.nixl_bytes_transferred > 0
@@ -170,17 +166,25 @@ def test_abort_on_decode_unpins_prefill_and_frees_decode_pages(llm, prefill, dec
     )
     first = ray.get(prefill.prefill.remote(req))
     assert ray.get(decode.abort_after.remote(req, first, 3)) >= 3
-    wait_for(lambda: ray.get(decode.stats.remote()).num_running == 0, "decode abort")
+    wait_until(
+        lambda: ray.get(decode.stats.remote()).num_running == 0, DEADLINE_S, what="decode abort"
+    )
     d = ray.get(decode.stats.remote())
     assert d.kv_pages_pinned == 0 and d.kv_pages_used == d.kv_pages_cached
-    wait_for(lambda: ray.get(prefill.stats.remote()).kv_pages_pinned == 0, "prefill unpin")
+    wait_until(
+        lambda: ray.get(prefill.stats.remote()).kv_pages_pinned == 0,
+        DEADLINE_S,
+        what="prefill unpin",
+    )
 
 
 def test_unread_pages_are_unpinned_when_the_lease_expires(llm, cluster) -> None:
     short = start(Prefill, lease_s=1.0)
     first = ray.get(short.prefill.remote(request(llm, "unread", SYSTEM + "Hello?")))
     assert ray.get(short.stats.remote()).kv_pages_pinned > 0
-    wait_for(lambda: ray.get(short.stats.remote()).kv_pages_pinned == 0, "lease expiry")
+    wait_until(
+        lambda: ray.get(short.stats.remote()).kv_pages_pinned == 0, DEADLINE_S, what="lease expiry"
+    )
     assert first.kv is not None and first.kv.lease_expiry < time.time()
     ray.kill(short)
 
@@ -191,7 +195,9 @@ def test_any_prefill_replica_can_release_another_ones_lease(llm, prefill, cluste
     assert ray.get(prefill.stats.remote()).kv_pages_pinned > 0
     ray.get(other.release.remote(first.kv.agent_names[0], first.kv.lease_id))
     # Well inside the 30 s lease: the notification, not the expiry, unpinned it.
-    wait_for(lambda: ray.get(prefill.stats.remote()).kv_pages_pinned == 0, "remote release", 10)
+    wait_until(
+        lambda: ray.get(prefill.stats.remote()).kv_pages_pinned == 0, 10, what="remote release"
+    )
     ray.kill(other)
 
 
@@ -246,4 +252,8 @@ def test_a_prompt_whose_pages_decode_caches_already_is_not_read(llm, prefill, de
     assert moved == [2, 0]
     assert after.kv_pages_reused - before.kv_pages_reused == 2
     assert after.num_recomputed == before.num_recomputed
-    wait_for(lambda: ray.get(prefill.stats.remote()).kv_pages_pinned == 0, "prefill unpin")
+    wait_until(
+        lambda: ray.get(prefill.stats.remote()).kv_pages_pinned == 0,
+        DEADLINE_S,
+        what="prefill unpin",
+    )

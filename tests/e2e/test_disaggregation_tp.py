@@ -13,21 +13,20 @@ import time
 from collections.abc import Iterator
 
 import pytest
+import ray
 
-ray = pytest.importorskip("ray")
-pytest.importorskip("nixl")
-
-from tests.conftest import local_ray  # noqa: E402
-from workers import LLM  # noqa: E402
-from workers.protocol import (  # noqa: E402
-    EngineStats,  # noqa: E402
+from tests.conftest import local_ray
+from tests.waiting import wait_until
+from workers import LLM
+from workers.protocol import (
+    EngineStats,
     GenerateRequest,
     KVHandle,
     RequestOutput,
     SamplingParams,
 )
-from workers.serve.decode import DecodeWorker  # noqa: E402
-from workers.serve.prefill import PrefillWorker  # noqa: E402
+from workers.serve.decode import DecodeWorker
+from workers.serve.prefill import PrefillWorker
 
 pytestmark = pytest.mark.e2e
 
@@ -42,9 +41,22 @@ DEADLINE_S = 30.0
 
 
 class Prefill(PrefillWorker):
+    holding = False
+
     async def pause(self, seconds: float) -> None:
-        """Hold the engine loop: no rank's agent progresses meanwhile."""
-        await self.loop.run(lambda: time.sleep(seconds))
+        """Hold the engine loop: no rank's agent progresses meanwhile (the sleep is the hold)."""
+
+        def hold() -> None:
+            self.holding = True
+            try:
+                time.sleep(seconds)
+            finally:
+                self.holding = False
+
+        await self.loop.run(hold)
+
+    async def is_holding(self) -> bool:
+        return self.holding
 
 
 class Decode(DecodeWorker):
@@ -112,13 +124,6 @@ def request(llm: LLM, rid: str, text: str) -> GenerateRequest:
     return GenerateRequest(request_id=rid, prompt_token_ids=ids, params=GREEDY)
 
 
-def wait_for(cond, what: str) -> None:  # noqa: ANN001
-    t0 = time.monotonic()
-    while not cond():
-        assert time.monotonic() - t0 < DEADLINE_S, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
 @pytest.mark.parametrize("prefill_tp", [2, 1])
 def test_an_abort_mid_read_keeps_pages_until_every_rank_read_ends(
     llm, pair, singles, prefill_tp: int
@@ -131,16 +136,24 @@ def test_an_abort_mid_read_keeps_pages_until_every_rank_read_ends(
     # A reader's first READ waits for the owner's side of the UCX wire-up: with the prefill
     # loop held, neither prefill rank calls in, so the reads stay in flight.
     paused = prefill.pause.remote(1.5)
-    time.sleep(0.2)
+    wait_until(lambda: ray.get(prefill.is_holding.remote()), 10, what="the prefill loop held")
     in_flight, held = ray.get(decode.abort_while_reading.remote(req, first))
     assert in_flight
     assert held.num_handoffs_pending == 1 and held.kv_pages_used > 0  # pages kept while read
     ray.get(paused)
-    wait_for(lambda: ray.get(decode.stats.remote()).num_handoffs_pending == 0, "reads to end")
+    wait_until(
+        lambda: ray.get(decode.stats.remote()).num_handoffs_pending == 0,
+        DEADLINE_S,
+        what="reads to end",
+    )
     d = ray.get(decode.stats.remote())
     assert d.kv_pages_used == 0 and d.kv_pages_pinned == 0 and d.num_running == 0  # spares too
     ray.get(prefill.release.remote(first.kv.agent_names[0], first.kv.lease_id))  # as the router
-    wait_for(lambda: ray.get(prefill.stats.remote()).kv_pages_pinned == 0, "prefill unpin")
+    wait_until(
+        lambda: ray.get(prefill.stats.remote()).kv_pages_pinned == 0,
+        DEADLINE_S,
+        what="prefill unpin",
+    )
 
 
 def hand_off(llm: LLM, prefill, decode, name: str) -> tuple[EngineStats, EngineStats, KVHandle]:  # noqa: ANN001
@@ -154,7 +167,11 @@ def hand_off(llm: LLM, prefill, decode, name: str) -> tuple[EngineStats, EngineS
     rests = ray.get([decode.run.remote(r, f) for r, f in zip(reqs, firsts)], timeout=DEADLINE_S)
     got = [f.token_ids + [t for c in rest for t in c.token_ids] for f, rest in zip(firsts, rests)]
     assert got == expected
-    wait_for(lambda: ray.get(prefill.stats.remote()).kv_pages_pinned == 0, "prefill unpin")
+    wait_until(
+        lambda: ray.get(prefill.stats.remote()).kv_pages_pinned == 0,
+        DEADLINE_S,
+        what="prefill unpin",
+    )
     after = ray.get(decode.stats.remote())
     assert after.num_handoffs_pending == 0 and after.num_running == 0
     assert after.kv_pages_pinned == 0 and after.kv_pages_used == after.kv_pages_cached

@@ -13,14 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import ray
 import torch
 
-ray = pytest.importorskip("ray")
-pytest.importorskip("nixl")
-
-from workers.kvcache.pool import KVPool  # noqa: E402
-from workers.protocol import KVLayout  # noqa: E402
-from workers.transfer import (  # noqa: E402
+from tests.waiting import wait_until
+from workers.kvcache.pool import KVPool
+from workers.protocol import KVLayout
+from workers.transfer import (
     KVLayoutMismatchError,
     KVTransferAgent,
     TransferError,
@@ -51,6 +50,9 @@ class KVWorker:
 
     def name(self) -> str:
         return self.agent.name
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def serve(self) -> None:
         while True:
@@ -202,12 +204,22 @@ def test_read_is_refused_when_layouts_differ(workers: Workers) -> None:
         local.close()
 
 
+def exited(pid: int) -> bool:
+    """Whether process `pid` has ended (a zombie has: its parent has yet to reap it)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] == "Z"  # the state field follows "(comm)"
+
+
 def test_reading_from_a_dead_prefill_fails_within_a_deadline(workers: Workers) -> None:
     w, decode = workers, workers.decode["prepped"]
     assert ray.get(decode.read.remote(w.doomed_name, [1, 2], [30, 31], b""))["state"] == "DONE"
 
+    pid = ray.get(w.doomed.pid.remote())
     ray.kill(w.doomed, no_restart=True)
-    time.sleep(0.5)  # let the process exit
+    wait_until(lambda: exited(pid), 30, what=f"the killed worker (pid {pid}) to exit")
     cached = ray.get(decode.read.remote(w.doomed_name, [1, 2], [30, 31], b""))
     ray.get(decode.forget.remote(w.doomed_name))  # a reader that meets the dead agent afresh
     fresh = ray.get(decode.read.remote(w.doomed_name, [1, 2], [30, 31], b""))

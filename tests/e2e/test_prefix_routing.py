@@ -10,12 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import ray
+from ray import serve
 
-ray = pytest.importorskip("ray")
-
-from ray import serve  # noqa: E402
-
-from workers.protocol import GenerateRequest  # noqa: E402
+from workers.protocol import GenerateRequest
 
 pytestmark = pytest.mark.e2e
 

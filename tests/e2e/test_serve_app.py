@@ -7,7 +7,6 @@ One application for the whole module (Serve takes ~20 s to start here): 2 router
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from openai import AsyncOpenAI, AuthenticationError, BadRequestError, NotFoundEr
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.app_process import REPO, app_process
+from tests.waiting import wait_settled, wait_until
 from workers.parallel.rendezvous import free_port
 
 pytestmark = pytest.mark.e2e
@@ -59,18 +59,16 @@ def metrics(base: str) -> dict[tuple[str, str], float]:
 
 
 def wait_idle(base: str) -> dict[tuple[str, str], float]:
-    t0 = time.monotonic()
-    while True:
+    def idle() -> dict[tuple[str, str], float] | None:
         m = metrics(base)
         busy = sum(
             m.get((f"pdserve:{k}", r), 0)
             for k in ("num_requests_running", "kv_pages_pinned")
             for r in ("prefill", "decode")
         )
-        if busy == 0:
-            return m
-        assert time.monotonic() - t0 < 60, f"workers still busy: {m}"
-        time.sleep(0.5)
+        return None if busy else m
+
+    return wait_until(idle, 60, interval_s=0.5, what="the workers idle, no page pinned")
 
 
 def test_chat_answers_like_hf_transformers(server: str, hf_smollm2, smollm2_dir: Path) -> None:
@@ -229,13 +227,14 @@ def request_totals(base: str) -> tuple[float, float]:
 
 def test_every_router_replica_reports_the_requests_of_both(server: str) -> None:
     wait_idle(server)
-    time.sleep(1.5)  # both replicas have posted their latest counts
-    before = request_totals(server)
+    # Each replica posts its counts once a second: settled, both have posted their latest.
+    before = wait_settled(lambda: request_totals(server), 1.5, 30, what="the request totals")
     assert before[0] == before[1]
     n = 6
     for _ in range(n):
         client(server).completions.create(model=MODEL, prompt="Hi", max_tokens=1)
-    time.sleep(1.5)  # a replica's posted counts may be up to 1 s old
+    want = (before[0] + n, before[1] + n)
+    wait_until(lambda: request_totals(server) == want, 30, what=f"the request totals {want}")
     # Scrapes land on either replica: each must count the requests that both of them served.
     for _ in range(6):
         assert request_totals(server) == (before[0] + n, before[1] + n)

@@ -7,13 +7,12 @@ import contextlib
 import time
 
 import pytest
+import ray
 
-ray = pytest.importorskip("ray")
-
-from router.metrics import Metrics, RequestStats  # noqa: E402
-from router.metrics_board import MetricsBoard  # noqa: E402
-from workers.protocol import EngineStats  # noqa: E402
-from workers.serve import stats_board  # noqa: E402
+from router.metrics import Metrics, RequestStats
+from router.metrics_board import MetricsBoard
+from workers.protocol import EngineStats
+from workers.serve import stats_board
 
 pytestmark = pytest.mark.e2e
 

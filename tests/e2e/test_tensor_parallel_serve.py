@@ -9,17 +9,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import ray
+from ray import serve
 
-ray = pytest.importorskip("ray")
-
-from ray import serve  # noqa: E402
-
-from cluster.app import _deployment_options  # noqa: E402
-from cluster.config import AppConfig  # noqa: E402
-from tests.conftest import make_random_checkpoint  # noqa: E402
-from workers import LLM, SamplingParams  # noqa: E402
-from workers.protocol import GenerateRequest  # noqa: E402
-from workers.serve.decode import DecodeWorker  # noqa: E402
+from cluster.app import _deployment_options
+from cluster.config import AppConfig
+from tests.conftest import make_random_checkpoint
+from workers import LLM, SamplingParams
+from workers.protocol import GenerateRequest
+from workers.serve.decode import DecodeWorker
 
 pytestmark = pytest.mark.e2e
 

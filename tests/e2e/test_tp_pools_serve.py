@@ -7,22 +7,19 @@ single-process engine's. Prompts of at most 4 tokens skip the prefill pool
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+import ray
+from ray import serve
 
-ray = pytest.importorskip("ray")
-pytest.importorskip("nixl")
-
-from ray import serve  # noqa: E402
-
-from cluster.app import build_app  # noqa: E402
-from tests.e2e.serve_metrics import pool_counter, settled_counters  # noqa: E402
-from workers import LLM, SamplingParams  # noqa: E402
-from workers.parallel.rendezvous import free_port  # noqa: E402
+from cluster.app import build_app
+from tests.e2e.serve_metrics import pool_counter, settled_counters
+from tests.waiting import wait_until
+from workers import LLM, SamplingParams
+from workers.parallel.rendezvous import free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -64,10 +61,12 @@ def test_a_tp1_prefill_pool_hands_off_to_a_tp2_decode_pool(base_url: str, tiny_l
     [want] = LLM(tiny_llama, **ENGINE).generate([PROMPT], params)
     choice = reply.json()["choices"][0]
     assert choice["text"] == want.text and choice["finish_reason"] == "length"
-    t0 = time.monotonic()  # the engines post their stats about once a second
-    while pool_counter(base_url, "kv_pages_read") == 0:
-        assert time.monotonic() - t0 < 30, "no KV page read by the decode pool"
-        time.sleep(0.5)
+    wait_until(  # the engines post their stats about once a second
+        lambda: pool_counter(base_url, "kv_pages_read") > 0,
+        30,
+        interval_s=0.5,
+        what="a KV page read by the decode pool",
+    )
     assert pool_counter(base_url, "kv_transfer_recomputed") == 0  # handed off, not redone
 
 

@@ -19,8 +19,6 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("nixl")
-
 from workers import LLM, SamplingParams  # noqa: E402
 from workers.config import (
     EngineConfig,  # noqa: E402

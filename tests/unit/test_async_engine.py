@@ -7,6 +7,7 @@ import asyncio
 
 import pytest
 
+from tests.waiting import async_wait_until
 from workers.config import EngineConfig
 from workers.engine.async_engine import AsyncEngine
 from workers.engine.engine import Engine, RequestRejectedError
@@ -52,11 +53,12 @@ async def test_listener_that_goes_away_aborts_and_frees_pages(engine) -> None:
     stream = engine.generate(req)
     await stream.__anext__()
     await stream.aclose()  # what a client disconnect does to the consumer
-    for _ in range(100):
-        await asyncio.sleep(0.05)
-        stats = engine.stats()
-        if stats.num_running == 0 and stats.kv_pages_pinned == 0:
-            break
+    await async_wait_until(
+        lambda: engine.stats().num_running == 0 and engine.stats().kv_pages_pinned == 0,
+        5,
+        what="the dropped request's abort",
+    )
+    stats = engine.stats()
     assert stats.num_running == 0 and stats.kv_pages_pinned == 0
 
 

@@ -10,7 +10,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from cluster import cli
+from cluster import cli, schema_doc
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -65,6 +65,16 @@ def test_schema_lists_every_knob_with_its_meaning(capsys: pytest.CaptureFixture[
     assert router["decode_prefill_max_tokens"]["default"] == 0
     assert "prefill pool" in router["decode_prefill_max_tokens"]["description"]
     assert set(schema["properties"]) >= {"engine", "prefill", "decode", "router", "kv_transfer"}
+
+
+def test_configuration_doc_is_the_schema_as_markdown(capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/configuration.md never drifts from the schema: regenerate it with the command."""
+    assert cli.main(["schema", "--markdown"]) == 0
+    out = capsys.readouterr().out
+    assert "| `decode_prefill_max_tokens` | `int`, ≥ 0 | `0` |" in out
+    assert "Set at: `prefill.autoscaling`, `decode.autoscaling`." in out
+    doc = (REPO / "docs" / "configuration.md").read_text()
+    assert doc == out, "docs/configuration.md is stale: run " + schema_doc.REGENERATE
 
 
 def test_overrides_set_typed_values_on_a_copy() -> None:

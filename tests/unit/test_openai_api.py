@@ -22,6 +22,7 @@ import uvicorn
 
 from router.openai_api import LocalBackend, build_openai_app
 from router.params import generation_defaults
+from tests.waiting import async_wait_until
 from workers.config import EngineConfig
 from workers.engine.async_engine import AsyncEngine
 from workers.engine.engine import Engine
@@ -407,12 +408,12 @@ async def test_metrics_expose_pdserve_names(app, chat_runs) -> None:
 
 # ---- streams that end early --------------------------------------------------------------------
 async def wait_idle(engine: AsyncEngine) -> Any:
-    for _ in range(200):
+    def idle() -> Any:
         stats = engine.stats()
-        if stats.num_running == 0 and stats.num_waiting == 0 and stats.kv_pages_pinned == 0:
-            break
-        await asyncio.sleep(0.05)
-    return stats
+        busy = stats.num_running or stats.num_waiting or stats.kv_pages_pinned
+        return None if busy else stats
+
+    return await async_wait_until(idle, 10, what="the engine idle, no page pinned")
 
 
 class FailsAfterOneChunk(LocalBackend):
@@ -451,8 +452,7 @@ async def test_client_disconnect_mid_stream_aborts_the_request(app, engine) -> N
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:
-        while not server.started:
-            await asyncio.sleep(0.02)
+        await async_wait_until(lambda: server.started, 10, interval_s=0.02, what="uvicorn up")
         url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1/completions"
         body = {"prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True, "stream": True}
         async with httpx.AsyncClient() as c, c.stream("POST", url, json=body) as r:

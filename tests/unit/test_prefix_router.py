@@ -8,8 +8,6 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-import pytest
-
 from router.routing import DecodeLoadPolicy, PrefixAwarePolicy, PrefixIndex, page_hashes
 from router.routing.policy import InFlight
 
@@ -228,7 +226,6 @@ class FakeReplica:
 
 
 def test_serve_prefill_router_learns_from_routed_requests_and_forgets_dead_replicas() -> None:
-    pytest.importorskip("ray.serve")
     from ray.serve._private.common import DeploymentHandleSource, DeploymentID
 
     from router.routing.serve_routers import PrefillRouter

@@ -15,7 +15,9 @@ import ray
 import torch.distributed as dist
 
 from tests.conftest import local_ray
+from tests.waiting import wait_until
 from workers import LLM, SamplingParams
+from workers.engine.tp_runner import TPDriverRunner
 from workers.parallel.ranks import TPRankError
 from workers.protocol import GenerateRequest
 
@@ -104,12 +106,20 @@ def test_close_stops_the_rank_actors(cluster, tiny_llama: str) -> None:
     llm.close()  # idempotent
 
 
+def rank_died(runner: TPDriverRunner) -> bool:
+    try:
+        runner.check_alive()
+    except TPRankError:
+        return True
+    return False
+
+
 def test_a_dead_rank_fails_steps_with_a_clear_error(cluster, tiny_llama: str) -> None:
     with LLM(tiny_llama, tensor_parallel_size=2, **TINY) as llm:
         runner = llm.engine.runner
         runner.check_alive()
         ray.kill(runner._ranks.actors[0])
-        time.sleep(0.5)
+        wait_until(lambda: rank_died(runner), 30, what="check_alive to see the killed rank")
         with pytest.raises(TPRankError, match="TP rank 1 died"):
             runner.check_alive()  # Serve's health check sees it before any step
         start = time.monotonic()

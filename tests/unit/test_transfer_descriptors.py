@@ -20,6 +20,7 @@ from workers.transfer import (
 )
 from workers.transfer.descriptors import count_descriptors
 from workers.transfer.generations import generation_region
+from workers.transfer.nixl_backend import backend_modules
 from workers.transfer.peers import PeerRecord
 
 PAGE = 1024
@@ -134,7 +135,8 @@ def test_generation_region_has_one_8_byte_entry_per_page() -> None:
 def test_missing_nixl_raises_transport_unavailable_at_start(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setitem(sys.modules, "nixl._api", None)  # makes `import nixl._api` fail
+    for name in backend_modules():
+        monkeypatch.setitem(sys.modules, name, None)  # makes `import nixl_cuXX` fail
     layout = KVLayout(num_layers=1, page_size=2, num_kv_heads=1, head_dim=4, dtype="float32")
     with pytest.raises(TransportUnavailableError, match="cannot import nixl"):
         KVTransferAgent(KVPool(layout, 4, "cpu"), "decode", "r0", 0, publish=False)

@@ -43,6 +43,7 @@ from workers.transfer.errors import (
 from workers.transfer.generations import GenerationSlots, generation_region
 from workers.transfer.handle import TransferHandle, TransferStats, XferState
 from workers.transfer.head_slices import staged_descriptors
+from workers.transfer.nixl_backend import load_nixl
 from workers.transfer.peers import Peer, PeerRecord, PeerTable
 from workers.transfer.reads import ReadTracker
 
@@ -55,14 +56,14 @@ _LOCAL = "NIXL_INIT_AGENT"
 def _start_nixl(name: str, num_threads: int, progress_thread: bool) -> Any:
     """A NIXL agent with the UCX backend, or TransportUnavailableError saying why not."""
     try:
-        from nixl._api import nixl_agent, nixl_agent_config
+        nixl = load_nixl()
     except Exception as e:  # ImportError, or a missing CUDA/UCX library under it
         raise TransportUnavailableError(f"cannot import nixl: {e!r}") from e
     try:
-        config = nixl_agent_config(
+        config = nixl.nixl_agent_config(
             enable_prog_thread=progress_thread, backends=["UCX"], num_threads=num_threads
         )
-        agent = nixl_agent(name, config)
+        agent = nixl.nixl_agent(name, config)
     except Exception as e:
         raise TransportUnavailableError(f"cannot create NIXL agent {name}: {e!r}") from e
     if "UCX" not in agent.backends:  # nixl only warns when the plugin is missing
