@@ -138,7 +138,7 @@ def test_launcher_config_passes_the_checks_ray_up_runs(path: Path) -> None:
     config = load(path)
     assert not LAUNCHER_KEYS - set(config), LAUNCHER_KEYS - set(config)
     assert "." in config["file_mounts"].values()  # the repo itself reaches every node
-    assert any("pdserve[gpu]" in cmd for cmd in config["setup_commands"])
+    assert any("pdserve[gpu,cu12]" in cmd for cmd in config["setup_commands"])  # cu128 image
     validate_config(prepare_config(config))
 
 
