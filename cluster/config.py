@@ -39,7 +39,12 @@ class PoolConfig(Strict):
     num_replicas: int = Field(1, ge=1)
     autoscaling: AutoscalingConfig | None = None
     tensor_parallel_size: int = Field(1, ge=1)
-    num_gpus_per_rank: float = Field(0, ge=0, description="0 on CPU; 1 for a GPU per TP rank")
+    num_gpus_per_rank: float = Field(
+        0,
+        ge=0,
+        description="0 on CPU; 1 for a GPU per TP rank; a fraction shares a GPU (0.5: two "
+        "replicas on one), the engine's memory following it (its gpu_share)",
+    )
     num_cpus_per_rank: float = Field(1, ge=0)
     resources: dict[str, float] = Field(
         default_factory=dict, description="custom Ray resources, e.g. to pin a pool to a node type"
@@ -60,6 +65,7 @@ class PoolConfig(Strict):
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 kv_cache_memory_gb=self.kv_cache_memory_gb,
                 gpu_memory_utilization=self.gpu_memory_utilization,
+                gpu_share=min(1.0, self.num_gpus_per_rank) or None,  # 0: CPU, or unaccounted
             ).items()
             if v is not None
         }
@@ -115,11 +121,14 @@ class AppConfig(Strict):
     api_key: str | None = Field(None, description="default: $PDSERVE_API_KEY; none = open")
 
     @model_validator(mode="after")
-    def _tp_per_pool(self) -> AppConfig:
+    def _per_pool(self) -> AppConfig:
         # The pools may differ (each decode rank reads the prefill ranks holding its KV heads);
         # each pool's size must divide the model's KV heads, which its engine checks at start.
         if self.engine.tensor_parallel_size != 1:
             raise ValueError("set tensor_parallel_size per pool (prefill, decode), not in engine")
+        # An engine's share of its GPU is its pool's Ray GPU fraction, which PoolConfig passes.
+        if self.engine.gpu_share != 1:
+            raise ValueError("set a pool's num_gpus_per_rank (prefill, decode), not gpu_share")
         return self
 
     @property

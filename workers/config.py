@@ -56,9 +56,28 @@ class EngineConfig(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     page_size: int = Field(16, ge=1, le=256, description="tokens per KV page")
     kv_cache_memory_gb: float | None = Field(
-        None, gt=0, description="KV pool size; default 1 GiB on CPU, a fraction of free GPU memory"
+        None,
+        gt=0,
+        description="KV pool size; default 1 GiB on CPU, on a GPU what gpu_memory_utilization "
+        "and gpu_share leave",
     )
-    gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
+    gpu_memory_utilization: float = Field(
+        0.85,
+        gt=0,
+        le=1,
+        description="the fraction of a GPU's memory its engines may use in all (weights, KV "
+        "pool, buffers), each its gpu_share of it; the rest is left for activations and "
+        "workspace",
+    )
+    gpu_share: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="this engine's fraction of its GPU: it may use total x "
+        "gpu_memory_utilization x gpu_share bytes, its KV pool what its weights and buffers "
+        "leave of that (a pool that cannot hold one max_model_len sequence fails at start). "
+        "A Serve app sets it from the pool's num_gpus_per_rank",
+    )
     num_kv_pages: int | None = Field(None, ge=2, description="exact pool size (overrides memory)")
     max_model_len: int | None = Field(None, ge=1)
     max_num_seqs: int = Field(256, ge=1, description="running sequences at most")

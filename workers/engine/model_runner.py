@@ -18,6 +18,7 @@ import torch
 
 from workers.attention import AttentionBatch, create_backend
 from workers.config import EngineConfig
+from workers.engine.kv_budget import GiB, GPUMemory, fixed_kv_pages, gpu_kv_pages
 from workers.kvcache.page_table import PageTable
 from workers.kvcache.pool import KVPool
 from workers.model.dummy import build_dummy_model
@@ -49,8 +50,10 @@ class ModelRunner:
         self.cfg = cfg
         self.tp = tp
         self.device = cfg.resolved_device()
+        self._allocated_before = 0  # this process's tensors before ours (other engines')
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device.index or 0)
+            self._allocated_before = torch.cuda.memory_allocated(self.device)
             from workers.kernels import pdl  # Triton: CUDA only
 
             pdl.allow(cfg.kernels.pdl)
@@ -77,12 +80,12 @@ class ModelRunner:
         )
         params = {p.data_ptr(): p for p in self.model.parameters()}.values()  # tied: once
         self.weight_bytes = sum(p.numel() * p.element_size() for p in params)
+        self.max_model_len = self.model_config.context_limit(cfg.max_model_len)
         self.pool = KVPool(self.kv_layout, self._num_pages(), self.device)
         backend = cfg.resolved_backend(self.device, self.dtype)
         scale = attn.head_dim**-0.5
         tensor_cores = cfg.kernels.flashinfer_decode_tensor_cores
         self.attn = create_backend(backend, self.pool, attn.num_heads, scale, tensor_cores)
-        self.max_model_len = self.model_config.context_limit(cfg.max_model_len)
         self._pin = self.device.type == "cuda"
         self.page_table = PageTable()
         # The last launch's sampled ids on the device, and each sampling sequence's row in them.
@@ -98,19 +101,16 @@ class ModelRunner:
             )
 
     def _num_pages(self) -> int:
-        if self.cfg.num_kv_pages is not None:
-            return self.cfg.num_kv_pages
-        if self.cfg.kv_cache_memory_gb is not None:
-            budget = int(self.cfg.kv_cache_memory_gb * 2**30)
-        elif self.device.type == "cpu":
-            budget = int(CPU_DEFAULT_KV_GB * 2**30)
-        else:
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = int(free - total * (1 - self.cfg.gpu_memory_utilization))
-        pages = KVPool.pages_for_budget(self.kv_layout, budget)
-        if pages < 2:
-            raise ValueError(f"KV memory budget of {budget / 2**30:.2f} GiB holds no KV pages")
-        return pages
+        cfg, page_bytes = self.cfg, self.kv_layout.page_bytes
+        if cfg.num_kv_pages is not None:
+            return cfg.num_kv_pages
+        if cfg.kv_cache_memory_gb is not None:
+            return fixed_kv_pages(int(cfg.kv_cache_memory_gb * GiB), page_bytes)
+        if self.device.type == "cpu":
+            return fixed_kv_pages(int(CPU_DEFAULT_KV_GB * GiB), page_bytes)
+        mem = GPUMemory.measure(self.device, self._allocated_before)
+        min_pages = 1 + -(-self.max_model_len // cfg.page_size)  # + the scratch page
+        return gpu_kv_pages(mem, cfg.gpu_memory_utilization, cfg.gpu_share, page_bytes, min_pages)
 
     def execute(self, step: StepInput) -> SampleResult | None:
         """Run one step and wait for it: one sampled row per sequence for which

@@ -58,7 +58,3 @@ class KVPool:
 
     def page_address(self, page_id: int) -> int:
         return self.pages.data_ptr() + page_id * self.layout.page_bytes
-
-    @staticmethod
-    def pages_for_budget(layout: KVLayout, budget_bytes: int) -> int:
-        return max(0, budget_bytes // layout.page_bytes)
