@@ -1,0 +1,136 @@
+"""Fan-out through real Ray Serve: `n` > 1 and prompt lists, streaming and not, in both modes.
+
+Each choice is its own engine request; the choices of one HTTP request go through the same
+Serve handles at the same moment, with the same prompt (n) or not (lists). SmolLM2 on CPU, the
+configs/local.yaml settings: one application per mode in one Serve instance.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("nixl")
+
+from ray import serve  # noqa: E402
+
+from cluster.app import build_app  # noqa: E402
+from tests.conftest import local_ray  # noqa: E402
+from tests.e2e.app_process import REPO  # noqa: E402
+from workers.parallel.rendezvous import free_port  # noqa: E402
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "smollm2-135m-instruct"
+MODES = ("disaggregated", "colocated")
+TIMEOUT_S = 60  # a hang shows as a timeout, not as a test that never ends
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def local_args(mode: str) -> dict[str, Any]:
+    config = yaml.safe_load((REPO / "configs" / "local.yaml").read_text())
+    args = config["applications"][0]["args"]
+    args["mode"] = mode
+    args["engine"]["max_model_len"] = 512
+    for pool in ("prefill", "decode"):
+        args[pool]["num_cpus_per_rank"] = 0.5
+    return args
+
+
+@pytest.fixture(scope="module")
+def apps() -> Iterator[dict[str, str]]:
+    """Base URL of each mode's application."""
+    for _ in local_ray(num_cpus=2):
+        port = free_port("127.0.0.1")
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        try:
+            for mode in MODES:
+                serve.run(build_app(local_args(mode)), name=mode, route_prefix=f"/{mode}")
+            yield {mode: f"http://127.0.0.1:{port}/{mode}" for mode in MODES}
+        finally:
+            serve.shutdown()
+
+
+def post(base: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    r = httpx.post(f"{base}/v1/{path}", json={"model": MODEL, **body}, timeout=TIMEOUT_S)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def stream(base: str, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The stream's events, which must end with [DONE]."""
+    events: list[str] = []
+    body = {"model": MODEL, "stream": True, **body}
+    with httpx.stream("POST", f"{base}/v1/{path}", json=body, timeout=TIMEOUT_S) as r:
+        assert r.status_code == 200, r.read()
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events and events[-1] == "[DONE]", events[-3:]
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert not any("error" in c for c in chunks), chunks
+    return chunks
+
+
+def streamed_choices(chunks: list[dict[str, Any]], chat: bool) -> dict[int, tuple[str, str]]:
+    """Each choice's (text, finish_reason) from a stream's chunks."""
+    text: dict[int, str] = {}
+    finish: dict[int, str] = {}
+    for chunk in chunks:
+        for c in chunk["choices"]:
+            piece = (c["delta"].get("content") or "") if chat else c["text"]
+            text[c["index"]] = text.get(c["index"], "") + piece
+            if c["finish_reason"] is not None:
+                finish[c["index"]] = c["finish_reason"]
+    return {i: (text[i], finish.get(i, "")) for i in text}
+
+
+GREEDY = {"max_tokens": 8, "temperature": 0}
+ONCE = {"prompt": "Once upon a time", **GREEDY}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_completions_n2_gives_two_greedy_choices_equal_to_one(apps, mode) -> None:
+    base = apps[mode]
+    one = post(base, "completions", ONCE)["choices"][0]["text"]
+    reply = post(base, "completions", {**ONCE, "n": 2})
+    assert [c["index"] for c in reply["choices"]] == [0, 1]
+    assert [c["text"] for c in reply["choices"]] == [one, one] and one
+    assert reply["usage"]["completion_tokens"] == 16
+    chunks = stream(base, "completions", {**ONCE, "n": 2})
+    assert streamed_choices(chunks, chat=False) == {0: (one, "length"), 1: (one, "length")}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_chat_n2_streaming_and_not(apps, mode) -> None:
+    base = apps[mode]
+    body = {"messages": CHAT, "max_tokens": 30, "temperature": 0, "n": 2}
+    reply = post(base, "chat/completions", body)
+    answers = [c["message"]["content"] for c in reply["choices"]]
+    assert answers == ["The capital of France is Paris."] * 2
+    chunks = stream(base, "chat/completions", body)
+    assert streamed_choices(chunks, chat=True) == {i: (answers[0], "stop") for i in (0, 1)}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_prompt_list_answers_each_prompt(apps, mode) -> None:
+    base = apps[mode]
+    prompts = ["1, 2, 3,", "a, b, c,"]
+    replies = [post(base, "completions", {"prompt": p, **GREEDY}) for p in prompts]
+    alone = [r["choices"][0]["text"] for r in replies]
+    reply = post(base, "completions", {"prompt": prompts, **GREEDY})
+    assert [c["text"] for c in reply["choices"]] == alone
+    chunks = stream(base, "completions", {"prompt": prompts, **GREEDY, "n": 2})
+    got = streamed_choices(chunks, chat=False)
+    assert got == {i: (alone[i // 2], "length") for i in range(4)}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_seeded_choices_differ_and_best_of_equal_to_n_is_accepted(apps, mode) -> None:
+    body = {**ONCE, "temperature": 1.0, "seed": 7, "n": 3, "best_of": 3, "max_tokens": 12}
+    texts = [c["text"] for c in post(apps[mode], "completions", body)["choices"]]
+    assert len(texts) == 3 and len(set(texts)) > 1
