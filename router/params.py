@@ -108,6 +108,9 @@ def sampling_params(req: SamplingFields, max_tokens: int, seed_offset: int = 0,
     `defaults` stands in for omitted SAMPLING_DEFAULTABLE fields, as vLLM takes them from the
     model's generation_config.json (`generation_defaults`).
     """
+    if req.min_tokens > max_tokens:
+        raise BadRequestError(f"min_tokens ({req.min_tokens}) must not exceed max_tokens "
+                              f"({max_tokens})", param="min_tokens")
     fields: dict[str, Any] = dict(defaults or {})
     for name in (*SAMPLING_DEFAULTABLE, *PASSED_IF_SET):
         if getattr(req, name) is not None:
