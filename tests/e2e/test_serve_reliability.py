@@ -1,13 +1,19 @@
-"""Fan-out through real Ray Serve: `n` > 1 and prompt lists, streaming and not, in both modes.
-
-Each choice is its own engine request; the choices of one HTTP request go through the same
-Serve handles at the same moment, with the same prompt (n) or not (lists). SmolLM2 on CPU, the
-configs/local.yaml settings: one application per mode in one Serve instance.
+"""Reliability through real Ray Serve, SmolLM2 on CPU with the configs/local.yaml settings, one
+application per mode in one Serve instance:
+- fan-out: `n` > 1 and prompt lists, streaming and not, in both modes. Each choice is its own
+  engine request; the choices of one HTTP request go through the same Serve handles at the same
+  moment, with the same prompt (n) or not (lists);
+- the ingress: a 16 MB body is 413 at once while /health answers in milliseconds; 10x
+  `max_queued_requests` at once: some 429 with Retry-After, no 5xx, every accepted one served.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import subprocess
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -31,6 +37,7 @@ MODEL = "smollm2-135m-instruct"
 MODES = ("disaggregated", "colocated")
 TIMEOUT_S = 60  # a hang shows as a timeout, not as a test that never ends
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+MAX_QUEUED = 4
 
 
 def local_args(mode: str) -> dict[str, Any]:
@@ -38,6 +45,7 @@ def local_args(mode: str) -> dict[str, Any]:
     args = config["applications"][0]["args"]
     args["mode"] = mode
     args["engine"]["max_model_len"] = 512
+    args["router"]["max_queued_requests"] = MAX_QUEUED
     for pool in ("prefill", "decode"):
         args[pool]["num_cpus_per_rank"] = 0.5
     return args
@@ -134,3 +142,69 @@ def test_seeded_choices_differ_and_best_of_equal_to_n_is_accepted(apps, mode) ->
     body = {**ONCE, "temperature": 1.0, "seed": 7, "n": 3, "best_of": 3, "max_tokens": 12}
     texts = [c["text"] for c in post(apps[mode], "completions", body)["choices"]]
     assert len(texts) == 3 and len(set(texts)) > 1
+
+
+def test_a_16_mb_body_is_413_at_once_while_health_answers_in_ms(apps, tmp_path) -> None:
+    base = apps["disaggregated"]
+    text = "x" * (16 << 20)
+    body = tmp_path / "body.json"
+    body.write_text(json.dumps({"model": MODEL, "messages": [{"role": "user", "content": text}]}))
+    latencies: list[float] = []
+    done = threading.Event()
+
+    def probe() -> None:
+        with httpx.Client(timeout=5) as c:
+            while not done.is_set():
+                t0 = time.monotonic()
+                assert c.get(f"{base}/health").status_code == 200
+                latencies.append(time.monotonic() - t0)
+                time.sleep(0.01)
+
+    prober = threading.Thread(target=probe)
+    prober.start()
+    try:
+        time.sleep(0.3)
+        # curl sends it: a 16 MB upload from this process would hold up the prober's timing.
+        upload = subprocess.run(
+            ["curl", "-sS", "-o", str(tmp_path / "reply.json"), "-w", "%{http_code} %{time_total}",
+             "-H", "content-type: application/json", "--data-binary", f"@{body}",
+             f"{base}/v1/chat/completions"],
+            capture_output=True, text=True, timeout=TIMEOUT_S, check=True,
+        )  # fmt: skip
+        time.sleep(0.3)
+    finally:
+        done.set()
+        prober.join()
+    status, took = upload.stdout.split()
+    reply = json.loads((tmp_path / "reply.json").read_text())
+    assert status == "413" and reply["error"]["code"] == 413, reply
+    assert float(took) < 1.0, took
+    # All but the slowest within 100 ms: on a busy 2-core machine one probe may lose the CPU.
+    slowest = sorted(latencies)[-5:]
+    assert len(latencies) > 10 and slowest[-2] < 0.1 and slowest[-1] < 0.5, slowest
+
+
+def test_10x_the_queue_bound_gets_429s_and_every_accepted_request_completes(apps) -> None:
+    base = apps["disaggregated"]
+    body = {"model": MODEL, "prompt": "Count to ten:", "max_tokens": 4, "temperature": 0}
+
+    async def one(c: httpx.AsyncClient) -> tuple[int, dict[str, str], dict[str, Any]]:
+        r = await c.post(f"{base}/v1/completions", json=body)
+        return r.status_code, dict(r.headers), r.json()
+
+    async def burst() -> list[tuple[int, dict[str, str], dict[str, Any]]]:
+        async with httpx.AsyncClient(timeout=TIMEOUT_S) as c:
+            return await asyncio.gather(*(one(c) for _ in range(10 * MAX_QUEUED)))
+
+    replies = asyncio.run(burst())
+    codes = [code for code, _, _ in replies]
+    assert set(codes) <= {200, 429} and 200 in codes and 429 in codes, codes
+    for code, headers, reply in replies:
+        if code == 429:
+            assert headers["retry-after"] == "1" and reply["error"]["type"] == "RateLimitError"
+        else:
+            assert reply["choices"][0]["finish_reason"] == "length"
+            assert reply["usage"]["completion_tokens"] == 4
+    metrics = httpx.get(f"{base}/metrics", timeout=TIMEOUT_S).text
+    rejected = f'pdserve:request_rejected_total{{model_name="{MODEL}",reason="queue_full"}}'
+    assert f"{rejected} {float(codes.count(429))}" in metrics
