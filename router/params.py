@@ -68,7 +68,11 @@ def check_supported(req: SamplingFields) -> None:
         raise BadRequestError("response_format other than 'text' is not supported",
                               param="response_format")
     best_of = extra.get("best_of")
-    if best_of is not None and (not isinstance(best_of, int) or best_of > req.n):
+    if best_of is not None and (not isinstance(best_of, int) or isinstance(best_of, bool)
+                                or best_of < req.n):
+        raise BadRequestError(f"best_of must be an integer of at least n ({req.n})",
+                              param="best_of")
+    if best_of is not None and best_of > req.n:  # as vLLM's V1 engine: no ranking of choices
         raise BadRequestError("best_of greater than n is not supported", param="best_of")
     if req.prompt_logprobs is not None and req.stream:
         raise BadRequestError("prompt_logprobs is not supported with stream",

@@ -294,6 +294,8 @@ BAD_CHAT = [
     ({**CHAT, "repetition_penalty": math.inf}, "repetition_penalty"),
     ({**CHAT, "logit_bias": {"5": math.nan}}, "logit_bias"),
     ({**CHAT, "min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+    ({**CHAT, "n": 2, "best_of": 1}, "best_of"),
+    ({**CHAT, "n": 2, "best_of": 3}, "best_of"),
     ({**CHAT, "top_p": 0}, "top_p"),
     ({**CHAT, "n": 0}, "n"),
     ({**CHAT, "stop": 3}, "stop"),
