@@ -144,7 +144,7 @@ def build_openai_app(
 
     async def run(req: SamplingFields, prompt_ids: list[list[int]], slot: Slot) -> Response:
         job = build_job(req, prompt_ids, prompts, served_model_name, metrics, sampling_defaults)
-        merged = merge_streams([backend.generate(r) for r in job.requests])
+        merged = merge_streams([backend.generate(r) for r in job.requests], job.leaders())
         try:
             first = await anext(merged, None)
         except BaseException:

@@ -120,6 +120,10 @@ def test_chat_n2_streaming_and_not(apps, mode) -> None:
     reply = post(base, "chat/completions", body)
     answers = [c["message"]["content"] for c in reply["choices"]]
     assert answers == ["The capital of France is Paris."] * 2
+    # The first request of this prompt: the second choice read the first one's cached pages.
+    prompt_tokens = reply["usage"]["prompt_tokens"]
+    cached = reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached == (prompt_tokens - 1) // 16 * 16 > 0, reply["usage"]
     chunks = stream(base, "chat/completions", body)
     assert streamed_choices(chunks, chat=True) == {i: (answers[0], "stop") for i in (0, 1)}
 
