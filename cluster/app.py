@@ -14,7 +14,9 @@ from ray import serve
 from ray.serve import Application
 
 from cluster.config import AppConfig, PoolConfig, RouterConfig
+from router.admission import IngressLimits
 from router.backend import GenerationBackend
+from router.health import PoolWatch
 from router.metrics_board import MetricsBoard
 from router.openai_api import build_openai_app
 from router.params import generation_defaults
@@ -39,6 +41,8 @@ class OpenAIIngress:
         )
         # Several router replicas: each scrape reaches one, so they share request metrics.
         self.board = MetricsBoard(app_name, str(ctx.replica_id.unique_id))
+        pools = ["decode"] if prefill is None else ["prefill", "decode"]
+        self.health = PoolWatch(app_name, pools, self.config.router.health_period_s)
         model_dir = resolve_model(self.config.engine.model, self.config.engine.load_format)
         self.tokenizer = load_tokenizer(model_dir)
         self.max_model_len = load_model_config(model_dir).context_limit(
@@ -57,6 +61,12 @@ class OpenAIIngress:
             api_key=self.config.resolved_api_key(),
             sampling_defaults=self.sampling_defaults,
             board=self.board,
+            limits=IngressLimits(
+                max_request_bytes=self.config.router.max_request_bytes,
+                max_queued_requests=self.config.router.max_queued_requests,
+                retry_after_s=self.config.router.retry_after_s,
+            ),
+            health=self.health,
         )
 
 

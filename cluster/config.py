@@ -108,6 +108,25 @@ class RouterConfig(Strict):
     routing_stats_period_s: float = Field(
         2.0, gt=0, description="how often Serve polls replicas' record_routing_stats()"
     )
+    max_request_bytes: int = Field(
+        4 << 20,
+        ge=1,
+        description="largest request body accepted; a larger one is answered 413 before it is "
+        "parsed",
+    )
+    max_queued_requests: int = Field(
+        256,
+        ge=1,
+        description="requests a router replica holds that have not yet received their first "
+        "token; beyond it 429 with Retry-After (so R router replicas queue R x this)",
+    )
+    retry_after_s: int = Field(
+        1, ge=0, description="the Retry-After header (seconds) of a 429 for a full queue"
+    )
+    health_period_s: float = Field(
+        1.0, gt=0, description="how often the router asks Serve which pools have a live replica "
+        "(what /health answers)",
+    )
 
 
 class AppConfig(Strict):

@@ -23,6 +23,8 @@ ERROR_TYPES = {
     401: "AuthenticationError",
     404: "NotFoundError",
     405: "MethodNotAllowedError",
+    413: "RequestTooLargeError",
+    429: "RateLimitError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
@@ -33,9 +35,10 @@ class APIError(Exception):
 
     status: int = 500
 
-    def __init__(self, message: str, param: str | None = None, status: int | None = None):
+    def __init__(self, message: str, param: str | None = None, status: int | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
-        self.message, self.param = message, param
+        self.message, self.param, self.headers = message, param, headers
         if status is not None:
             self.status = status
 
@@ -89,7 +92,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(APIError)
     async def _api(_: Request, exc: APIError) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+        headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else exc.headers
         return error_response(exc.status, exc.message, exc.param, headers)
 
     @app.exception_handler(StarletteHTTPException)

@@ -4,6 +4,13 @@ Choice `i` of prompt `p` has index `p * n + i` and engine request id `<id>-<inde
 when there is one choice); a seeded request gives choice `i` the seed `seed + i`.
 `merge_streams` interleaves the engine streams of all choices and always closes every one of
 them, which aborts whatever is still running (client gone, error in another choice).
+
+The n choices of a prompt share its KV pages through the prefix cache, but only pages that are
+cached when a choice is admitted: started together, each would compute the whole prompt. So the
+first choice of a prompt leads and the others start at its first token, when its prompt pages
+are cached (on its prefill replica, or its colocated engine): they compute only the partial
+last page, at the cost of one short prefill more before their first token (SGLang likewise
+prefills a parallel-sampling prompt once before its n copies).
 """
 
 from __future__ import annotations
@@ -72,6 +79,11 @@ class Job:
             choice.finish_reason, choice.stop_reason = out.finish_reason, out.stop_reason
             choice.timer.finish(out.finish_reason)
         return choice
+
+    def leaders(self) -> list[int]:
+        """For each choice, the choice whose first token starts it: the prompt's first."""
+        n = len(self.choices) // len(self.prompt_ids)
+        return [c.prompt * n for c in self.choices]
 
     def close(self, reason: str = "abort") -> None:
         """End the choices that never finished (client gone: "abort"; a failure: "error")."""
@@ -145,22 +157,41 @@ _END = object()
 Stream = AsyncIterator[RequestOutput]
 
 
-async def merge_streams(streams: list[Stream]) -> AsyncGenerator[tuple[int, RequestOutput], None]:
-    """(choice index, chunk) from all streams as they come; backend failures as `APIError`."""
+async def merge_streams(
+    streams: list[Stream], leaders: list[int] | None = None
+) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+    """(choice index, chunk) from all streams as they come; backend failures as `APIError`.
+    Stream i starts with the first chunk (or the end) of stream `leaders[i]`; at once where
+    that is i itself, or without `leaders`."""
     queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
+    leaders = list(range(len(streams))) if leaders is None else leaders
+    followers: dict[int, list[int]] = {}
+    for i, leader in enumerate(leaders):
+        if leader != i:
+            followers.setdefault(leader, []).append(i)
+    tasks: list[asyncio.Future[None]] = []
+
+    def start(i: int) -> None:
+        tasks.append(asyncio.ensure_future(pump(i, streams[i])))
 
     async def pump(i: int, stream: Stream) -> None:
         try:
             async for out in stream:
                 queue.put_nowait((i, out))
+                for j in followers.pop(i, ()):
+                    start(j)
         except Exception as e:  # noqa: BLE001 - handed to the consumer
             queue.put_nowait((i, e))
         finally:
+            for j in followers.pop(i, ()):
+                start(j)
             queue.put_nowait((i, _END))
 
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    for i, leader in enumerate(leaders):
+        if leader == i:
+            start(i)
     try:
-        live = len(tasks)
+        live = len(streams)
         while live:
             i, item = await queue.get()
             if item is _END:
@@ -171,6 +202,7 @@ async def merge_streams(streams: list[Stream]) -> AsyncGenerator[tuple[int, Requ
                 assert isinstance(item, RequestOutput)
                 yield i, item
     finally:
+        followers.clear()  # a pump that ends now starts no one
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

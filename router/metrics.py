@@ -6,8 +6,9 @@ Two sources feed them:
   engines of one role (a pool's replicas) are summed. `prompt_tokens_total` counts prompt tokens
   the engines computed (prefix-cache hits are counted by `prefix_cache_hits_total` instead);
 - push hooks called while requests run: the latency histograms and `request_success_total`
-  (through `RequestTimer`, one per choice). NIXL hand-off counters come with the snapshots:
-  the decode engines count the KV they read.
+  (through `RequestTimer`, one per choice), `request_rejected_total` (admission control,
+  `router/admission.py`: requests answered 429 by reason). NIXL hand-off counters come with
+  the snapshots: the decode engines count the KV they read.
 A scrape reaches one router replica, so the request metrics are rendered as this replica's live
 values plus the other router replicas' posted `RequestStats` (`router/metrics_board.py`).
 Each app gets its own registry, so several apps can live in one process (tests).
@@ -139,17 +140,20 @@ class RequestStats(BaseModel):
     itl: HistogramCounts
     e2e: HistogramCounts
     success: dict[str, float]  # finished_reason -> requests
+    rejected: dict[str, float] = {}  # reason -> requests turned away
 
     def __add__(self, other: RequestStats) -> RequestStats:
-        success = dict(self.success)
-        for reason, n in other.success.items():
-            success[reason] = success.get(reason, 0.0) + n
         return RequestStats(
             ttft=self.ttft + other.ttft,
             itl=self.itl + other.itl,
             e2e=self.e2e + other.e2e,
-            success=success,
+            success=_add_counts(self.success, other.success),
+            rejected=_add_counts(self.rejected, other.rejected),
         )
+
+
+def _add_counts(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    return {k: a.get(k, 0.0) + b.get(k, 0.0) for k in a.keys() | b.keys()}
 
 
 # RequestStats field -> (metric name without prefix, help, buckets)
@@ -159,6 +163,7 @@ HISTOGRAMS = {
     "e2e": ("e2e_request_latency_seconds", "Request latency", E2E_BUCKETS),
 }
 SUCCESS = ("request_success", "Finished requests by reason")
+REJECTED = ("request_rejected", "Requests turned away by admission control (429), by reason")
 
 
 class RequestStatsCollector(Collector):
@@ -185,6 +190,12 @@ class RequestStatsCollector(Collector):
         for reason, n in total.success.items():
             success.add_metric([name, reason], n)
         yield success
+        rejected = CounterMetricFamily(
+            PREFIX + REJECTED[0], REJECTED[1], labels=["model_name", "reason"]
+        )
+        for reason, n in total.rejected.items():
+            rejected.add_metric([name, reason], n)
+        yield rejected
 
 
 class Metrics:
@@ -210,6 +221,14 @@ class Metrics:
             histogram.labels(model_name)
         for reason in ("stop", "length", "abort", "error"):
             self.success.labels(model_name, reason)
+        self.rejected = Counter(
+            PREFIX + REJECTED[0], REJECTED[1], [*model, "reason"], registry=None
+        )
+        self.rejected.labels(model_name, "queue_full")
+
+    def queue_full(self) -> None:
+        """A request was answered 429: too many requests wait for their first token."""
+        self.rejected.labels(self.model_name, "queue_full").inc()
 
     def request_timer(self) -> RequestTimer:
         return RequestTimer(self)
@@ -220,13 +239,11 @@ class Metrics:
             field: _histogram_counts(getattr(self, field), len(bounds) + 1)
             for field, (_, _, bounds) in HISTOGRAMS.items()
         }
-        success = {
-            s.labels["finished_reason"]: s.value
-            for family in self.success.collect()
-            for s in family.samples
-            if s.name.endswith("_total")
-        }
-        return RequestStats(**hists, success=success)
+        return RequestStats(
+            **hists,
+            success=_counter_values(self.success, "finished_reason"),
+            rejected=_counter_values(self.rejected, "reason"),
+        )
 
     def render(
         self,
@@ -239,6 +256,16 @@ class Metrics:
         if peers is not None:
             self.requests.peers = list(peers)
         return generate_latest(self.registry)
+
+
+def _counter_values(counter: Counter, label: str) -> dict[str, float]:
+    """A counter's value per value of its `label` (one model_name)."""
+    return {
+        s.labels[label]: s.value
+        for family in counter.collect()
+        for s in family.samples
+        if s.name.endswith("_total")
+    }
 
 
 def _histogram_counts(histogram: Histogram, num_buckets: int) -> HistogramCounts:

@@ -5,12 +5,14 @@ The Serve ingress mounts the returned FastAPI app with `@serve.ingress`; anythin
 
     POST /v1/completions, /v1/chat/completions   SSE when stream=true, else one JSON body
     GET  /v1/models                              the one served model
-    GET  /health                                 200 (empty) while the backend answers stats
+    GET  /health                                 200 (empty); 503 while a pool has no live replica
     GET  /metrics                                Prometheus text, `pdserve:` names
     POST /tokenize, /detokenize                  vLLM's helpers
 
 With an API key configured, every /v1 path needs `Authorization: Bearer <key>` (401 otherwise);
-/health, /metrics and /tokenize stay open, as in vLLM.
+/health, /metrics and /tokenize stay open, as in vLLM. With `IngressLimits`, a body over the size
+limit is 413 and a request beyond the queue bound 429 (`router.admission`). Tokenization and chat
+templating run in threads, so one huge prompt never holds up the event loop (nor /health).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from router.admission import Admission, BodyLimit, IngressLimits, Slot
 from router.backend import GenerationBackend, LocalBackend, RoleStats
 from router.errors import (
     APIError,
@@ -36,6 +39,7 @@ from router.errors import (
     unknown_model,
 )
 from router.generation import Job, build_job, merge_streams
+from router.health import PoolWatch
 from router.metrics import Metrics, RequestStats
 from router.metrics_board import MetricsBoard
 from router.params import check_supported
@@ -95,6 +99,8 @@ def build_openai_app(
     metrics: Metrics | None = None,
     sampling_defaults: Mapping[str, float] | None = None,
     board: MetricsBoard | None = None,
+    limits: IngressLimits | None = None,
+    health: PoolWatch | None = None,
 ) -> FastAPI:
     """The app for one served model; `tokenizer` is the model's transformers tokenizer.
 
@@ -103,6 +109,8 @@ def build_openai_app(
     defaults to a fresh `Metrics` with its own registry.
     `board` (one of several router replicas) shares the request metrics with the other replicas,
     so /metrics covers them all; without it /metrics shows this process's requests.
+    `limits`: body size and queue bounds (none without). `health` (in Serve) says whether every
+    pool has a live replica; without it /health is 200 while the app answers.
     """
     prompts = Prompts(tokenizer, max_model_len)
     metrics = metrics or Metrics(served_model_name)
@@ -110,11 +118,13 @@ def build_openai_app(
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         # Post in the background, not per request, so an unscraped replica still counts.
-        task = None if board is None else asyncio.create_task(board.run(metrics.request_stats))
+        tasks = [] if board is None else [asyncio.create_task(board.run(metrics.request_stats))]
+        if health is not None:
+            tasks.append(asyncio.create_task(health.run()))
         try:
             yield
         finally:
-            if task is not None:
+            for task in tasks:
                 task.cancel()
 
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, lifespan=lifespan)
@@ -122,19 +132,24 @@ def build_openai_app(
     install_error_handlers(app)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    if limits is not None:
+        app.add_middleware(BodyLimit, max_bytes=limits.max_request_bytes)  # outermost
+    admission = (Admission(on_reject=metrics.queue_full) if limits is None else
+                 Admission(limits.max_queued_requests, limits.retry_after_s, metrics.queue_full))
 
     def check_model(name: str | None) -> None:
         if name is not None and name != served_model_name:
             raise unknown_model(name)
 
-    async def run(req: SamplingFields, prompt_ids: list[list[int]]) -> Response:
+    async def run(req: SamplingFields, prompt_ids: list[list[int]], slot: Slot) -> Response:
         job = build_job(req, prompt_ids, prompts, served_model_name, metrics, sampling_defaults)
-        merged = merge_streams([backend.generate(r) for r in job.requests])
+        merged = merge_streams([backend.generate(r) for r in job.requests], job.leaders())
         try:
             first = await anext(merged, None)
         except BaseException:
             await merged.aclose()
             raise
+        slot.release()  # answered: no longer queued
         if first is None:
             raise APIError("the backend ended the request without output")
         if req.stream:
@@ -150,19 +165,23 @@ def build_openai_app(
     async def completions(req: CompletionRequest) -> Response:
         check_model(req.model)
         check_supported(req)
-        return await run(req, prompts.completion_prompts(req.prompt))
+        with admission.slot() as slot:
+            ids = await asyncio.to_thread(prompts.completion_prompts, req.prompt)
+            return await run(req, ids, slot)
 
     @v1.post("/chat/completions")
     async def chat_completions(req: ChatCompletionRequest) -> Response:
         check_model(req.model)
         check_supported(req)
-        ids = prompts.chat_prompt(
-            req.messages,
-            req.add_generation_prompt,
-            req.continue_final_message,
-            req.chat_template_kwargs,
-        )
-        return await run(req, [ids])
+        with admission.slot() as slot:
+            ids = await asyncio.to_thread(
+                prompts.chat_prompt,
+                req.messages,
+                req.add_generation_prompt,
+                req.continue_final_message,
+                req.chat_template_kwargs,
+            )
+            return await run(req, [ids], slot)
 
     @v1.get("/models")
     async def models() -> ModelList:
@@ -172,12 +191,10 @@ def build_openai_app(
     app.include_router(v1)
 
     @app.get("/health")
-    async def health() -> Response:
-        try:
-            await backend.stats()
-        except Exception as e:  # noqa: BLE001 - any failure means "not healthy"
-            logger.warning("health check failed: %s", e)
-            return error_response(503, f"backend unavailable: {e}")
+    async def health_check() -> Response:
+        problem = None if health is None else health.problem()
+        if problem is not None:
+            return error_response(503, problem)
         return Response(status_code=200)
 
     @app.get("/metrics")
@@ -194,16 +211,18 @@ def build_openai_app(
     async def tokenize(req: TokenizeRequest) -> TokenizeResponse:
         check_model(req.model)
         if req.messages is not None:
-            ids = prompts.chat_prompt(req.messages, req.add_generation_prompt)
+            ids = await asyncio.to_thread(prompts.chat_prompt, req.messages,
+                                          req.add_generation_prompt)
         else:
-            ids = prompts.encode(req.prompt or "", req.add_special_tokens)
+            ids = await asyncio.to_thread(prompts.encode, req.prompt or "",
+                                          req.add_special_tokens)
         return TokenizeResponse(count=len(ids), max_model_len=max_model_len, tokens=ids)
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> DetokenizeResponse:
         check_model(req.model)
         try:
-            text = prompts.decode(req.tokens, skip_special_tokens=False)
+            text = await asyncio.to_thread(prompts.decode, req.tokens, False)
         except Exception as e:  # noqa: BLE001 - ids the tokenizer cannot decode
             raise BadRequestError(f"cannot decode tokens: {e}", param="tokens") from e
         return DetokenizeResponse(prompt=text)

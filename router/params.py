@@ -68,7 +68,11 @@ def check_supported(req: SamplingFields) -> None:
         raise BadRequestError("response_format other than 'text' is not supported",
                               param="response_format")
     best_of = extra.get("best_of")
-    if best_of is not None and (not isinstance(best_of, int) or best_of > req.n):
+    if best_of is not None and (not isinstance(best_of, int) or isinstance(best_of, bool)
+                                or best_of < req.n):
+        raise BadRequestError(f"best_of must be an integer of at least n ({req.n})",
+                              param="best_of")
+    if best_of is not None and best_of > req.n:  # as vLLM's V1 engine: no ranking of choices
         raise BadRequestError("best_of greater than n is not supported", param="best_of")
     if req.prompt_logprobs is not None and req.stream:
         raise BadRequestError("prompt_logprobs is not supported with stream",
@@ -108,6 +112,9 @@ def sampling_params(req: SamplingFields, max_tokens: int, seed_offset: int = 0,
     `defaults` stands in for omitted SAMPLING_DEFAULTABLE fields, as vLLM takes them from the
     model's generation_config.json (`generation_defaults`).
     """
+    if req.min_tokens > max_tokens:
+        raise BadRequestError(f"min_tokens ({req.min_tokens}) must not exceed max_tokens "
+                              f"({max_tokens})", param="min_tokens")
     fields: dict[str, Any] = dict(defaults or {})
     for name in (*SAMPLING_DEFAULTABLE, *PASSED_IF_SET):
         if getattr(req, name) is not None:

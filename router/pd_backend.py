@@ -16,9 +16,14 @@ weighs more depends on the hardware (docs/notes/serving.md: no gain on CPU).
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import dataclasses
 import logging
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
+
+from ray.serve import context as serve_context
 
 from router.backend import RoleStats
 from workers.api import GenerateRequest, RequestOutput, read_pool
@@ -43,22 +48,22 @@ class DisaggregatedBackend:
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
         if self.prefill is None or len(req.prompt_token_ids) <= self.decode_prefill_max_tokens:
-            async for chunk in self.decode.generate.remote(req):
+            async for chunk in own_call(self.decode.generate, req):
                 yield chunk
             return
-        first: RequestOutput = await self.prefill.prefill.remote(req)
+        first: RequestOutput = await own_call(self.prefill.prefill, req)
         kv = first.kv
         yield first.model_copy(update={"kv": None})
         if first.finished or kv is None:
             return
         decoding = False
         try:
-            async for chunk in self.decode.generate.remote(req, first):
+            async for chunk in own_call(self.decode.generate, req, first):
                 decoding = True
                 yield chunk
         finally:
             if not decoding:  # the decode side never took the pages: unpin them now
-                release = self.prefill.release.remote(kv.agent_names[0], kv.lease_id)
+                release = own_call(self.prefill.release, kv.agent_names[0], kv.lease_id)
                 await asyncio.shield(asyncio.ensure_future(_quietly(release)))
 
     async def stats(self) -> list[RoleStats]:
@@ -76,6 +81,28 @@ class DisaggregatedBackend:
             name = role if self.prefill is not None else "colocated"
             out += [RoleStats(name, s) for s in snapshots]
         return out
+
+
+def own_call(method: Any, *args: Any) -> Any:
+    """`method.remote(*args)` (a Serve handle's method) as a Serve request of its own.
+
+    A call made while serving an HTTP request inherits that request's internal id, and the
+    request routers of `router.routing.serve_routers` rely on it twice: Serve hands the replica
+    they chose to the pending call of that id, and their policies count work in flight by it.
+    The choices of one request (`n`, prompt lists) are routed at the same moment; under one
+    shared id only the first was ever handed a replica and the others waited for ever. So each
+    call gets a fresh id (the client's `request_id`, used in logs, stays). A call is cancelled
+    by cancelling what awaits it, which the router always does (`merge_streams`)."""
+    ctx = contextvars.copy_context()
+    return ctx.run(_remote_with_own_id, method, args)
+
+
+def _remote_with_own_id(method: Any, args: tuple[Any, ...]) -> Any:
+    # Serve reads its request context when `remote()` is called, in this copied context.
+    current = serve_context._get_serve_request_context()
+    own = dataclasses.replace(current, _internal_request_id=uuid.uuid4().hex)
+    serve_context._serve_request_context.set(own)  # type: ignore[arg-type]  # declared None
+    return method.remote(*args)
 
 
 async def _quietly(response: Any) -> None:

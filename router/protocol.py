@@ -17,6 +17,7 @@ from pydantic import (
     ValidationInfo,
     field_serializer,
     field_validator,
+    model_validator,
 )
 
 from workers.api import MAX_LOGPROBS
@@ -27,15 +28,53 @@ class OpenAIModel(BaseModel):
 
 
 # ---- requests ---------------------------------------------------------------------------------
+class RequestBody(BaseModel):
+    """What every request shares: unknown fields kept, numbers finite (JSON parsers take
+    `Infinity` and `NaN`), text that is Unicode (JSON can escape a lone surrogate, which no
+    tokenizer encodes)."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unicode_text(cls, data: Any) -> Any:
+        where = _lone_surrogate(data, ())
+        if where is not None:
+            path, char = where
+            raise ValueError(
+                f"{'.'.join(path) or 'the body'} holds a lone surrogate (U+{ord(char):04X}), "
+                "which is not Unicode text: send text as valid UTF-8"
+            )
+        return data
+
+
+def _lone_surrogate(value: Any, path: tuple[str, ...]) -> tuple[tuple[str, ...], str] | None:
+    """The path to the first string in `value` with a lone surrogate, and that character."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return path, value[e.start]
+        return None
+    items: Any = ()
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list):
+        items = enumerate(value)
+    for key, item in items:
+        found = _lone_surrogate(key, path) or _lone_surrogate(item, (*path, str(key)))
+        if found is not None:
+            return found
+    return None
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(RequestBody):
     """The fields that completions and chat share; unknown ones are kept in `model_extra`."""
-
-    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
@@ -102,9 +141,7 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
+class TokenizeRequest(RequestBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -112,9 +149,7 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[int]
 

@@ -290,6 +290,13 @@ BAD_CHAT = [
     ({**CHAT, "max_tokens": "ten"}, "max_tokens"),
     ({**CHAT, "max_completion_tokens": 0}, "max_completion_tokens"),
     ({**CHAT, "temperature": -0.5}, "temperature"),
+    ({**CHAT, "temperature": math.inf}, "temperature"),
+    ({**CHAT, "temperature": math.nan}, "temperature"),
+    ({**CHAT, "repetition_penalty": math.inf}, "repetition_penalty"),
+    ({**CHAT, "logit_bias": {"5": math.nan}}, "logit_bias"),
+    ({**CHAT, "min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+    ({**CHAT, "n": 2, "best_of": 1}, "best_of"),
+    ({**CHAT, "n": 2, "best_of": 3}, "best_of"),
     ({**CHAT, "top_p": 0}, "top_p"),
     ({**CHAT, "n": 0}, "n"),
     ({**CHAT, "stop": 3}, "stop"),
@@ -310,8 +317,9 @@ BAD_CHAT = [
 
 @pytest.mark.parametrize("body,param", BAD_CHAT, ids=[p for _, p in BAD_CHAT])
 async def test_bad_chat_request_is_400_naming_the_field(app, body, param) -> None:
-    async with http(app) as c:
-        r = await c.post("/v1/chat/completions", json=body)
+    async with http(app) as c:  # json.dumps, unlike httpx, writes Infinity and NaN
+        r = await c.post("/v1/chat/completions", content=json.dumps(body),
+                         headers={"content-type": "application/json"})
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}
@@ -332,6 +340,23 @@ async def test_bad_completion_requests_are_400(app) -> None:
         r = await c.post("/v1/completions", content=b"{not json", headers={
             "content-type": "application/json"})
         assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequestError"
+
+
+async def test_text_that_is_not_unicode_is_400_saying_so(app) -> None:
+    lone = "caf\ud800"  # JSON can escape a lone surrogate; no tokenizer encodes one
+    bodies = [("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": lone}]},
+               "messages.0.content"),
+              ("/v1/completions", {"model": MODEL, "prompt": ["ok", lone]}, "prompt.1"),
+              ("/tokenize", {"model": MODEL, "prompt": lone}, "prompt")]
+    async with http(app) as c:
+        for path, body, where in bodies:  # json.dumps escapes it; httpx would encode it
+            r = await c.post(path, content=json.dumps(body),
+                             headers={"content-type": "application/json"})
+            assert r.status_code == 400, r.text
+            message = r.json()["error"]["message"]
+            assert f"{where} holds a lone surrogate (U+D800)" in message and "UTF-8" in message
+        r = await c.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "min_tokens": 17})
+        assert r.status_code == 400 and "min_tokens (17) must not exceed max_tokens (16)" in r.text
 
 
 async def test_too_long_prompt_says_maximum_context_length(app, engine) -> None:

@@ -1,0 +1,214 @@
+"""Reliability through real Ray Serve, SmolLM2 on CPU with the configs/local.yaml settings, one
+application per mode in one Serve instance:
+- fan-out: `n` > 1 and prompt lists, streaming and not, in both modes. Each choice is its own
+  engine request; the choices of one HTTP request go through the same Serve handles at the same
+  moment, with the same prompt (n) or not (lists);
+- the ingress: a 16 MB body is 413 at once while /health answers in milliseconds; 10x
+  `max_queued_requests` at once: some 429 with Retry-After, no 5xx, every accepted one served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("nixl")
+
+from ray import serve  # noqa: E402
+
+from cluster.app import build_app  # noqa: E402
+from tests.conftest import local_ray  # noqa: E402
+from tests.e2e.app_process import REPO  # noqa: E402
+from workers.parallel.rendezvous import free_port  # noqa: E402
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "smollm2-135m-instruct"
+MODES = ("disaggregated", "colocated")
+TIMEOUT_S = 60  # a hang shows as a timeout, not as a test that never ends
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+MAX_QUEUED = 4
+
+
+def local_args(mode: str) -> dict[str, Any]:
+    config = yaml.safe_load((REPO / "configs" / "local.yaml").read_text())
+    args = config["applications"][0]["args"]
+    args["mode"] = mode
+    args["engine"]["max_model_len"] = 512
+    args["router"]["max_queued_requests"] = MAX_QUEUED
+    for pool in ("prefill", "decode"):
+        args[pool]["num_cpus_per_rank"] = 0.5
+    return args
+
+
+@pytest.fixture(scope="module")
+def apps() -> Iterator[dict[str, str]]:
+    """Base URL of each mode's application."""
+    for _ in local_ray(num_cpus=2):
+        port = free_port("127.0.0.1")
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        try:
+            for mode in MODES:
+                serve.run(build_app(local_args(mode)), name=mode, route_prefix=f"/{mode}")
+            yield {mode: f"http://127.0.0.1:{port}/{mode}" for mode in MODES}
+        finally:
+            serve.shutdown()
+
+
+def post(base: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    r = httpx.post(f"{base}/v1/{path}", json={"model": MODEL, **body}, timeout=TIMEOUT_S)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def stream(base: str, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The stream's events, which must end with [DONE]."""
+    events: list[str] = []
+    body = {"model": MODEL, "stream": True, **body}
+    with httpx.stream("POST", f"{base}/v1/{path}", json=body, timeout=TIMEOUT_S) as r:
+        assert r.status_code == 200, r.read()
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events and events[-1] == "[DONE]", events[-3:]
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert not any("error" in c for c in chunks), chunks
+    return chunks
+
+
+def streamed_choices(chunks: list[dict[str, Any]], chat: bool) -> dict[int, tuple[str, str]]:
+    """Each choice's (text, finish_reason) from a stream's chunks."""
+    text: dict[int, str] = {}
+    finish: dict[int, str] = {}
+    for chunk in chunks:
+        for c in chunk["choices"]:
+            piece = (c["delta"].get("content") or "") if chat else c["text"]
+            text[c["index"]] = text.get(c["index"], "") + piece
+            if c["finish_reason"] is not None:
+                finish[c["index"]] = c["finish_reason"]
+    return {i: (text[i], finish.get(i, "")) for i in text}
+
+
+GREEDY = {"max_tokens": 8, "temperature": 0}
+ONCE = {"prompt": "Once upon a time", **GREEDY}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_completions_n2_gives_two_greedy_choices_equal_to_one(apps, mode) -> None:
+    base = apps[mode]
+    one = post(base, "completions", ONCE)["choices"][0]["text"]
+    reply = post(base, "completions", {**ONCE, "n": 2})
+    assert [c["index"] for c in reply["choices"]] == [0, 1]
+    assert [c["text"] for c in reply["choices"]] == [one, one] and one
+    assert reply["usage"]["completion_tokens"] == 16
+    chunks = stream(base, "completions", {**ONCE, "n": 2})
+    assert streamed_choices(chunks, chat=False) == {0: (one, "length"), 1: (one, "length")}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_chat_n2_streaming_and_not(apps, mode) -> None:
+    base = apps[mode]
+    body = {"messages": CHAT, "max_tokens": 30, "temperature": 0, "n": 2}
+    reply = post(base, "chat/completions", body)
+    answers = [c["message"]["content"] for c in reply["choices"]]
+    assert answers == ["The capital of France is Paris."] * 2
+    # The first request of this prompt: the second choice read the first one's cached pages.
+    prompt_tokens = reply["usage"]["prompt_tokens"]
+    cached = reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached == (prompt_tokens - 1) // 16 * 16 > 0, reply["usage"]
+    chunks = stream(base, "chat/completions", body)
+    assert streamed_choices(chunks, chat=True) == {i: (answers[0], "stop") for i in (0, 1)}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_prompt_list_answers_each_prompt(apps, mode) -> None:
+    base = apps[mode]
+    prompts = ["1, 2, 3,", "a, b, c,"]
+    replies = [post(base, "completions", {"prompt": p, **GREEDY}) for p in prompts]
+    alone = [r["choices"][0]["text"] for r in replies]
+    reply = post(base, "completions", {"prompt": prompts, **GREEDY})
+    assert [c["text"] for c in reply["choices"]] == alone
+    chunks = stream(base, "completions", {"prompt": prompts, **GREEDY, "n": 2})
+    got = streamed_choices(chunks, chat=False)
+    assert got == {i: (alone[i // 2], "length") for i in range(4)}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_seeded_choices_differ_and_best_of_equal_to_n_is_accepted(apps, mode) -> None:
+    body = {**ONCE, "temperature": 1.0, "seed": 7, "n": 3, "best_of": 3, "max_tokens": 12}
+    texts = [c["text"] for c in post(apps[mode], "completions", body)["choices"]]
+    assert len(texts) == 3 and len(set(texts)) > 1
+
+
+def test_a_16_mb_body_is_413_at_once_while_health_answers_in_ms(apps, tmp_path) -> None:
+    base = apps["disaggregated"]
+    text = "x" * (16 << 20)
+    body = tmp_path / "body.json"
+    body.write_text(json.dumps({"model": MODEL, "messages": [{"role": "user", "content": text}]}))
+    latencies: list[float] = []
+    done = threading.Event()
+
+    def probe() -> None:
+        with httpx.Client(timeout=5) as c:
+            while not done.is_set():
+                t0 = time.monotonic()
+                assert c.get(f"{base}/health").status_code == 200
+                latencies.append(time.monotonic() - t0)
+                time.sleep(0.01)
+
+    prober = threading.Thread(target=probe)
+    prober.start()
+    try:
+        time.sleep(0.3)
+        # curl sends it: a 16 MB upload from this process would hold up the prober's timing.
+        upload = subprocess.run(
+            ["curl", "-sS", "-o", str(tmp_path / "reply.json"), "-w", "%{http_code} %{time_total}",
+             "-H", "content-type: application/json", "--data-binary", f"@{body}",
+             f"{base}/v1/chat/completions"],
+            capture_output=True, text=True, timeout=TIMEOUT_S, check=True,
+        )  # fmt: skip
+        time.sleep(0.3)
+    finally:
+        done.set()
+        prober.join()
+    status, took = upload.stdout.split()
+    reply = json.loads((tmp_path / "reply.json").read_text())
+    assert status == "413" and reply["error"]["code"] == 413, reply
+    assert float(took) < 1.0, took
+    # All but the slowest within 100 ms: on a busy 2-core machine one probe may lose the CPU.
+    slowest = sorted(latencies)[-5:]
+    assert len(latencies) > 10 and slowest[-2] < 0.1 and slowest[-1] < 0.5, slowest
+
+
+def test_10x_the_queue_bound_gets_429s_and_every_accepted_request_completes(apps) -> None:
+    base = apps["disaggregated"]
+    body = {"model": MODEL, "prompt": "Count to ten:", "max_tokens": 4, "temperature": 0}
+
+    async def one(c: httpx.AsyncClient) -> tuple[int, dict[str, str], dict[str, Any]]:
+        r = await c.post(f"{base}/v1/completions", json=body)
+        return r.status_code, dict(r.headers), r.json()
+
+    async def burst() -> list[tuple[int, dict[str, str], dict[str, Any]]]:
+        async with httpx.AsyncClient(timeout=TIMEOUT_S) as c:
+            return await asyncio.gather(*(one(c) for _ in range(10 * MAX_QUEUED)))
+
+    replies = asyncio.run(burst())
+    codes = [code for code, _, _ in replies]
+    assert set(codes) <= {200, 429} and 200 in codes and 429 in codes, codes
+    for code, headers, reply in replies:
+        if code == 429:
+            assert headers["retry-after"] == "1" and reply["error"]["type"] == "RateLimitError"
+        else:
+            assert reply["choices"][0]["finish_reason"] == "length"
+            assert reply["usage"]["completion_tokens"] == 4
+    metrics = httpx.get(f"{base}/metrics", timeout=TIMEOUT_S).text
+    rejected = f'pdserve:request_rejected_total{{model_name="{MODEL}",reason="queue_full"}}'
+    assert f"{rejected} {float(codes.count(429))}" in metrics
