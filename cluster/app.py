@@ -16,6 +16,7 @@ from ray.serve import Application
 from cluster.config import AppConfig, PoolConfig, RouterConfig
 from router.admission import IngressLimits
 from router.backend import GenerationBackend
+from router.failover import FailoverPolicy
 from router.health import PoolWatch
 from router.metrics_board import MetricsBoard
 from router.openai_api import build_openai_app
@@ -36,8 +37,10 @@ class OpenAIIngress:
         self.config = AppConfig.model_validate(config)
         ctx = serve.get_replica_context()
         app_name = ctx.app_name
+        r = self.config.router
+        failover = FailoverPolicy(r.failover_attempts, r.failover_deadline_s, r.replica_timeout_s)
         self.backend: GenerationBackend = DisaggregatedBackend(
-            prefill, decode, app_name, self.config.router.decode_prefill_max_tokens
+            prefill, decode, app_name, r.decode_prefill_max_tokens, failover
         )
         # Several router replicas: each scrape reaches one, so they share request metrics.
         self.board = MetricsBoard(app_name, str(ctx.replica_id.unique_id))

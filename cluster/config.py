@@ -127,6 +127,25 @@ class RouterConfig(Strict):
         1.0, gt=0, description="how often the router asks Serve which pools have a live replica "
         "(what /health answers)",
     )
+    failover_attempts: int = Field(
+        3,
+        ge=0,
+        description="times a request is re-sent after its replica failed (died, or silent past "
+        "replica_timeout_s): a prefill once more to the pool, then to its decode replica; a "
+        "decode stream resumed on another decode replica",
+    )
+    failover_deadline_s: float = Field(
+        30.0,
+        gt=0,
+        description="a request whose replica failed gets a 503 unless another serves it within "
+        "this many seconds of the failure",
+    )
+    replica_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="longest wait for a replica's answer (a prefill, a stream's next chunk, "
+        "queueing included); past it the replica counts as failed",
+    )
 
 
 class AppConfig(Strict):

@@ -58,6 +58,12 @@ class AuthenticationError(APIError):
     status = 401
 
 
+class ServiceUnavailableError(APIError):
+    """No replica could serve the request within the failover bounds."""
+
+    status = 503
+
+
 def error_info(status: int, message: str, param: str | None = None) -> ErrorInfo:
     return ErrorInfo(message=message, type=ERROR_TYPES.get(status, "APIError"), param=param,
                      code=status)

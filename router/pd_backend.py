@@ -11,6 +11,13 @@ A prompt of at most `decode_prefill_max_tokens` tokens skips step 1: its decode 
 it in its own steps (as in colocated mode). The running batch's next step waits for that short
 prefill; the request is spared a second replica's queue, the hop and the KV transfer. Which
 weighs more depends on the hardware (docs/notes/serving.md: no gain on CPU).
+
+Failover (`router.failover`; docs/architecture.md, "Failure handling"): a prefill whose replica
+fails is sent once more to the pool, then prefilled by the decode replica. A decode replica that
+fails before its first chunk is replaced by another reading the same KV handle; one that fails
+mid-stream, by another that prefills the prompt and every token already streamed and goes on
+from there, so the client's stream neither repeats nor skips a token. Every wait is bounded;
+past `attempts` re-sends or `deadline_s`, the request ends with a 503.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from typing import Any
 from ray.serve import context as serve_context
 
 from router.backend import RoleStats
+from router.failover import FailoverPolicy, Progress, Retries, is_replica_failure
 from workers.api import GenerateRequest, RequestOutput, read_pool
 
 logger = logging.getLogger(__name__)
@@ -34,7 +42,7 @@ logger = logging.getLogger(__name__)
 class DisaggregatedBackend:
     def __init__(
         self, prefill: Any | None, decode: Any, app_name: str | None = None,
-        decode_prefill_max_tokens: int = 0,
+        decode_prefill_max_tokens: int = 0, failover: FailoverPolicy | None = None,
     ) -> None:  # fmt: skip
         """`prefill` / `decode`: Serve DeploymentHandles of the two pools; without a prefill
         pool (colocated mode) decode replicas serve whole requests, as they serve prompts of
@@ -43,28 +51,90 @@ class DisaggregatedBackend:
         self.app_name = app_name
         self.prefill = prefill
         self.decode_prefill_max_tokens = decode_prefill_max_tokens
+        self.failover = failover or FailoverPolicy()
         self.decode = decode.options(stream=True)
         self.decode_stats = decode
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        if self.prefill is None or len(req.prompt_token_ids) <= self.decode_prefill_max_tokens:
-            async for chunk in own_call(self.decode.generate, req):
-                yield chunk
-            return
-        first: RequestOutput = await own_call(self.prefill.prefill, req)
-        kv = first.kv
-        yield first.model_copy(update={"kv": None})
-        if first.finished or kv is None:
-            return
-        decoding = False
+        retries = Retries(self.failover)
+        sent = Progress(req.request_id)
+        first = None
+        if self.prefill is not None and len(req.prompt_token_ids) > self.decode_prefill_max_tokens:
+            first = await self._prefill(req, retries)
+        if first is not None:
+            out = first.model_copy(update={"kv": None})
+            sent.add(out, decoded=False)
+            yield out
+            if first.finished or first.kv is None:
+                return
         try:
-            async for chunk in own_call(self.decode.generate, req, first):
-                decoding = True
+            async for chunk in self._decode(req, first, sent, retries):
                 yield chunk
         finally:
-            if not decoding:  # the decode side never took the pages: unpin them now
+            if first is not None and first.kv is not None and not sent.decoded:
+                # no decode replica took the pages: unpin them now
+                kv = first.kv
+                assert self.prefill is not None
                 release = own_call(self.prefill.release, kv.agent_names[0], kv.lease_id)
                 await asyncio.shield(asyncio.ensure_future(_quietly(release)))
+
+    async def _prefill(self, req: GenerateRequest, retries: Retries) -> RequestOutput | None:
+        """The prefill replica's first chunk; None once two replicas failed (decode prefills)."""
+        assert self.prefill is not None
+        for _ in range(2):
+            response = own_call(
+                self.prefill.prefill,
+                req.model_copy(update={"request_id": retries.retry_id(req.request_id)}),
+            )
+            try:
+                async with asyncio.timeout(retries.timeout_s()):
+                    first: RequestOutput = await response
+            except BaseException as e:
+                response.cancel()  # a stalled replica lets go of it
+                if not isinstance(e, Exception) or not is_replica_failure(e):
+                    raise
+                retries.failed("prefill", e)
+            else:
+                return first
+        return None
+
+    async def _decode(
+        self, req: GenerateRequest, first: RequestOutput | None, sent: Progress, retries: Retries
+    ) -> AsyncIterator[RequestOutput]:
+        """The decode replica's chunks; after a failure, another's from where the client is."""
+        resume, request_id = first, req.request_id
+        while True:
+            if resume is None:
+                stream = own_call(self.decode.generate, req)
+            else:
+                stream = own_call(self.decode.generate, req, resume)
+            ended = False
+            try:
+                while True:
+                    async with asyncio.timeout(retries.timeout_s()):
+                        chunk = await anext(stream, None)
+                    if chunk is None:
+                        ended = True
+                        return
+                    sent.add(chunk)
+                    yield chunk
+            except Exception as e:
+                if not is_replica_failure(e):
+                    raise
+                retries.failed("decode", e)
+            finally:
+                if not ended:  # failed, or closed by the caller: the replica aborts it
+                    stream.cancel()
+            if first is not None and first.kv is not None and not sent.decoded:
+                resume = first  # the pages were not read yet: the next replica reads them
+            else:
+                resume = sent.resume_point()
+            params = req.params
+            if sent.token_ids:  # the prompt's logprobs went out with the first token
+                params = params.model_copy(update={"prompt_logprobs": None})
+            req = req.model_copy(
+                update={"request_id": retries.retry_id(request_id), "params": params}
+            )
 
     async def stats(self) -> list[RoleStats]:
         """One snapshot per replica as posted; a pool none of whose replicas has posted yet is

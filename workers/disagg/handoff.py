@@ -12,14 +12,16 @@ Protocol (pull, DESIGN.md "One request"):
 
 from __future__ import annotations
 
+import time
 import uuid
 
 from workers.config import EngineConfig, KVTransferConfig
+from workers.disagg.faults import Faults
 from workers.disagg.group_transfer import GroupTransfer
 from workers.engine.engine import Engine
 from workers.engine.tp_runner import TPDriverRunner
 from workers.parallel.group import SINGLE, TPGroup
-from workers.protocol import KVLayout
+from workers.protocol import KVLayout, RequestOutput
 from workers.transfer import KVTransferAgent
 
 
@@ -51,3 +53,9 @@ class HandoffEngine(Engine):
             self.group = GroupTransfer(self.runner, self.role, tag)
             self.agent_names += self.group.agent_names
             self.kv_layouts += self.group.layouts
+        self.faults = Faults.build(cfg.faults, self.role, self.tokenizer)
+
+    def step(self) -> list[RequestOutput]:
+        if self.faults is not None and (fault := self.faults.strike("step")) is not None:
+            time.sleep(fault.delay_s)  # a stalled step: the loop thread does nothing meanwhile
+        return super().step()

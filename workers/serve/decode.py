@@ -1,7 +1,9 @@
 """The decode pool's Serve deployment: one replica = one `DecodeEngine`.
 
 `generate(req, first)` decodes a request prefilled elsewhere (its KV is pulled over NIXL);
-`generate(req)` without `first` serves it entirely here (the colocated mode).
+`generate(req)` without `first` serves it entirely here (the colocated mode);
+`generate(req, first)` with a `first` that has no KV handle resumes a stream whose decode
+replica failed: `first` holds the tokens already streamed (`DecodeEngine.add_remote`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,12 @@ class DecodeWorker(EngineWorker):
             stream = self.loop.generate(req)
         else:
             stream = self.loop.stream(req.request_id, lambda: self.engine.add_remote(req, first))
+        faults = self.engine.faults
+        num_tokens = 0 if first is None else len(first.token_ids)
         async for chunk in stream:
+            if faults is not None:
+                num_tokens += len(chunk.token_ids)
+                faults.strike("decode_token", req.prompt_token_ids, num_tokens)
             yield chunk
 
     def record_routing_stats(self) -> dict[str, float]:

@@ -15,9 +15,12 @@ class PrefillWorker(EngineWorker):
         """Compute the prompt and the first token; the chunk's `kv` names the pinned pages."""
         stream = self.loop.generate(req)
         try:
-            return await anext(stream)
+            first = await anext(stream)
         finally:
             await stream.aclose()  # after a hand-off this aborts nothing (see AsyncEngine)
+        if self.engine.faults is not None:
+            self.engine.faults.strike("prefill", req.prompt_token_ids)
+        return first
 
     async def release(self, agent_name: str, lease_id: str) -> None:
         """Unpin a prompt whose decode side will never read it (the client went away); the

@@ -1,0 +1,110 @@
+"""Replicas fail under load and no stream is lost: real Ray Serve, NIXL and HTTP, SmolLM2.
+
+2 prefill + 2 decode replicas, small KV pools, faults injected through `EngineConfig.faults`
+(each strikes once in the cluster, on the request whose prompt holds its marker): a prefill
+replica exits after computing a prompt, then a decode replica exits mid-stream, then a KV read
+fails. Each wave is concurrent greedy streams. Every stream must end as it does undisturbed (the
+same prompts again once the faults are spent), or with a clean 503 within the failover bound;
+afterwards no page is pinned on any replica and new requests succeed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from ray import serve
+from ray.experimental import internal_kv
+
+from cluster.app import build_app
+from tests.conftest import local_ray
+from tests.waiting import wait_until
+from workers.disagg import faults
+from workers.parallel.rendezvous import free_port
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "smollm2-135m-instruct"
+DEADLINE_S = 20.0  # router.failover_deadline_s
+FAULTS = [
+    {"point": "prefill", "prompt_contains": "[kill prefill]"},
+    {"point": "decode_token", "prompt_contains": "[kill decode]", "after": 4},
+    {"point": "kv_read", "action": "fail", "prompt_contains": "[fail read]"},
+]
+TOPICS = ["the sea", "a red fox", "the moon", "bread"]
+WAVES = [[f"Write a poem about {t}:" for t in TOPICS] + [f"{m} Tell me about {t}."]
+         for m, t in (("[kill prefill]", "tea"), ("[kill decode]", "rain"),
+                      ("[fail read]", "snow"))]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def base_url() -> Iterator[str]:
+    for _ in local_ray(num_cpus=2):
+        port = free_port("127.0.0.1")
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        pool = {"num_replicas": 2, "num_cpus_per_rank": 0.25}
+        app = build_app(
+            {
+                "engine": {"num_kv_pages": 96, "max_model_len": 256, "faults": FAULTS},
+                "prefill": pool,
+                "decode": pool,
+                "kv_transfer": {"lease_s": 10},
+                "router": {"num_cpus": 0, "failover_deadline_s": DEADLINE_S,
+                           "replica_timeout_s": 15},  # fmt: skip
+            }
+        )
+        try:
+            serve.run(app, name="chaos", route_prefix="/")
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            serve.shutdown()
+
+
+async def stream(c: httpx.AsyncClient, prompt: str) -> tuple[int, str, float]:
+    """(status, the text streamed, seconds taken) of one greedy streamed completion."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    t0 = time.monotonic()
+    text = []
+    async with c.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            error = (await r.aread()).decode()
+            assert r.status_code == 503 and '"ServiceUnavailableError"' in error, error
+            return r.status_code, "", time.monotonic() - t0
+        async for line in r.aiter_lines():
+            assert '"error"' not in line, line
+            if line.startswith("data: {"):
+                text.append(httpx.Response(200, content=line[6:]).json()["choices"][0]["text"])
+    return 200, "".join(text), time.monotonic() - t0
+
+
+def wave(base_url: str, prompts: list[str]) -> list[tuple[int, str, float]]:
+    async def run() -> list[tuple[int, str, float]]:
+        async with httpx.AsyncClient(base_url=base_url, timeout=120) as c:
+            return await asyncio.gather(*(stream(c, p) for p in prompts))
+
+    return asyncio.run(run())
+
+
+def pinned(base_url: str) -> float:
+    rows = httpx.get(f"{base_url}/metrics", timeout=30).text.splitlines()
+    return sum(float(r.split()[-1]) for r in rows if r.startswith("pdserve:kv_pages_pinned{"))
+
+
+def test_no_stream_is_lost_when_replicas_fail(base_url: str) -> None:
+    disturbed = [wave(base_url, prompts) for prompts in WAVES]
+    undisturbed = [wave(base_url, prompts) for prompts in WAVES]  # the faults are spent
+    for got, expected, prompts in zip(disturbed, undisturbed, WAVES):
+        assert all(status == 200 and text for status, text, _ in expected)
+        for (status, text, took), (_, want, _), prompt in zip(got, expected, prompts):
+            if status == 200:
+                assert text == want, prompt
+            else:  # a clean 503, within the bound
+                assert took < DEADLINE_S + 15 + 5, prompt
+        assert sum(status == 200 for status, _, _ in got) >= len(prompts) - 1
+    wait_until(lambda: pinned(base_url) == 0, 60, interval_s=1, what="no page pinned")
+    struck = internal_kv._internal_kv_list("", namespace=faults.NAMESPACE)
+    assert len(struck) == len(FAULTS)  # each fault did strike, once
