@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, field_validator
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
@@ -31,7 +31,7 @@ class SamplingParams(BaseModel):
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
     stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
+    stop_token_ids: tuple[NonNegativeInt, ...] = ()
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = Field(

@@ -52,7 +52,8 @@ def test_empty_prompt_is_rejected() -> None:
 
 
 @pytest.mark.parametrize("field,value", [("max_tokens", 0), ("temperature", -0.5),
-                                         ("top_p", 0.0), ("logprobs", 21), ("top_k", -2)])
+                                         ("top_p", 0.0), ("logprobs", 21), ("top_k", -2),
+                                         ("stop_token_ids", (-1,))])
 def test_bad_sampling_params_name_the_field(field: str, value: object) -> None:
     with pytest.raises(ValidationError, match=field):
         SamplingParams(**{field: value})

@@ -22,35 +22,16 @@ import uvicorn
 
 from router.openai_api import LocalBackend, build_openai_app
 from router.params import generation_defaults
+from tests.unit.conftest import MODEL, http
 from tests.waiting import async_wait_until
-from workers.config import EngineConfig
 from workers.engine.async_engine import AsyncEngine
-from workers.engine.engine import Engine
 from workers.protocol import GenerateRequest, RequestOutput
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
-MODEL = "smollm2-135m-instruct"
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 PARIS = "The capital of France is Paris."
 PROMPT = "Once upon a time"
-
-
-@pytest.fixture(scope="module")
-def engine():
-    eng = AsyncEngine(Engine(EngineConfig(stream_interval_ms=0)))  # a chunk per token
-    yield eng
-    eng.shutdown()
-
-
-@pytest.fixture(scope="module")
-def app(engine: AsyncEngine):
-    return build_openai_app(LocalBackend(engine), engine.engine.tokenizer, MODEL,
-                            engine.engine.max_model_len)
-
-
-def http(app: Any) -> httpx.AsyncClient:
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://test")
 
 
 def client(app: Any, key: str = "EMPTY") -> openai.AsyncOpenAI:

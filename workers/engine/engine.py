@@ -88,6 +88,10 @@ class Engine:
             raise RequestRejectedError("prompt holds token ids outside the model's vocabulary")
         if any(token >= vocab for token, _ in req.params.logit_bias):
             raise RequestRejectedError("logit_bias names token ids outside the model's vocabulary")
+        if any(token >= vocab for token in req.params.stop_token_ids):  # min_tokens bans them
+            raise RequestRejectedError(
+                "stop_token_ids names token ids outside the model's vocabulary"
+            )
         longest = min(n + req.params.max_tokens, self.max_model_len)
         pages = -(-longest // self.cfg.page_size)
         if pages > self.allocator.num_usable:
