@@ -21,10 +21,12 @@ from workers.api import EngineStats, GenerateRequest, RequestOutput
 
 
 class RoleStats(NamedTuple):
-    """One engine's counters, named by its role: "prefill", "decode" or "colocated"."""
+    """One engine's counters, named by its role: "prefill", "decode" or "colocated". A dead
+    replica's last snapshot is not `live`: its counters still count, its gauges no more."""
 
     role: str
     stats: EngineStats
+    live: bool = True
 
 
 class GenerationBackend(Protocol):

@@ -22,7 +22,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass, field
 
 from router.errors import APIError, BadRequestError
-from router.metrics import Metrics, RequestTimer
+from router.metrics import Metrics, RequestOutcome, RequestTimer
 from router.params import sampling_params
 from router.protocol import (
     ChatCompletionRequest,
@@ -64,6 +64,7 @@ class Job:
     include_usage: bool = False
     continuous_usage: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
+    outcome: RequestOutcome | None = None  # counts the HTTP request's failure, once
 
     def add(self, index: int, out: RequestOutput) -> ChoiceState:
         """Fold one engine chunk into its choice."""
@@ -78,6 +79,8 @@ class Job:
         if out.finished:
             choice.finish_reason, choice.stop_reason = out.finish_reason, out.stop_reason
             choice.timer.finish(out.finish_reason)
+            if out.finish_reason == "error" and self.outcome is not None:
+                self.outcome.failed(500)  # the engine failed it: the client is told so
         return choice
 
     def leaders(self) -> list[int]:
@@ -85,12 +88,15 @@ class Job:
         n = len(self.choices) // len(self.prompt_ids)
         return [c.prompt * n for c in self.choices]
 
-    def close(self, reason: str = "abort") -> None:
-        """End the choices that never finished (client gone: "abort"; a failure: "error")."""
-        for choice in self.choices:
-            if choice.finish_reason is None:
-                choice.finish_reason = reason
-                choice.timer.finish(reason)
+    def close(self, reason: str = "abort", status: int = 500) -> None:
+        """End the choices that never finished (client gone: "abort"; a failure: "error",
+        answered with HTTP `status`) and count the request's failure."""
+        open_choices = [c for c in self.choices if c.finish_reason is None]
+        for choice in open_choices:
+            choice.finish_reason = reason
+            choice.timer.finish(reason)
+        if self.outcome is not None and (open_choices or reason == "error"):
+            self.outcome.failed(status if reason == "error" else None)
 
     def usage(self, choices: list[ChoiceState] | None = None) -> Usage:
         choices = self.choices if choices is None else choices

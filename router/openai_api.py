@@ -40,7 +40,7 @@ from router.errors import (
 )
 from router.generation import Job, build_job, merge_streams
 from router.health import PoolWatch
-from router.metrics import Metrics, RequestStats
+from router.metrics import Metrics, RequestOutcome, error_status
 from router.metrics_board import MetricsBoard
 from router.params import check_supported
 from router.protocol import (
@@ -141,16 +141,22 @@ def build_openai_app(
         if name is not None and name != served_model_name:
             raise unknown_model(name)
 
-    async def run(req: SamplingFields, prompt_ids: list[list[int]], slot: Slot) -> Response:
+    async def run(
+        req: SamplingFields, prompt_ids: list[list[int]], slot: Slot, outcome: RequestOutcome
+    ) -> Response:
         job = build_job(req, prompt_ids, prompts, served_model_name, metrics, sampling_defaults)
+        job.outcome = outcome
         merged = merge_streams([backend.generate(r) for r in job.requests], job.leaders())
         try:
             first = await anext(merged, None)
-        except BaseException:
+        except BaseException as e:
+            status = error_status(e)
+            job.close("abort" if status is None else "error", status or 500)
             await merged.aclose()
             raise
         slot.release()  # answered: no longer queued
         if first is None:
+            job.close("error")
             raise APIError("the backend ended the request without output")
         if req.stream:
             events = stream_events(job, first, merged, prompts)
@@ -165,15 +171,15 @@ def build_openai_app(
     async def completions(req: CompletionRequest) -> Response:
         check_model(req.model)
         check_supported(req)
-        with admission.slot() as slot:
+        with admission.slot() as slot, metrics.outcome() as outcome:
             ids = await asyncio.to_thread(prompts.completion_prompts, req.prompt)
-            return await run(req, ids, slot)
+            return await run(req, ids, slot, outcome)
 
     @v1.post("/chat/completions")
     async def chat_completions(req: ChatCompletionRequest) -> Response:
         check_model(req.model)
         check_supported(req)
-        with admission.slot() as slot:
+        with admission.slot() as slot, metrics.outcome() as outcome:
             ids = await asyncio.to_thread(
                 prompts.chat_prompt,
                 req.messages,
@@ -181,7 +187,7 @@ def build_openai_app(
                 req.continue_final_message,
                 req.chat_template_kwargs,
             )
-            return await run(req, [ids], slot)
+            return await run(req, [ids], slot, outcome)
 
     @v1.get("/models")
     async def models() -> ModelList:
@@ -204,7 +210,7 @@ def build_openai_app(
             snapshot = await backend.stats()
         except Exception:  # noqa: BLE001 - still serve the router's own metrics
             logger.exception("backend stats failed")
-        peers: list[RequestStats] = [] if board is None else await board.peers()
+        peers = None if board is None else await board.peers(metrics.request_stats())
         return Response(metrics.render(snapshot, peers), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/tokenize")
@@ -244,8 +250,8 @@ async def _collect(
             if out.finish_reason == "error":
                 raise APIError(out.error or "generation failed")
             item = await anext(rest, None)
-    except Exception:
-        job.close("error")
+    except Exception as e:
+        job.close("error", error_status(e) or 500)
         raise
     finally:
         job.close("abort")  # cancelled: the client went away

@@ -38,6 +38,8 @@ from workers.api import GenerateRequest, RequestOutput, read_pool
 
 logger = logging.getLogger(__name__)
 
+STATS_TIMEOUT_S = 2.0  # the most /metrics waits for one pool's stats
+
 
 class DisaggregatedBackend:
     def __init__(
@@ -137,19 +139,28 @@ class DisaggregatedBackend:
             )
 
     async def stats(self) -> list[RoleStats]:
-        """One snapshot per replica as posted; a pool none of whose replicas has posted yet is
-        asked through its handle (one replica)."""
+        """Every replica's last posted snapshot, dead ones' not `live` (their counters stay in
+        the totals); a pool none of whose replicas has posted yet is asked through its handle
+        (one replica). Each wait is bounded by `STATS_TIMEOUT_S`: a pool without a replica
+        renders what is known."""
         pools = [("decode", self.decode_stats)]
         if self.prefill is not None:
             pools.insert(0, ("prefill", self.prefill))
         out: list[RoleStats] = []
         for role, handle in pools:
-            posted = []
-            if self.app_name is not None:
-                posted = await asyncio.to_thread(read_pool, self.app_name, role)
-            snapshots = posted or [await handle.stats.remote()]
             name = role if self.prefill is not None else "colocated"
-            out += [RoleStats(name, s) for s in snapshots]
+            posted: list[Any] = []  # `Posted` entries
+            if self.app_name is not None:
+                read = asyncio.to_thread(read_pool, self.app_name, role)
+                posted = await _within(read, f"reading the {role} pool's stats") or []
+            out += [RoleStats(name, p.stats, p.live) for p in posted]
+            if not posted:
+                response = handle.stats.remote()
+                stats = await _within(response, f"asking a {role} replica for its stats")
+                if stats is None:
+                    response.cancel()
+                else:
+                    out.append(RoleStats(name, stats))
         return out
 
 
@@ -173,6 +184,15 @@ def _remote_with_own_id(method: Any, args: tuple[Any, ...]) -> Any:
     own = dataclasses.replace(current, _internal_request_id=uuid.uuid4().hex)
     serve_context._serve_request_context.set(own)  # type: ignore[arg-type]  # declared None
     return method.remote(*args)
+
+
+async def _within(waited: Any, what: str) -> Any:
+    """`await waited`, or None (logged) past `STATS_TIMEOUT_S` or on a failure."""
+    try:
+        return await asyncio.wait_for(waited, STATS_TIMEOUT_S)
+    except Exception as e:  # noqa: BLE001 - /metrics renders what it has
+        logger.warning("%s failed: %r", what, e)
+        return None
 
 
 async def _quietly(response: Any) -> None:

@@ -65,7 +65,7 @@ async def stream_events(job: Job, first: tuple[int, RequestOutput],
             if job.include_usage:
                 yield sse(usage_chunk(job))
     except APIError as e:
-        job.close("error")
+        job.close("error", e.status)
         yield error_event(e)
     except Exception as e:  # noqa: BLE001 - the 200 is gone; tell the client in the stream
         logger.exception("stream %s failed", job.id)

@@ -18,7 +18,13 @@ from workers.protocol import (
     SamplingParams,
     TokenLogprob,
 )
-from workers.serve.stats_board import POST_INTERVAL_S, StatsPoster, read_pool, read_role
+from workers.serve.stats_board import (
+    POST_INTERVAL_S,
+    Posted,
+    StatsPoster,
+    read_pool,
+    read_role,
+)
 
 __all__ = [
     "MAX_LOGPROBS",
@@ -27,6 +33,7 @@ __all__ = [
     "FinishReason",
     "GenerateRequest",
     "KVHandle",
+    "Posted",
     "RequestOutput",
     "SamplingParams",
     "StatsPoster",

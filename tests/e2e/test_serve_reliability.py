@@ -4,7 +4,9 @@ application per mode in one Serve instance:
   engine request; the choices of one HTTP request go through the same Serve handles at the same
   moment, with the same prompt (n) or not (lists);
 - the ingress: a 16 MB body is 413 at once while /health answers in milliseconds; 10x
-  `max_queued_requests` at once: some 429 with Retry-After, no 5xx, every accepted one served.
+  `max_queued_requests` at once: some 429 with Retry-After, no 5xx, every accepted one served;
+- metrics after a fault: a killed replica's gauges leave /metrics within the stats board's
+  bound, and no counter goes down while Serve replaces it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 ray = pytest.importorskip("ray")
 pytest.importorskip("nixl")
@@ -29,7 +32,9 @@ from ray import serve  # noqa: E402
 from cluster.app import build_app  # noqa: E402
 from tests.conftest import local_ray  # noqa: E402
 from tests.e2e.app_process import REPO  # noqa: E402
+from tests.waiting import wait_until  # noqa: E402
 from workers.parallel.rendezvous import free_port  # noqa: E402
+from workers.serve.stats_board import STALE_AFTER_S  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
@@ -212,3 +217,64 @@ def test_10x_the_queue_bound_gets_429s_and_every_accepted_request_completes(apps
     metrics = httpx.get(f"{base}/metrics", timeout=TIMEOUT_S).text
     rejected = f'pdserve:request_rejected_total{{model_name="{MODEL}",reason="queue_full"}}'
     assert f"{rejected} {float(codes.count(429))}" in metrics
+
+
+def colocated_sample(base: str) -> dict[str, float]:
+    """The colocated pool's generated tokens and KV usage, and the request totals, of a scrape."""
+    text = httpx.get(f"{base}/metrics", timeout=TIMEOUT_S).text
+    out = {"generated": 0.0, "kv_usage": 0.0, "requests": 0.0, "errors": 0.0}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "pdserve:generation_tokens_total":
+                out["generated"] += s.value
+            elif s.name == "pdserve:kv_cache_usage_perc":
+                out["kv_usage"] += s.value
+            elif s.name == "pdserve:request_success_total":
+                out["requests"] += s.value
+            elif s.name == "pdserve:request_errors_total":
+                out["errors"] += s.value
+    return out
+
+
+def test_a_killed_replicas_gauges_go_within_the_bound_and_totals_never_drop(apps) -> None:
+    """Last in the module: it kills the colocated app's one engine replica. Its gauges leave
+    /metrics within the stats board's bound; while Serve replaces it, no total goes down."""
+    base = apps["colocated"]
+    post(base, "completions", ONCE)  # its pages stay cached: the KV usage gauge is above 0
+    samples = [wait_until(lambda: (s := colocated_sample(base))["kv_usage"] > 0 and s, 30,
+                          what="the replica's gauges posted")]
+    prefix = "SERVE_REPLICA::colocated#decode#"
+    [name] = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+              if a["name"].startswith(prefix)]
+    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+    killed = time.monotonic()
+
+    def gauges_gone() -> bool:
+        samples.append(colocated_sample(base))
+        return samples[-1]["kv_usage"] == 0
+
+    wait_until(gauges_gone, STALE_AFTER_S + 5, interval_s=0.2, what="the dead one's gauges gone")
+    gone_after_s = time.monotonic() - killed
+
+    def served() -> bool:
+        started = time.monotonic()
+        samples.append(colocated_sample(base))
+        scrape_s.append(time.monotonic() - started)  # /metrics answers without a replica
+        try:
+            body = {"model": MODEL, **ONCE}
+            return httpx.post(f"{base}/v1/completions", json=body, timeout=10).status_code == 200
+        except httpx.TimeoutException:
+            return False
+
+    scrape_s: list[float] = []
+
+    wait_until(served, 180, interval_s=1, what="the replacement replica serving")
+    samples.append(wait_until(
+        lambda: (s := colocated_sample(base))["generated"] >= samples[0]["generated"] + 8 and s,
+        30, what="the new replica's tokens added to the total",
+    ))  # fmt: skip
+    for key in ("generated", "requests", "errors"):
+        values = [s[key] for s in samples]
+        assert values == sorted(values), (key, values)  # never lower
+    assert gone_after_s <= STALE_AFTER_S + 2, gone_after_s
+    assert max(scrape_s) < 8, scrape_s  # bounded waits: the board's and the pool's, 2 s each

@@ -1,4 +1,4 @@
-"""Replicas' stats posted to Ray's internal KV: every fresh replica of a role is read back."""
+"""Replicas' stats on Ray's internal KV: every replica of a role is read back, live or not."""
 
 from __future__ import annotations
 
@@ -39,18 +39,19 @@ def local_ray():
     ray.shutdown()
 
 
-def test_every_replica_of_a_role_is_read_and_stale_ones_drop_out(local_ray) -> None:
+def test_every_replica_of_a_role_is_read_and_stale_ones_are_not_live(local_ray) -> None:
     a = stats_board.StatsPoster("app", "decode", "r1")
     b = stats_board.StatsPoster("app", "decode", "r2")
     other = stats_board.StatsPoster("app", "prefill", "r3")
     a(stats(1)), b(stats(2)), other(stats(7))
     a(stats(5))  # within the post interval: not posted
-    got = sorted(s.num_running for s in stats_board.read_pool("app", "decode"))
-    assert got == [1, 2]
-    assert [s.num_running for s in stats_board.read_pool("app", "prefill")] == [7]
+    got = sorted((p.stats.num_running, p.live) for p in stats_board.read_pool("app", "decode"))
+    assert got == [(1, True), (2, True)]
+    assert [p.stats.num_running for p in stats_board.read_pool("app", "prefill")] == [7]
     assert stats_board.read_pool("other-app", "decode") == []
     later = time.time() + stats_board.STALE_AFTER_S + 1
-    assert stats_board.read_pool("app", "decode", now=later) == []
+    dead = stats_board.read_pool("app", "decode", now=later)  # kept for their counters
+    assert sorted((p.stats.num_running, p.live) for p in dead) == [(1, False), (2, False)]
 
 
 def test_router_replicas_render_each_others_request_metrics(local_ray) -> None:
@@ -65,11 +66,14 @@ def test_router_replicas_render_each_others_request_metrics(local_ray) -> None:
         with contextlib.suppress(TimeoutError):  # the background loop: one post, then cancelled
             await asyncio.wait_for(board_b.run(b.request_stats), timeout=0.3)
         b.success.labels("m", "stop").inc()  # b's own live values win over its posted entry
-        return await board_a.peers(), await board_b.peers()
+        seen_by_a, peers_b = await board_a.peers(), await board_b.peers(b.request_stats())
+        return seen_by_a, peers_b, await board_a.peers()
 
-    peers_a, peers_b = asyncio.run(scenario())
+    peers_a, peers_b, later_a = asyncio.run(scenario())
     assert [p.success["stop"] for p in peers_a] == [2]
     assert [p.success["stop"] for p in peers_b] == [1]
+    # b's scrape posted its live values: a later scrape on a renders at least as much.
+    assert [p.success["stop"] for p in later_a] == [3]
     text = b.render(peers=peers_b).decode()
     assert 'pdserve:request_success_total{finished_reason="stop",model_name="m"} 4.0' in text
     assert 'pdserve:time_to_first_token_seconds_count{model_name="m"} 1.0' in text

@@ -472,6 +472,7 @@ async def test_client_disconnect_mid_stream_aborts_the_request(app, engine) -> N
         async with http(app) as h:
             text = (await h.get("/metrics")).text
         assert f'request_success_total{{finished_reason="abort",model_name="{MODEL}"}} 1.0' in text
+        assert f'request_errors_total{{kind="abort",model_name="{MODEL}"}} 1.0' in text
     finally:
         server.should_exit = True
         thread.join(timeout=10)

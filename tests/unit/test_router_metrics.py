@@ -1,13 +1,20 @@
-"""/metrics rendering: engine snapshots per role (pool replicas summed) and the push hooks."""
+"""/metrics rendering: engine snapshots per role (pool replicas summed) and the push hooks; the
+stats board's staleness, and what faults do to the metrics."""
 
 from __future__ import annotations
+
+import asyncio
+import json
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.backend import RoleStats
-from router.metrics import Metrics, RequestStats
+from router.errors import APIError
+from router.metrics import ERROR_KINDS, Metrics, RequestStats, error_kind
+from tests.waiting import wait_until
 from workers.protocol import EngineStats
+from workers.serve import stats_board
 
 
 def stats(running: int, used: int, pinned: int, generated: int) -> EngineStats:
@@ -132,3 +139,135 @@ def test_posted_request_stats_round_trip_through_json() -> None:
     stats = metrics.request_stats()
     assert RequestStats.model_validate_json(stats.model_dump_json()) == stats
     assert stats.ttft.buckets[-1] == 1 and stats.success["error"] == 1
+
+
+# ---- after faults: a dead replica's gauges go, counters never go down, errors counted once ----
+def test_a_dead_replicas_gauges_drop_out_and_its_counters_stay() -> None:
+    text = Metrics("m").render(
+        [
+            RoleStats("decode", stats(3, 10, 2, 40), live=False),
+            RoleStats("decode", stats(1, 30, 0, 60)),
+            RoleStats("prefill", stats(1, 20, 2, 5), live=False),  # no live prefill replica
+        ]
+    )
+    got = samples(text)
+    assert got[("pdserve:num_requests_running", "decode")] == 1
+    assert got[("pdserve:kv_pages_pinned", "decode")] == 0
+    assert got[("pdserve:kv_cache_usage_perc", "decode")] == 30 / 100
+    assert got[("pdserve:generation_tokens_total", "decode")] == 100
+    assert got[("pdserve:num_requests_running", "prefill")] == 0  # what is known: nothing runs
+    assert got[("pdserve:kv_pages_pinned", "prefill")] == 0
+    assert got[("pdserve:generation_tokens_total", "prefill")] == 5
+
+
+def test_totals_never_decrease_while_a_replica_is_replaced() -> None:
+    """The board's entries over time, as `DisaggregatedBackend.stats` reads them: r1 serves, is
+    killed (its entry goes stale), r2 starts from 0; every rendered total is monotonic."""
+    r1_dead = RoleStats("decode", stats(2, 5, 1, 55), live=False)  # its last post
+    timeline = [
+        [RoleStats("decode", stats(2, 5, 1, 40))],
+        [RoleStats("decode", stats(2, 5, 1, 55))],
+        [r1_dead],  # r1 killed
+        [r1_dead, RoleStats("decode", stats(0, 0, 0, 0))],  # r2 up
+        [r1_dead, RoleStats("decode", stats(1, 3, 1, 7))],
+    ]
+    metrics = Metrics("m")
+    totals = [samples(metrics.render(s))[("pdserve:generation_tokens_total", "decode")]
+              for s in timeline]
+    assert totals == [40, 55, 55, 55, 62]
+    running = [samples(metrics.render(s))[("pdserve:num_requests_running", "decode")]
+               for s in timeline]
+    assert running == [2, 2, 0, 0, 1]
+
+
+def test_error_kinds_follow_the_status_the_client_got() -> None:
+    assert [error_kind(s) for s in (400, 413, 500, 502, 503, None)] == [
+        "invalid", "invalid", "internal", "internal", "unavailable", "abort"
+    ]
+
+
+def errors(text: bytes) -> dict[str, float]:
+    return {
+        s.labels["kind"]: s.value
+        for family in text_string_to_metric_families(text.decode())
+        if family.name == "pdserve:request_errors"
+        for s in family.samples
+    }
+
+
+def test_a_failed_request_is_counted_once_whoever_sees_it_and_peers_add_up() -> None:
+    metrics = Metrics("m")
+    assert errors(metrics.render()) == dict.fromkeys(ERROR_KINDS, 0.0)  # exported at 0
+    with pytest.raises(APIError), metrics.outcome() as outcome:
+        outcome.failed(503)  # the stream saw it first ...
+        raise APIError("no replica", status=503)  # ... then the handler
+    with pytest.raises(ConnectionError), metrics.outcome():
+        raise ConnectionError("lost")
+    with metrics.outcome():
+        pass  # a success counts nothing
+    other = Metrics("m")
+    with pytest.raises(asyncio.CancelledError), other.outcome():
+        raise asyncio.CancelledError  # the client went away
+    got = errors(metrics.render(peers=[other.request_stats()]))
+    assert got == {"invalid": 0, "unavailable": 1, "internal": 1, "abort": 1}
+    assert RequestStats.model_validate_json(other.request_stats().model_dump_json()).errors[
+        "abort"
+    ] == 1
+
+
+# ---- the stats board: staleness on a fake clock ------------------------------------------------
+class FakeKV:
+    """Ray's internal KV API, in a dict."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+
+    def _internal_kv_put(self, key: str, value: bytes, overwrite: bool, namespace: str) -> None:
+        self.data[key] = value
+
+    def _internal_kv_get(self, key: bytes, namespace: str) -> bytes | None:
+        return self.data.get(key.decode())
+
+    def _internal_kv_list(self, prefix: str, namespace: str) -> list[bytes]:
+        return [k.encode() for k in self.data if k.startswith(prefix)]
+
+
+@pytest.fixture
+def kv(monkeypatch: pytest.MonkeyPatch) -> FakeKV:
+    fake = FakeKV()
+    monkeypatch.setattr(stats_board, "ray_internal_kv", lambda: fake)
+    return fake
+
+
+def test_a_replica_is_live_until_it_misses_three_posts_and_then_kept(kv: FakeKV) -> None:
+    clock = [1000.0]
+    poster = stats_board.StatsPoster("app", "decode", "r1", clock=lambda: clock[0])
+    assert poster(stats(1, 1, 0, 7))
+    clock[0] += 0.5
+    assert not poster(stats(2, 1, 0, 8))  # within the interval
+    assert poster(stats(3, 1, 0, 9), force=True)  # a scrape's own post goes at once
+
+    def read(at: float) -> list[tuple[int, bool]]:
+        posted = stats_board.read_pool("app", "decode", at)
+        return [(p.stats.generation_tokens, p.live) for p in posted]
+
+    assert read(1000.5 + stats_board.STALE_AFTER_S - 0.01) == [(9, True)]
+    assert read(1000.5 + stats_board.STALE_AFTER_S) == [(9, False)]  # dead: kept, not live
+    assert stats_board.STALE_AFTER_S <= 3 * stats_board.POST_INTERVAL_S
+    assert stats_board.read_pool("other", "decode", 0) == []
+
+
+def test_a_replica_that_posts_nothing_new_keeps_its_heartbeat(kv: FakeKV) -> None:
+    """A replica busy in one long step (or idle) hands over no new snapshot: its heartbeat
+    thread posts the last one again, so it stays live under load."""
+    poster = stats_board.StatsPoster("app", "prefill", "busy")
+    assert poster(stats(1, 1, 0, 1))
+    first = json.loads(kv.data["app/prefill/busy"])["time"]
+    wait_until(
+        lambda: json.loads(kv.data["app/prefill/busy"])["time"] > first,
+        3 * stats_board.POST_INTERVAL_S,
+        interval_s=0.05,
+        what="a heartbeat post",
+    )
+    [posted] = stats_board.read_pool("app", "prefill")
+    assert posted.live and posted.stats.num_running == 1
