@@ -7,8 +7,8 @@ Two sources feed them:
   the engines computed (prefix-cache hits are counted by `prefix_cache_hits_total` instead);
 - push hooks called while requests run: the latency histograms and `request_success_total`
   (through `RequestTimer`, one per choice), `request_rejected_total` (admission control,
-  `router/admission.py`: requests answered 429 by reason). NIXL hand-off counters come with
-  the snapshots: the decode engines count the KV they read.
+  `router/admission.py`: requests answered 429, by reason: the router's queue or a pool's).
+  NIXL hand-off counters come with the snapshots: the decode engines count the KV they read.
 A scrape reaches one router replica, so the request metrics are rendered as this replica's live
 values plus the other router replicas' posted `RequestStats` (`router/metrics_board.py`).
 Each app gets its own registry, so several apps can live in one process (tests).
@@ -224,11 +224,13 @@ class Metrics:
         self.rejected = Counter(
             PREFIX + REJECTED[0], REJECTED[1], [*model, "reason"], registry=None
         )
-        self.rejected.labels(model_name, "queue_full")
+        for reason in ("queue_full", "pool_full"):
+            self.rejected.labels(model_name, reason)
 
-    def queue_full(self) -> None:
-        """A request was answered 429: too many requests wait for their first token."""
-        self.rejected.labels(self.model_name, "queue_full").inc()
+    def reject(self, reason: str) -> None:
+        """A request was answered 429: "queue_full", too many requests of this router replica
+        wait for their first token; "pool_full", a worker pool has its bound of queued calls."""
+        self.rejected.labels(self.model_name, reason).inc()
 
     def request_timer(self) -> RequestTimer:
         return RequestTimer(self)
