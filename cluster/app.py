@@ -79,6 +79,7 @@ def _deployment_options(
     options: dict[str, Any] = {
         "name": name,
         "max_ongoing_requests": pool.max_ongoing_requests,
+        "max_queued_requests": pool.queue_bound(),  # beyond: BackPressureError, answered 429
         "ray_actor_options": {
             "num_cpus": pool.num_cpus_per_rank,
             "num_gpus": pool.num_gpus_per_rank,

@@ -50,10 +50,27 @@ class PoolConfig(Strict):
         default_factory=dict, description="custom Ray resources, e.g. to pin a pool to a node type"
     )
     max_ongoing_requests: int = Field(256, ge=1)
+    max_queued_requests: int | None = Field(
+        None,
+        ge=1,
+        description="calls a router replica may hold for this pool while every replica has "
+        "max_ongoing_requests; beyond it the call fails at once and the client gets 429 with "
+        "Retry-After. Default: the pool's capacity, replicas (max_replicas when autoscaling) x "
+        "max_ongoing_requests",
+    )
     max_num_seqs: int | None = Field(None, ge=1)
     max_num_batched_tokens: int | None = Field(None, ge=1)
     kv_cache_memory_gb: float | None = Field(None, gt=0)
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
+
+    def queue_bound(self) -> int:
+        """`max_queued_requests`, by default one more pool-load of calls: a queued call waits
+        for about one turn of the pool's work at most; beyond that the client is better told to
+        retry than left waiting two turns or more."""
+        if self.max_queued_requests is not None:
+            return self.max_queued_requests
+        replicas = self.num_replicas if self.autoscaling is None else self.autoscaling.max_replicas
+        return replicas * self.max_ongoing_requests
 
     def engine(self, base: EngineConfig) -> EngineConfig:
         """The shared engine settings with this pool's overrides applied."""

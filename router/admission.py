@@ -7,6 +7,10 @@ answered with a first token.
 - `Admission` counts the requests that arrived and have no first token yet; beyond
   `max_queued` it answers 429 with `Retry-After`, so a burst waits in the clients, not in the
   engines' queues where every accepted request's time to first token would grow with it.
+  A worker pool's own bound of queued calls (`PoolConfig.max_queued_requests`, Serve's
+  `max_queued_requests`) surfaces as `PoolFullError` (`router.generation.as_api_error`);
+  `Admission` answers it the same way: 429 with `Retry-After`, counted by reason ("queue_full",
+  "pool_full").
 A router replica counts its own requests: with R replicas the bound is R x `max_queued`.
 """
 
@@ -30,6 +34,13 @@ class IngressLimits:
 
 class TooManyRequestsError(APIError):
     status = 429
+    reason = "queue_full"  # the label of `pdserve:request_rejected_total`
+
+
+class PoolFullError(TooManyRequestsError):
+    """A worker pool turned a call away: it had as many calls queued as its bound."""
+
+    reason = "pool_full"
 
 
 class BodyLimit:
@@ -73,13 +84,13 @@ class BodyLimit:
 
 class Admission:
     """The requests of a router replica that have arrived and have no first token yet;
-    `max_queued` None: no bound. `on_reject` is called for each request turned away."""
+    `max_queued` None: no bound. `on_reject(reason)` is called for each request turned away."""
 
     def __init__(
         self,
         max_queued: int | None = None,
         retry_after_s: int = 1,
-        on_reject: Callable[[], object] | None = None,
+        on_reject: Callable[[str], object] | None = None,
     ) -> None:
         self.max_queued = max_queued
         self.retry_after_s = retry_after_s
@@ -89,21 +100,29 @@ class Admission:
     @contextmanager
     def slot(self) -> Iterator[Slot]:
         """A place in the queue for the block's request (429 when none is left); the request
-        gives it up at its first token (`Slot.release`) or when the block ends."""
+        gives it up at its first token (`Slot.release`) or when the block ends. A pool's
+        refusal in the block is answered as the queue's own."""
         if self.max_queued is not None and self.queued >= self.max_queued:
-            if self.on_reject is not None:
-                self.on_reject()
-            raise TooManyRequestsError(
-                f"the server has {self.queued} requests waiting for their first token, its "
-                f"limit: retry after {self.retry_after_s} s",
-                headers={"Retry-After": str(self.retry_after_s)},
+            raise self._refuse(
+                TooManyRequestsError.reason,
+                f"the server has {self.queued} requests waiting for their first token, its limit",
             )
         slot = Slot(self)
         self.queued += 1
         try:
             yield slot
+        except PoolFullError as e:
+            raise self._refuse(e.reason, e.message) from e
         finally:
             slot.release()
+
+    def _refuse(self, reason: str, why: str) -> TooManyRequestsError:
+        if self.on_reject is not None:
+            self.on_reject(reason)
+        return TooManyRequestsError(
+            f"{why}: retry after {self.retry_after_s} s",
+            headers={"Retry-After": str(self.retry_after_s)},
+        )
 
 
 class Slot:

@@ -21,6 +21,9 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass, field
 
+from ray.serve.exceptions import BackPressureError
+
+from router.admission import PoolFullError
 from router.errors import APIError, BadRequestError
 from router.metrics import Metrics, RequestOutcome, RequestTimer
 from router.params import sampling_params
@@ -153,6 +156,8 @@ def as_api_error(exc: BaseException) -> APIError:
     """
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, BackPressureError):  # a pool's `max_queued_requests`: `Admission`'s 429
+        return PoolFullError("a worker pool has as many calls queued as its bound")
     if isinstance(exc, ValueError):
         cause = getattr(exc, "cause", None)
         return BadRequestError(str(cause if isinstance(cause, ValueError) else exc))

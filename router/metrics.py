@@ -10,9 +10,9 @@ Two sources feed them:
 - push hooks called while requests run: the latency histograms and `request_success_total`
   (through `RequestTimer`, one per choice; a failed request's choices end as "error", a client
   gone as "abort"), `request_rejected_total` (admission control, `router/admission.py`: requests
-  answered 429 by reason), `request_errors_total` (an admitted request that ended in an error,
-  once per HTTP request, by kind: `ERROR_KINDS`). NIXL hand-off counters come with the
-  snapshots: the decode engines count the KV they read.
+  answered 429, by reason: the router's queue or a pool's), `request_errors_total` (an admitted
+  request that ended in an error, once per HTTP request, by kind: `ERROR_KINDS`). NIXL hand-off
+  counters come with the snapshots: the decode engines count the KV they read.
 A scrape reaches one router replica, so the request metrics are rendered as this replica's live
 values plus the other router replicas' posted `RequestStats` (`router/metrics_board.py`), dead
 ones' last posts included.
@@ -189,14 +189,16 @@ class Metrics:
         self.rejected = Counter(
             PREFIX + REJECTED[0], REJECTED[1], [*model, "reason"], registry=None
         )
-        self.rejected.labels(model_name, "queue_full")
+        for reason in ("queue_full", "pool_full"):
+            self.rejected.labels(model_name, reason)
         self.errors = Counter(PREFIX + ERRORS[0], ERRORS[1], [*model, "kind"], registry=None)
         for kind in ERROR_KINDS:
             self.errors.labels(model_name, kind)
 
-    def queue_full(self) -> None:
-        """A request was answered 429: too many requests wait for their first token."""
-        self.rejected.labels(self.model_name, "queue_full").inc()
+    def reject(self, reason: str) -> None:
+        """A request was answered 429: "queue_full", too many requests of this router replica
+        wait for their first token; "pool_full", a worker pool has its bound of queued calls."""
+        self.rejected.labels(self.model_name, reason).inc()
 
     def request_timer(self) -> RequestTimer:
         return RequestTimer(self)

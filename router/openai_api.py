@@ -134,8 +134,8 @@ def build_openai_app(
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     if limits is not None:
         app.add_middleware(BodyLimit, max_bytes=limits.max_request_bytes)  # outermost
-    admission = (Admission(on_reject=metrics.queue_full) if limits is None else
-                 Admission(limits.max_queued_requests, limits.retry_after_s, metrics.queue_full))
+    admission = (Admission(on_reject=metrics.reject) if limits is None else
+                 Admission(limits.max_queued_requests, limits.retry_after_s, metrics.reject))
 
     def check_model(name: str | None) -> None:
         if name is not None and name != served_model_name:

@@ -99,6 +99,19 @@ def test_llama_config_runs_each_pool_on_its_own_gpus() -> None:
     assert cfg.decode.autoscaling.max_replicas > cfg.decode.autoscaling.min_replicas
 
 
+def test_a_pools_queue_bound_defaults_to_its_capacity_and_reaches_its_deployment() -> None:
+    from cluster.app import _deployment_options
+
+    args = llama_args()
+    args["prefill"] = {"num_replicas": 2, "max_ongoing_requests": 8}
+    args["decode"] = {"autoscaling": {"max_replicas": 3}, "max_ongoing_requests": 16}
+    cfg = AppConfig.model_validate(args)
+    assert (cfg.prefill.queue_bound(), cfg.decode.queue_bound()) == (2 * 8, 3 * 16)
+    set_bound = cfg.prefill.model_copy(update={"max_queued_requests": 5})
+    assert _deployment_options("prefill", set_bound)["max_queued_requests"] == 5
+    assert _deployment_options("decode", cfg.decode)["max_queued_requests"] == 48
+
+
 def test_rayservice_embeds_the_llama_config() -> None:
     assert rayservice_serve_config() == load(ROOT / "configs" / "llama.yaml")
 

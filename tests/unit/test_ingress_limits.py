@@ -1,5 +1,6 @@
 """The ingress's limits on a backend that answers when told to: 413 for a large body before it is
-parsed, 429 beyond the queue bound, /health from the pool watch, tokenization off the loop."""
+parsed, 429 beyond the queue bound or a pool's, /health from the pool watch, tokenization
+off the loop."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
+from ray.serve.exceptions import BackPressureError
 
 from router.admission import IngressLimits
 from router.backend import RoleStats
@@ -99,6 +101,44 @@ async def test_beyond_the_queue_bound_is_429_with_retry_after_and_counted(tokeni
     assert busy.json()["error"]["type"] == "RateLimitError"
     rejected = f'pdserve:request_rejected_total{{model_name="{MODEL}",reason="queue_full"}}'
     assert f"{rejected} {float(n - LIMITS.max_queued_requests)}" in metrics
+    assert after.status_code == 200
+
+
+class FullPoolBackend:
+    """A worker pool at its bound of queued calls while `full`: its handle raises at once."""
+
+    def __init__(self) -> None:
+        self.full = True
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        if self.full:
+            raise BackPressureError(num_queued_requests=4, max_queued_requests=4)
+        yield RequestOutput(request_id=req.request_id, token_ids=[42], text="x",
+                            finish_reason="length")
+
+    async def stats(self) -> list[RoleStats]:
+        return []
+
+
+async def test_a_full_pool_is_429_with_retry_after_streamed_or_not_and_counted(tokenizer) -> None:
+    backend = FullPoolBackend()
+    app = app_with(backend, tokenizer)
+    body = {"prompt": "Once upon a time", "max_tokens": 1}
+    async with http(app) as c:
+        n = 2 * LIMITS.max_queued_requests  # more than the router's queue: no place is kept
+        replies = [await c.post("/v1/completions", json={**body, "stream": i % 2 == 0})
+                   for i in range(n)]
+        metrics = (await c.get("/metrics")).text
+        backend.full = False
+        after = await c.post("/v1/completions", json=body)
+    for r in replies:
+        assert r.status_code == 429 and r.headers["retry-after"] == "2", r.text
+        err = r.json()["error"]
+        assert err["type"] == "RateLimitError" and "queued" in err["message"]
+        assert "BackPressure" not in err["message"]
+    rejected = 'pdserve:request_rejected_total{model_name="%s",reason="%s"}'
+    assert f"{rejected % (MODEL, 'pool_full')} {float(n)}" in metrics
+    assert f"{rejected % (MODEL, 'queue_full')} 0.0" in metrics
     assert after.status_code == 200
 
 
