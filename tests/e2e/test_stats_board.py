@@ -52,6 +52,8 @@ def test_every_replica_of_a_role_is_read_and_stale_ones_are_not_live(local_ray) 
     later = time.time() + stats_board.STALE_AFTER_S + 1
     dead = stats_board.read_pool("app", "decode", now=later)  # kept for their counters
     assert sorted((p.stats.num_running, p.live) for p in dead) == [(1, False), (2, False)]
+    for poster in (a, b, other):
+        poster.close()
 
 
 def test_router_replicas_render_each_others_request_metrics(local_ray) -> None:

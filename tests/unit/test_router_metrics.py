@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -255,19 +256,26 @@ def test_a_replica_is_live_until_it_misses_three_posts_and_then_kept(kv: FakeKV)
     assert read(1000.5 + stats_board.STALE_AFTER_S) == [(9, False)]  # dead: kept, not live
     assert stats_board.STALE_AFTER_S <= 3 * stats_board.POST_INTERVAL_S
     assert stats_board.read_pool("other", "decode", 0) == []
+    poster.close()  # its heartbeat would post into later tests' boards
 
 
 def test_a_replica_that_posts_nothing_new_keeps_its_heartbeat(kv: FakeKV) -> None:
     """A replica busy in one long step (or idle) hands over no new snapshot: its heartbeat
     thread posts the last one again, so it stays live under load."""
     poster = stats_board.StatsPoster("app", "prefill", "busy")
-    assert poster(stats(1, 1, 0, 1))
-    first = json.loads(kv.data["app/prefill/busy"])["time"]
-    wait_until(
-        lambda: json.loads(kv.data["app/prefill/busy"])["time"] > first,
-        3 * stats_board.POST_INTERVAL_S,
-        interval_s=0.05,
-        what="a heartbeat post",
-    )
-    [posted] = stats_board.read_pool("app", "prefill")
-    assert posted.live and posted.stats.num_running == 1
+    try:
+        assert poster(stats(1, 1, 0, 1))
+        first = json.loads(kv.data["app/prefill/busy"])["time"]
+        wait_until(
+            lambda: json.loads(kv.data["app/prefill/busy"])["time"] > first,
+            3 * stats_board.POST_INTERVAL_S,
+            interval_s=0.05,
+            what="a heartbeat post",
+        )
+        [posted] = stats_board.read_pool("app", "prefill")
+        assert posted.live and posted.stats.num_running == 1
+    finally:
+        poster.close()
+    last = kv.data["app/prefill/busy"]
+    time.sleep(2.5 * stats_board.POST_INTERVAL_S)  # the behaviour: no beat after close()
+    assert kv.data["app/prefill/busy"] == last

@@ -62,6 +62,7 @@ class StatsPoster:
         self._latest: BaseModel | None = None
         self._lock = threading.Lock()
         self._heartbeat: threading.Thread | None = None
+        self._stopped = threading.Event()
 
     def __call__(self, stats: BaseModel, force: bool = False) -> bool:
         """True when the snapshot was posted: when due, or at once with `force`."""
@@ -87,9 +88,12 @@ class StatsPoster:
         kv._internal_kv_put(self.key, body, overwrite=True, namespace=NAMESPACE)
         return True
 
+    def close(self) -> None:
+        """Stop the heartbeat (a replica's poster lives as long as its process)."""
+        self._stopped.set()
+
     def _beat(self) -> None:
-        while True:
-            time.sleep(POST_INTERVAL_S)
+        while not self._stopped.wait(POST_INTERVAL_S):
             with self._lock:
                 due = self._clock() - self._last >= POST_INTERVAL_S
             try:
