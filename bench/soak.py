@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import ray
 from ray import serve
-from ray.util.state import list_actors
 
 from bench.results_io import add_out_argument, write_result
 from cluster.app import build_app
@@ -104,10 +104,22 @@ async def load(base: str, model: str, seconds: float, concurrency: int, seed: in
 
 
 def replicas(deployments: tuple[str, ...] = ("prefill", "decode", "router")) -> dict[str, int]:
-    """The app's live replica actors of `deployments`: actor name -> pid."""
-    classes = {f"ServeReplica:{APP}:{d}" for d in deployments}
-    rows = list_actors(filters=[("state", "=", "ALIVE")], limit=10_000)
-    return {r.name: r.pid for r in rows if r.class_name in classes and r.name and r.pid}
+    """The app's live replica processes of `deployments` on this host: a name -> its pid (Ray
+    titles a replica's process `ray::ServeReplica:<app>:<deployment>`)."""
+    titles = tuple(f"ray::ServeReplica:{APP}:{d}" for d in deployments)
+    out = {}
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        title = " ".join(proc.info["cmdline"] or [])
+        if title.startswith(titles):
+            out[f"{title.split()[0]}@{proc.info['pid']}"] = proc.info["pid"]
+    return out
+
+
+def replica_actors(deployments: tuple[str, ...]) -> list[str]:
+    """The names of the app's replica actors of `deployments` (in the "serve" namespace)."""
+    prefixes = tuple(f"SERVE_REPLICA::{APP}#{d}#" for d in deployments)
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith(prefixes)]  # fmt: skip
 
 
 def rss_mb(pid: int) -> float | None:
@@ -126,7 +138,7 @@ async def kill_replicas(every_s: float, seconds: float, seed: int) -> list[str]:
     end = time.monotonic() + seconds
     while time.monotonic() + every_s < end:
         await asyncio.sleep(every_s)
-        pools = list(replicas(("prefill", "decode")))
+        pools = replica_actors(("prefill", "decode"))
         if pools:
             name = rng.choice(pools)
             ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
@@ -136,9 +148,10 @@ async def kill_replicas(every_s: float, seconds: float, seed: int) -> list[str]:
 
 
 def leaked_pages() -> dict[str, int]:
-    """Pinned pages, and pages used outside the prefix cache, over every replica of both
+    """Pinned pages, and pages used outside the prefix cache, over every live replica of both
     pools; running and waiting requests (all 0 once the load has drained)."""
-    stats = read_pool(APP, "prefill") + read_pool(APP, "decode")
+    posted = read_pool(APP, "prefill") + read_pool(APP, "decode")
+    stats = [p.stats for p in posted if p.live]  # a killed replica's last post is not its pages
     return {
         "pinned": sum(s.kv_pages_pinned for s in stats),
         "used_outside_cache": sum(s.kv_pages_used - s.kv_pages_cached for s in stats),
@@ -170,10 +183,14 @@ def main() -> None:
     ap.add_argument("--kill-every-s", type=float, default=60.0)
     ap.add_argument("--concurrency", type=int, default=6)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--ray-cpus", type=int, default=8, help="logical CPUs: the replicas' bundles")
     add_out_argument(ap)
     args = ap.parse_args()
     cfg = app_config(args.config, args.assignments)
-    ray.init(include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": python_path(REPO)}})
+    ray.init(
+        num_cpus=args.ray_cpus, include_dashboard=False,
+        runtime_env={"env_vars": {"PYTHONPATH": python_path(REPO)}},
+    )  # fmt: skip
     port = free_port("127.0.0.1")
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
