@@ -222,8 +222,9 @@ def main() -> None:
                           rss_growth_mb=growth, after=dict(probe)), indent=1))  # fmt: skip
     write_result(
         args.out, "soak", rows, model=f"{cfg.model_name}, {cfg.mode}",
-        measured=dict(minutes=args.minutes, replicas_killed=len(killed), leaked=left,
-                      rss_growth_mb=growth, requests_after=dict(probe)),
+        notes=f"{args.minutes} minutes, {len(killed)} replicas killed; left after the drain: "
+        f"{left}; RSS growth of the replicas alive throughout (MB): {growth}; "
+        f"requests after the soak: {dict(probe)}",
     )  # fmt: skip
 
 
