@@ -19,6 +19,7 @@ import argparse
 import copy
 import json
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from cluster.config import AppConfig
 from cluster.schema_doc import schema_markdown
 
 IMPORT_PATH = "cluster.app:build_app"
+SHUTDOWN_TIMEOUT_S = 30.0  # Serve's part of Ctrl-C
 
 
 def pdserve_apps(config: dict[str, Any]) -> list[dict[str, Any]]:
@@ -128,7 +130,11 @@ def serve(config: dict[str, Any]) -> None:
     except KeyboardInterrupt:
         pass
     finally:
-        ray_serve.shutdown()
+        # Ctrl-C reaches Serve's controller too (one process group): its shutdown call can then
+        # wait for ever, so it gets a bound and Ray's own shutdown follows regardless.
+        stopping = threading.Thread(target=ray_serve.shutdown, daemon=True)
+        stopping.start()
+        stopping.join(SHUTDOWN_TIMEOUT_S)
         ray.shutdown()
 
 
