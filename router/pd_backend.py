@@ -155,7 +155,7 @@ class DisaggregatedBackend:
                 posted = await _within(read, f"reading the {role} pool's stats") or []
             out += [RoleStats(name, p.stats, p.live) for p in posted]
             if not posted:
-                response = handle.stats.remote()
+                response = own_call(handle.stats)
                 stats = await _within(response, f"asking a {role} replica for its stats")
                 if stats is None:
                     response.cancel()
