@@ -16,6 +16,7 @@ from workers.protocol import (
     KVHandle,
     RequestOutput,
     SamplingParams,
+    StructuredOutputs,
     TokenLogprob,
 )
 from workers.serve.stats_board import (
@@ -37,6 +38,7 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "StatsPoster",
+    "StructuredOutputs",
     "TokenLogprob",
     "read_pool",
     "read_role",

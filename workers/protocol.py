@@ -6,20 +6,59 @@ need into plain dataclasses (`workers/sequence.py`).
 
 from __future__ import annotations
 
+import json
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeInt,
+    field_validator,
+    model_validator,
+)
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 MAX_LOGPROBS = 20
 
 
+class StructuredOutputs(BaseModel):
+    """A constraint on a request's output, as vLLM's `structured_outputs` names it: exactly one of
+    the kinds. The grammar engine compiles it (cached per spec) and masks the logits each step."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+
+    json_schema: str | None = Field(
+        None, alias="json", description="a JSON schema, as JSON text (dicts are dumped)"
+    )
+    json_object: bool = Field(False, description="any JSON object")
+    regex: str | None = None
+    choice: tuple[str, ...] | None = Field(None, description="one of these strings")
+    grammar: str | None = Field(None, description="an EBNF (GBNF or Lark) grammar")
+    structural_tag: str | None = Field(
+        None, description="free text with tagged JSON sections (tool calls), as JSON text"
+    )
+
+    @field_validator("json_schema", "structural_tag", mode="before")
+    @classmethod
+    def _dump_dict(cls, v: object) -> object:
+        return json.dumps(v) if isinstance(v, dict) else v
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputs:
+        kinds = [k for k in ("json_schema", "regex", "choice", "grammar", "structural_tag")
+                 if getattr(self, k) is not None] + (["json_object"] if self.json_object else [])
+        if len(kinds) != 1:
+            raise ValueError(f"structured_outputs needs exactly one constraint, got {kinds or 0}")
+        return self
+
+
 class SamplingParams(BaseModel):
     """Per-request sampling and stopping rules, as vLLM names them."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
 
     max_tokens: int = Field(16, ge=1, description="new tokens at most")
     min_tokens: int = Field(
@@ -53,6 +92,10 @@ class SamplingParams(BaseModel):
     logit_bias: tuple[tuple[int, float], ...] = Field(
         (), description="(token id, bias in [-100, 100]) pairs added to the logits"
     )
+    allowed_token_ids: tuple[NonNegativeInt, ...] | None = Field(
+        None, description="only these tokens may be sampled"
+    )
+    structured_outputs: StructuredOutputs | None = None
 
     @field_validator("logit_bias", mode="before")
     @classmethod
