@@ -23,8 +23,9 @@ def app_process(
     command: list[str], cwd: Path, log: Path, base_url: str
 ) -> Iterator[subprocess.Popen]:
     """Run `command` (its output to `log`) in its own process group importing this checkout;
-    yield the process once `base_url/health` answers 200. On exit: SIGINT unless it has ended,
-    SIGKILL if it has not ended 30 s later, then `ray stop`."""
+    yield the process once `base_url/health` answers 200. On exit: SIGKILL unless it has ended
+    (a test that checks Ctrl-C sends it itself), then `ray stop`: the modules using this run
+    before the shared cluster starts (`own_ray`)."""
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
@@ -45,9 +46,6 @@ def app_process(
         yield proc
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
         subprocess.run(["ray", "stop", "--force"], capture_output=True, timeout=60)

@@ -16,14 +16,11 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from ray import serve
 from ray.experimental import internal_kv
 
-from cluster.app import build_app
-from tests.conftest import local_ray
+from tests.e2e.conftest import deployed
 from tests.waiting import wait_until
 from workers.disagg import faults
-from workers.parallel.rendezvous import free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -41,26 +38,17 @@ WAVES = [[f"Write a poem about {t}:" for t in TOPICS] + [f"{m} Tell me about {t}
 
 
 @pytest.fixture(scope="module")
-def base_url() -> Iterator[str]:
-    for _ in local_ray(num_cpus=2):
-        port = free_port("127.0.0.1")
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        pool = {"num_replicas": 2, "num_cpus_per_rank": 0.25}
-        app = build_app(
-            {
-                "engine": {"num_kv_pages": 96, "max_model_len": 256, "faults": FAULTS},
-                "prefill": pool,
-                "decode": pool,
-                "kv_transfer": {"lease_s": 10},
-                "router": {"num_cpus": 0, "failover_deadline_s": DEADLINE_S,
-                           "replica_timeout_s": 15},  # fmt: skip
-            }
-        )
-        try:
-            serve.run(app, name="chaos", route_prefix="/")
-            yield f"http://127.0.0.1:{port}"
-        finally:
-            serve.shutdown()
+def base_url(serve_url: str) -> Iterator[str]:
+    pool = {"num_replicas": 2, "num_cpus_per_rank": 0.25}
+    args = {
+        "engine": {"num_kv_pages": 96, "max_model_len": 256, "faults": FAULTS},
+        "prefill": pool,
+        "decode": pool,
+        "kv_transfer": {"lease_s": 10},
+        "router": {"num_cpus": 0, "failover_deadline_s": DEADLINE_S, "replica_timeout_s": 15},
+    }
+    with deployed(serve_url, "chaos", args) as base:
+        yield base
 
 
 async def stream(c: httpx.AsyncClient, prompt: str) -> tuple[int, str, float]:

@@ -14,7 +14,7 @@ import pytest
 from tests.e2e.app_process import REPO, app_process
 from workers.parallel.rendezvous import free_port
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.own_ray]
 
 
 def test_pdserve_serve_runs_a_config_with_overrides(tmp_path: Path) -> None:

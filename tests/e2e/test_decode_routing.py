@@ -9,12 +9,9 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from ray import serve
 
-from cluster.app import build_app
-from tests.conftest import local_ray
+from tests.e2e.conftest import deployed
 from tests.e2e.serve_metrics import settled_counters
-from workers.parallel.rendezvous import free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -24,26 +21,18 @@ COUNTERS = [("decode", "kv_pages_read"), ("decode", "kv_pages_reused")]
 
 
 @pytest.fixture(scope="module")
-def base_url(tiny_llama: str) -> Iterator[str]:
-    for _ in local_ray(num_cpus=2):
-        port = free_port("127.0.0.1")
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        rank = {"num_cpus_per_rank": 0.5}
-        router = {"num_cpus": 0, "decode_prefix_aware": True, "routing_stats_period_s": 0.5}
-        app = build_app(
-            {
-                "engine": {"model": tiny_llama, "num_kv_pages": 64, "page_size": PAGE},
-                "served_model_name": "tiny",
-                "prefill": rank,
-                "decode": {"num_replicas": 2, **rank},
-                "router": router,
-            }
-        )
-        try:
-            serve.run(app, name="decode-routing", route_prefix="/")
-            yield f"http://127.0.0.1:{port}"
-        finally:
-            serve.shutdown()
+def base_url(serve_url: str, tiny_llama: str) -> Iterator[str]:
+    rank = {"num_cpus_per_rank": 0.5}
+    router = {"num_cpus": 0, "decode_prefix_aware": True, "routing_stats_period_s": 0.5}
+    args = {
+        "engine": {"model": tiny_llama, "num_kv_pages": 64, "page_size": PAGE},
+        "served_model_name": "tiny",
+        "prefill": rank,
+        "decode": {"num_replicas": 2, **rank},
+        "router": router,
+    }
+    with deployed(serve_url, "decode-routing", args) as base:
+        yield base
 
 
 def complete(base_url: str, prompt: list[int]) -> None:

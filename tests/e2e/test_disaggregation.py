@@ -8,7 +8,6 @@ from collections.abc import Iterator
 import pytest
 import ray
 
-from tests.conftest import local_ray
 from tests.waiting import wait_until
 from workers import LLM
 from workers.protocol import GenerateRequest, RequestOutput, SamplingParams
@@ -55,25 +54,30 @@ class Decode(DecodeWorker):
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[None]:
-    yield from local_ray(num_cpus=4)
+def cluster(ray_cluster: None) -> Iterator[list]:
+    """The shared Ray cluster; the actors the module starts in it die when the module ends."""
+    actors: list = []
+    yield actors
+    for actor in actors:
+        ray.kill(actor)
 
 
-def start(cls, engine: dict = ENGINE, **transfer):  # noqa: ANN001, ANN201
+def start(cluster: list, cls, engine: dict = ENGINE, **transfer):  # noqa: ANN001, ANN201
     actor = ray.remote(num_cpus=1)(cls).remote(engine, {"lease_s": 30.0, **transfer})
     ray.get(actor.__ray_ready__.remote())
+    cluster.append(actor)
     return actor
 
 
 @pytest.fixture(scope="module")
 def prefill(cluster):
-    return start(Prefill)
+    return start(cluster, Prefill)
 
 
 @pytest.fixture(scope="module")
 def decode(cluster):
     # Overlap scheduling, as on GPUs: the decode loop launches step n+1 before reading step n.
-    return start(Decode, {**ENGINE, "overlap_scheduling": True})
+    return start(cluster, Decode, {**ENGINE, "overlap_scheduling": True})
 
 
 @pytest.fixture(scope="module")
@@ -179,7 +183,7 @@ def test_abort_on_decode_unpins_prefill_and_frees_decode_pages(llm, prefill, dec
 
 
 def test_unread_pages_are_unpinned_when_the_lease_expires(llm, cluster) -> None:
-    short = start(Prefill, lease_s=1.0)
+    short = start(cluster, Prefill, lease_s=1.0)
     first = ray.get(short.prefill.remote(request(llm, "unread", SYSTEM + "Hello?")))
     assert ray.get(short.stats.remote()).kv_pages_pinned > 0
     wait_until(
@@ -190,7 +194,7 @@ def test_unread_pages_are_unpinned_when_the_lease_expires(llm, cluster) -> None:
 
 
 def test_any_prefill_replica_can_release_another_ones_lease(llm, prefill, cluster) -> None:
-    other = start(Prefill)
+    other = start(cluster, Prefill)
     first = ray.get(prefill.prefill.remote(request(llm, "released", SYSTEM + "Bye?")))
     assert ray.get(prefill.stats.remote()).kv_pages_pinned > 0
     ray.get(other.release.remote(first.kv.agent_names[0], first.kv.lease_id))
@@ -202,7 +206,7 @@ def test_any_prefill_replica_can_release_another_ones_lease(llm, prefill, cluste
 
 
 def test_prefill_killed_before_the_read_recomputes_within_bound(llm, cluster, decode) -> None:
-    doomed = start(Prefill)
+    doomed = start(cluster, Prefill)
     req = request(llm, "orphan", "Question: what colour is the sky on a clear day?")
     [expected] = llm.generate([list(req.prompt_token_ids)], GREEDY)
     first = ray.get(doomed.prefill.remote(req))
@@ -216,8 +220,8 @@ def test_prefill_killed_before_the_read_recomputes_within_bound(llm, cluster, de
 
 
 def test_failure_policy_fail_ends_the_request_with_an_error(llm, cluster) -> None:
-    doomed = start(Prefill)
-    strict = start(Decode, failure_policy="fail")
+    doomed = start(cluster, Prefill)
+    strict = start(cluster, Decode, failure_policy="fail")
     req = request(llm, "strict", "Question: what is two plus two?")
     first = ray.get(doomed.prefill.remote(req))
     ray.kill(doomed)

@@ -10,12 +10,10 @@ not read, or put in the wrong place, would decode from garbage and change the to
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import pytest
 import ray
 
-from tests.conftest import local_ray
 from tests.waiting import wait_until
 from workers import LLM
 from workers.protocol import (
@@ -84,12 +82,7 @@ class Decode(DecodeWorker):
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[None]:
-    yield from local_ray(num_cpus=6)
-
-
-@pytest.fixture(scope="module")
-def pair(cluster, tiny_llama: str):  # noqa: ANN201
+def pair(ray_cluster, tiny_llama: str):  # noqa: ANN201
     # Both at once: each starts its rank-1 actor and joins its own gloo group.
     prefill = ray.remote(num_cpus=1)(Prefill)
     decode = ray.remote(num_cpus=1)(Decode)
@@ -103,7 +96,7 @@ def pair(cluster, tiny_llama: str):  # noqa: ANN201
 
 
 @pytest.fixture(scope="module")
-def singles(cluster, tiny_llama: str):  # noqa: ANN201
+def singles(ray_cluster, tiny_llama: str):  # noqa: ANN201
     """A TP=1 prefill and a TP=1 decode replica, to pair with the TP=2 ones."""
     engine = {"model": tiny_llama, "tensor_parallel_size": 1, **TINY}
     p = ray.remote(num_cpus=1)(Prefill).remote(engine, {"lease_s": 30.0})

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -120,17 +121,6 @@ class KVWorker:
         return vars(self.agent.stats())
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    if ray.is_initialized():  # another module's cluster: reuse it, leave it running
-        yield
-        return
-    path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
-    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
-    yield
-    ray.shutdown()
-
-
 def start(role: str, tag: str, **agent_kw: Any) -> Any:
     return ray.remote(num_cpus=0, max_concurrency=2)(KVWorker).remote(role, tag, **agent_kw)
 
@@ -146,7 +136,7 @@ class Workers:
 
 
 @pytest.fixture(scope="module")
-def workers(ray_local: None) -> Workers:
+def workers(ray_cluster: None) -> Iterator[Workers]:
     modes = ["prepped", "merged"]
     decode = {m: start("decode", f"r{i}", xfer_mode=m) for i, m in enumerate(modes)}
     prefill = start("prefill", "r0")
@@ -155,7 +145,9 @@ def workers(ray_local: None) -> Workers:
     names = ray.get([a.name.remote() for a in actors])  # they all start in parallel
     prefill.serve.remote()  # runs until the actor dies
     decode_names = dict(zip(modes, names[2:], strict=True))
-    return Workers(prefill, decode, doomed, names[0], decode_names, names[1])
+    yield Workers(prefill, decode, doomed, names[0], decode_names, names[1])
+    for actor in actors:
+        ray.kill(actor)
 
 
 @pytest.mark.parametrize("mode", ["prepped", "merged"])

@@ -3,10 +3,8 @@ their own name, called through a DeploymentHandle the way the ingress calls the 
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,7 +15,6 @@ from workers.protocol import GenerateRequest
 
 pytestmark = pytest.mark.e2e
 
-REPO = str(Path(__file__).resolve().parents[2])
 PS = 16
 
 
@@ -32,9 +29,7 @@ class NameReplica:
 
 
 @pytest.fixture(scope="module")
-def pool() -> Iterator[Any]:
-    path = os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])
-    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
+def pool(serve_url: str) -> Iterator[Any]:
     app = serve.deployment(
         NameReplica,
         name="prefill",
@@ -49,8 +44,7 @@ def pool() -> Iterator[Any]:
     try:
         yield serve.run(app, name="prefix-routing", route_prefix=None)
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        serve.delete("prefix-routing")
 
 
 def prompt(tenant: int, i: int) -> GenerateRequest:

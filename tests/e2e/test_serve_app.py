@@ -20,7 +20,7 @@ from tests.e2e.app_process import REPO, app_process
 from tests.waiting import wait_settled, wait_until
 from workers.parallel.rendezvous import free_port
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.own_ray]
 
 KEY = "test-key"
 MODEL = "smollm2-135m-instruct"

@@ -1,5 +1,5 @@
-"""Reliability through real Ray Serve, SmolLM2 on CPU with the configs/local.yaml settings, one
-application per mode in one Serve instance:
+"""Reliability through real Ray Serve, SmolLM2 on CPU: the shared configs/local.yaml application
+of each mode (`tests/e2e/conftest.py`), and applications of their own for the admission bounds:
 - fan-out: `n` > 1 and prompt lists, streaming and not, in both modes. Each choice is its own
   engine request; the choices of one HTTP request go through the same Serve handles at the same
   moment, with the same prompt (n) or not (lists);
@@ -23,53 +23,25 @@ from typing import Any
 
 import httpx
 import pytest
-import yaml
+import ray
 from prometheus_client.parser import text_string_to_metric_families
 
-ray = pytest.importorskip("ray")
-pytest.importorskip("nixl")
-
-from ray import serve  # noqa: E402
-
-from cluster.app import build_app  # noqa: E402
-from tests.conftest import local_ray  # noqa: E402
-from tests.e2e.app_process import REPO  # noqa: E402
-from tests.waiting import wait_until  # noqa: E402
-from workers.parallel.rendezvous import free_port  # noqa: E402
-from workers.serve.stats_board import STALE_AFTER_S  # noqa: E402
+from tests.e2e.conftest import MODES, deployed, local_args
+from tests.waiting import wait_until
+from workers.serve.stats_board import STALE_AFTER_S
 
 pytestmark = pytest.mark.e2e
 
 MODEL = "smollm2-135m-instruct"
-MODES = ("disaggregated", "colocated")
 TIMEOUT_S = 60  # a hang shows as a timeout, not as a test that never ends
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 MAX_QUEUED = 4
 
 
-def local_args(mode: str) -> dict[str, Any]:
-    config = yaml.safe_load((REPO / "configs" / "local.yaml").read_text())
-    args = config["applications"][0]["args"]
-    args["mode"] = mode
-    args["engine"]["max_model_len"] = 512
-    args["router"]["max_queued_requests"] = MAX_QUEUED
-    for pool in ("prefill", "decode"):
-        args[pool]["num_cpus_per_rank"] = 0.5
-    return args
-
-
 @pytest.fixture(scope="module")
-def apps() -> Iterator[dict[str, str]]:
-    """Base URL of each mode's application."""
-    for _ in local_ray(num_cpus=2):
-        port = free_port("127.0.0.1")
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        try:
-            for mode in MODES:
-                serve.run(build_app(local_args(mode)), name=mode, route_prefix=f"/{mode}")
-            yield {mode: f"http://127.0.0.1:{port}/{mode}" for mode in MODES}
-        finally:
-            serve.shutdown()
+def apps(local_apps: dict[str, str]) -> dict[str, str]:
+    """Base URL of each mode's configs/local.yaml application."""
+    return local_apps
 
 
 def post(base: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -205,11 +177,21 @@ PREFILL_S = 1.5
 PROBE_TTFT_BOUND_S = (MAX_QUEUED + 1) * PREFILL_S
 
 
-def test_10x_the_queue_bound_gets_429s_and_accepted_requests_keep_a_bounded_ttft(apps) -> None:
+@pytest.fixture
+def queue_bounded(serve_url: str) -> Iterator[str]:
+    """A disaggregated application whose router admits `MAX_QUEUED` requests at a time."""
+    args = local_args("disaggregated", max_queued_requests=MAX_QUEUED)
+    with deployed(serve_url, "queue-bounded", args) as base:
+        yield base
+
+
+def test_10x_the_queue_bound_gets_429s_and_accepted_requests_keep_a_bounded_ttft(
+    queue_bounded: str,
+) -> None:
     """10x `max_queued_requests` clients at once, each retrying after the Retry-After it is
     given until it is served, which holds the overload; meanwhile a probe asks (every 50 ms, so
     it gets in while the overload lasts) and its time to first token is measured."""
-    base = apps["disaggregated"]
+    base = queue_bounded
     body = {"model": MODEL, "prompt": "Count to ten:", "max_tokens": 4, "temperature": 0}
     probe = {"model": MODEL, "prompt": "Hi", "max_tokens": 1, "temperature": 0, "stream": True}
     refusals: list[tuple[dict[str, str], dict[str, Any]]] = []
@@ -273,15 +255,20 @@ def test_10x_the_queue_bound_gets_429s_and_accepted_requests_keep_a_bounded_ttft
     assert f"{rejected} {float(len(refusals) + probe_refusals)}" in metrics
 
 
-def test_a_full_pool_is_429_with_retry_after_and_counted(apps) -> None:
-    """A colocated app whose one decode replica takes 1 call and whose router queues 1 more for
-    it: a burst beyond that is refused by the pool (the router's own bound is far), cleanly."""
-    args = local_args("colocated")
-    args["router"]["max_queued_requests"] = 64
+@pytest.fixture
+def tight(serve_url: str) -> Iterator[str]:
+    """A colocated application whose one decode replica takes 1 call and whose router queues 1
+    more for it; the router's own bound is far."""
+    args = local_args("colocated", max_queued_requests=64)
     args["engine"]["kv_cache_memory_gb"] = 0.25
     args["decode"].update(max_ongoing_requests=1, max_queued_requests=1)
-    serve.run(build_app(args), name="tight", route_prefix="/tight")
-    base = apps["disaggregated"].replace("/disaggregated", "/tight")
+    with deployed(serve_url, "tight", args) as base:
+        yield base
+
+
+def test_a_full_pool_is_429_with_retry_after_and_counted(tight: str) -> None:
+    """A burst beyond the pool's bound is refused by the pool, cleanly."""
+    base = tight
     body = {"model": MODEL, "prompt": "Count to ten:", "max_tokens": 16, "temperature": 0}
 
     async def burst() -> list[httpx.Response]:
@@ -290,25 +277,22 @@ def test_a_full_pool_is_429_with_retry_after_and_counted(apps) -> None:
                 *(c.post(f"{base}/v1/completions", json=body) for _ in range(8))
             )
 
-    try:
-        replies = asyncio.run(burst())
-        codes = [r.status_code for r in replies]
-        assert set(codes) <= {200, 429} and 200 in codes and 429 in codes, codes
-        for r in replies:
-            if r.status_code == 429:
-                error = r.json()["error"]
-                assert r.headers["retry-after"] == "1" and error["type"] == "RateLimitError"
-                assert "queued" in error["message"] and "BackPressure" not in error["message"]
-            else:
-                assert r.json()["choices"][0]["finish_reason"] in ("stop", "length"), r.text
-        metrics = httpx.get(f"{base}/metrics", timeout=TIMEOUT_S).text
-        rejected = 'pdserve:request_rejected_total{model_name="%s",reason="%s"}'
-        assert f"{rejected % (MODEL, 'pool_full')} {float(codes.count(429))}" in metrics
-        assert f"{rejected % (MODEL, 'queue_full')} 0.0" in metrics
-        # The refused calls left nothing behind: the pool serves again.
-        assert httpx.post(f"{base}/v1/completions", json=body, timeout=TIMEOUT_S).is_success
-    finally:
-        serve.delete("tight")
+    replies = asyncio.run(burst())
+    codes = [r.status_code for r in replies]
+    assert set(codes) <= {200, 429} and 200 in codes and 429 in codes, codes
+    for r in replies:
+        if r.status_code == 429:
+            error = r.json()["error"]
+            assert r.headers["retry-after"] == "1" and error["type"] == "RateLimitError"
+            assert "queued" in error["message"] and "BackPressure" not in error["message"]
+        else:
+            assert r.json()["choices"][0]["finish_reason"] in ("stop", "length"), r.text
+    metrics = httpx.get(f"{base}/metrics", timeout=TIMEOUT_S).text
+    rejected = 'pdserve:request_rejected_total{model_name="%s",reason="%s"}'
+    assert f"{rejected % (MODEL, 'pool_full')} {float(codes.count(429))}" in metrics
+    assert f"{rejected % (MODEL, 'queue_full')} 0.0" in metrics
+    # The refused calls left nothing behind: the pool serves again.
+    assert httpx.post(f"{base}/v1/completions", json=body, timeout=TIMEOUT_S).is_success
 
 
 def colocated_sample(base: str) -> dict[str, float]:

@@ -7,7 +7,6 @@ import contextlib
 import time
 
 import pytest
-import ray
 
 from router.metrics import Metrics, RequestStats
 from router.metrics_board import MetricsBoard
@@ -32,14 +31,7 @@ def stats(running: int) -> EngineStats:
     )
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    ray.init(num_cpus=1, include_dashboard=False)
-    yield
-    ray.shutdown()
-
-
-def test_every_replica_of_a_role_is_read_and_stale_ones_are_not_live(local_ray) -> None:
+def test_every_replica_of_a_role_is_read_and_stale_ones_are_not_live(ray_cluster) -> None:
     a = stats_board.StatsPoster("app", "decode", "r1")
     b = stats_board.StatsPoster("app", "decode", "r2")
     other = stats_board.StatsPoster("app", "prefill", "r3")
@@ -56,7 +48,7 @@ def test_every_replica_of_a_role_is_read_and_stale_ones_are_not_live(local_ray) 
         poster.close()
 
 
-def test_router_replicas_render_each_others_request_metrics(local_ray) -> None:
+def test_router_replicas_render_each_others_request_metrics(ray_cluster) -> None:
     a, b = Metrics("m"), Metrics("m")
     a.success.labels("m", "stop").inc()
     a.ttft.labels("m").observe(0.2)

@@ -6,51 +6,35 @@ single-process engine's. Prompts of at most 4 tokens skip the prefill pool
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
-import ray
-from ray import serve
 
-from cluster.app import build_app
+from tests.e2e.conftest import deployed
 from tests.e2e.serve_metrics import pool_counter, settled_counters
 from tests.waiting import wait_until
 from workers import LLM, SamplingParams
-from workers.parallel.rendezvous import free_port
 
 pytestmark = pytest.mark.e2e
 
-REPO = str(Path(__file__).resolve().parents[2])
 ENGINE = {"num_kv_pages": 64, "page_size": 4}
 PROMPT = [1, 450, 7483, 310, 3444, 338, 3681, 29892, 1]
 COUNTERS = [("decode", "prompt_tokens"), ("prefill", "prompt_tokens"), ("decode", "kv_pages_read")]
 
 
 @pytest.fixture(scope="module")
-def base_url(tiny_llama: str) -> Iterator[str]:
-    path = os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])
-    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
-    port = free_port("127.0.0.1")
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+def base_url(serve_url: str, tiny_llama: str) -> Iterator[str]:
     rank = {"num_cpus_per_rank": 0.5}
-    app = build_app(
-        {
-            "engine": {"model": tiny_llama, **ENGINE},
-            "served_model_name": "tiny",
-            "prefill": {"tensor_parallel_size": 1, **rank},
-            "decode": {"tensor_parallel_size": 2, **rank},
-            "router": {"num_cpus": 0.5, "decode_prefill_max_tokens": 4},
-        }
-    )
-    try:
-        serve.run(app, name="tp-pools", route_prefix="/")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    args = {
+        "engine": {"model": tiny_llama, **ENGINE},
+        "served_model_name": "tiny",
+        "prefill": {"tensor_parallel_size": 1, **rank},
+        "decode": {"tensor_parallel_size": 2, **rank},
+        "router": {"num_cpus": 0.5, "decode_prefill_max_tokens": 4},
+    }
+    with deployed(serve_url, "tp-pools", args) as base:
+        yield base
 
 
 def test_a_tp1_prefill_pool_hands_off_to_a_tp2_decode_pool(base_url: str, tiny_llama: str) -> None:

@@ -8,13 +8,13 @@ equality is up to rounding noise, which these greedy prompts do not reach.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import ray
 import torch.distributed as dist
 
-from tests.conftest import local_ray
+from tests.conftest import RAY_CPUS, make_random_checkpoint
 from tests.waiting import wait_until
 from workers import LLM, SamplingParams
 from workers.engine.tp_runner import TPDriverRunner
@@ -39,18 +39,13 @@ TINY = dict(num_kv_pages=64, page_size=4, max_num_batched_tokens=16)  # chunked 
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[None]:
-    yield from local_ray(num_cpus=2)
-
-
-@pytest.fixture(scope="module")
 def single_rank(tiny_llama: str) -> list:
     return LLM(tiny_llama, **TINY).generate(PROMPTS, PARAMS)
 
 
 @pytest.mark.parametrize("overlap", [False, True])
 def test_two_ranks_give_the_single_rank_tokens(
-    cluster, tiny_llama: str, single_rank: list, overlap: bool
+    ray_cluster, tiny_llama: str, single_rank: list, overlap: bool
 ) -> None:
     with LLM(tiny_llama, tensor_parallel_size=2, overlap_scheduling=overlap, **TINY) as llm:
         assert llm.engine.overlap is overlap
@@ -67,7 +62,7 @@ def test_two_ranks_give_the_single_rank_tokens(
     )
 
 
-def test_three_ranks_of_smollm2_give_the_single_rank_tokens(cluster) -> None:
+def test_three_ranks_of_smollm2_give_the_single_rank_tokens(ray_cluster) -> None:
     """SmolLM2 has 9 query heads and 3 KV heads: one KV head per rank."""
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     want = LLM(num_kv_pages=32).generate(PROMPTS[:2], params)
@@ -77,7 +72,7 @@ def test_three_ranks_of_smollm2_give_the_single_rank_tokens(cluster) -> None:
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
 
 
-def test_abort_under_tensor_parallel_frees_pages(cluster, tiny_llama: str) -> None:
+def test_abort_under_tensor_parallel_frees_pages(ray_cluster, tiny_llama: str) -> None:
     with LLM(tiny_llama, tensor_parallel_size=2, overlap_scheduling=True, **TINY) as llm:
         engine = llm.engine
         ids = llm.tokenizer.encode(PROMPTS[2])
@@ -96,7 +91,7 @@ def test_abort_under_tensor_parallel_frees_pages(cluster, tiny_llama: str) -> No
         assert engine.stats().kv_pages_used == 0
 
 
-def test_close_stops_the_rank_actors(cluster, tiny_llama: str) -> None:
+def test_close_stops_the_rank_actors(ray_cluster, tiny_llama: str) -> None:
     llm = LLM(tiny_llama, tensor_parallel_size=2, **TINY)
     actors = list(llm.engine.runner._ranks.actors)
     llm.close()
@@ -114,7 +109,7 @@ def rank_died(runner: TPDriverRunner) -> bool:
     return False
 
 
-def test_a_dead_rank_fails_steps_with_a_clear_error(cluster, tiny_llama: str) -> None:
+def test_a_dead_rank_fails_steps_with_a_clear_error(ray_cluster, tiny_llama: str) -> None:
     with LLM(tiny_llama, tensor_parallel_size=2, **TINY) as llm:
         runner = llm.engine.runner
         runner.check_alive()
@@ -153,9 +148,17 @@ def test_a_row_parallel_linear_defers_its_all_reduce_only_without_bias() -> None
         biased(x, reduce=False)
 
 
-def test_more_ranks_than_the_cluster_holds_are_refused(cluster, tiny_llama: str) -> None:
-    with pytest.raises(ValueError, match="tensor_parallel_size=4 needs"):
-        LLM(tiny_llama, tensor_parallel_size=4, **TINY)
+def test_more_ranks_than_the_cluster_holds_are_refused(
+    ray_cluster, tmp_path: Path, smollm2_dir: Path
+) -> None:
+    ranks = 32  # heads and features divide by it: only the cluster's CPUs are short
+    assert ranks - 1 > RAY_CPUS
+    wide = make_random_checkpoint(
+        tmp_path, smollm2_dir, "LlamaForCausalLM", num_attention_heads=ranks,
+        num_key_value_heads=ranks,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=f"tensor_parallel_size={ranks} needs"):
+        LLM(str(wide), tensor_parallel_size=ranks, **TINY)
     assert not dist.is_initialized()
 
 

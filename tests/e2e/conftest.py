@@ -1,0 +1,95 @@
+"""Serve for the end-to-end modules: one Serve instance on the shared Ray cluster, applications
+deployed side by side under their own route prefixes, and the configs/local.yaml applications
+(both modes) that several modules query, deployed once.
+
+An application costs ~30 s to start on 2 cores (every replica imports torch and transformers
+and builds its engine); a module deploys its own only for a configuration of its own and
+deletes it when it ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+from ray import serve
+
+from cluster.app import build_app
+from tests.e2e.app_process import REPO
+from tests.waiting import wait_until
+from workers.parallel.rendezvous import free_port
+
+MODES = ("disaggregated", "colocated")
+HEALTHY_DEADLINE_S = 120  # a replica killed by an earlier module is replaced within this
+
+
+def local_args(mode: str, **router: Any) -> dict[str, Any]:
+    """configs/local.yaml's application arguments in `mode`, with a shorter context and half a
+    CPU per rank so that several applications fit; `router` fields override its router's."""
+    config = yaml.safe_load((REPO / "configs" / "local.yaml").read_text())
+    args = config["applications"][0]["args"]
+    args["mode"] = mode
+    args["engine"]["max_model_len"] = 512
+    args["router"].update(router)
+    for pool in ("prefill", "decode"):
+        args[pool]["num_cpus_per_rank"] = 0.5
+    return args
+
+
+@pytest.fixture(scope="session")
+def serve_url(ray_cluster: None) -> Iterator[str]:
+    """The base URL of the one Serve instance (its HTTP proxy on a free port)."""
+    port = free_port("127.0.0.1")
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+
+
+@contextmanager
+def deployed(serve_url: str, name: str, args: dict[str, Any]) -> Iterator[str]:
+    """Application `name` built from `args`, at `serve_url/name` until the block ends."""
+    serve.run(build_app(args), name=name, route_prefix=f"/{name}")
+    try:
+        yield f"{serve_url}/{name}"
+    finally:
+        serve.delete(name)
+
+
+@contextmanager
+def deployed_handle(name: str, args: dict[str, Any]) -> Iterator[Any]:
+    """Application `name` without a route: its ingress's handle, until the block ends."""
+    handle = serve.run(build_app(args), name=name, route_prefix=None)
+    try:
+        yield handle
+    finally:
+        serve.delete(name)
+
+
+def wait_healthy(base: str) -> None:
+    def healthy() -> bool:
+        try:
+            return httpx.get(f"{base}/health", timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_until(healthy, HEALTHY_DEADLINE_S, interval_s=0.5, what=f"{base}/health to answer 200")
+
+
+@pytest.fixture(scope="session")
+def _local_apps(serve_url: str) -> Iterator[dict[str, str]]:
+    for mode in MODES:
+        serve.run(build_app(local_args(mode)), name=mode, route_prefix=f"/{mode}")
+    yield {mode: f"{serve_url}/{mode}" for mode in MODES}
+
+
+@pytest.fixture(scope="module")
+def local_apps(_local_apps: dict[str, str]) -> dict[str, str]:
+    """Base URL of each mode's configs/local.yaml application, shared by the modules: healthy
+    when a module starts (an earlier one may have killed a replica), counters cumulative."""
+    for base in _local_apps.values():
+        wait_healthy(base)
+    return _local_apps
