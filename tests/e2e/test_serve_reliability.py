@@ -9,6 +9,9 @@ application per mode in one Serve instance:
   configuration; a pool at its own bound of queued calls is a clean 429 too.
 - metrics after a fault: a killed replica's gauges leave /metrics within the stats board's
   bound, and no counter goes down while Serve replaces it.
+- structured outputs and tool calls, in both modes: the openai client's `parse` gets an object
+  for each of 20 pydantic schemas (all at once); tool_choice required and named give calls that
+  parse, streamed as not; `auto` and a follow-up turn with the tool's result.
 """
 
 from __future__ import annotations
@@ -24,7 +27,9 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from openai import AsyncOpenAI
 from prometheus_client.parser import text_string_to_metric_families
+from pydantic import BaseModel
 
 ray = pytest.importorskip("ray")
 pytest.importorskip("nixl")
@@ -34,6 +39,7 @@ from ray import serve  # noqa: E402
 from cluster.app import build_app  # noqa: E402
 from tests.conftest import local_ray  # noqa: E402
 from tests.e2e.app_process import REPO  # noqa: E402
+from tests.e2e.pydantic_schemas import SCHEMAS  # noqa: E402
 from tests.waiting import wait_until  # noqa: E402
 from workers.parallel.rendezvous import free_port  # noqa: E402
 from workers.serve.stats_board import STALE_AFTER_S  # noqa: E402
@@ -370,3 +376,84 @@ def test_a_killed_replicas_gauges_go_within_the_bound_and_totals_never_drop(apps
         assert values == sorted(values), (key, values)  # never lower
     assert gone_after_s <= STALE_AFTER_S + 2, gone_after_s
     assert max(scrape_s) < 8, scrape_s  # bounded waits: the board's and the pool's, 2 s each
+
+
+# ---- structured outputs and tool calling ------------------------------------------------------
+def openai_client(base: str) -> AsyncOpenAI:
+    # A request beyond the router's queue bound gets 429 + Retry-After: the client waits, retries.
+    return AsyncOpenAI(base_url=f"{base}/v1", api_key="EMPTY", max_retries=30, timeout=TIMEOUT_S)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_parse_gives_an_object_for_each_of_20_pydantic_schemas(apps, mode) -> None:
+    async def one(c: AsyncOpenAI, model: type[BaseModel], prompt: str) -> object:
+        r = await c.chat.completions.parse(
+            model=MODEL, messages=[{"role": "user", "content": prompt}], response_format=model,
+            temperature=0, max_tokens=200)
+        return r.choices[0].message.parsed
+
+    async def run_all() -> list[object]:
+        c = openai_client(apps[mode])
+        return await asyncio.gather(*(one(c, m, p) for m, p in SCHEMAS), return_exceptions=True)
+
+    results = asyncio.run(run_all())
+    wrong = [(m.__name__, r) for (m, _), r in zip(SCHEMAS, results, strict=True)
+             if not isinstance(r, m)]
+    assert not wrong, wrong
+
+
+WEATHER_TOOLS = [
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "The weather in a city",
+        "parameters": {"type": "object", "required": ["city"], "properties": {
+            "city": {"type": "string", "maxLength": 24},
+            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}}}},
+    {"type": "function", "function": {
+        "name": "get_time", "description": "The local time in a city",
+        "parameters": {"type": "object", "required": ["city"],
+                       "properties": {"city": {"type": "string", "maxLength": 24}}}}},
+]
+ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
+TOOL_BODY = {"model": MODEL, "messages": ASK_WEATHER, "tools": WEATHER_TOOLS, "temperature": 0,
+             "max_tokens": 80}
+
+
+async def answer_both_ways(c: AsyncOpenAI, body: dict[str, Any]) -> tuple[Any, Any]:
+    """The non-streamed choice, and the streamed one as (content, [(name, arguments)], finish)."""
+    whole = await c.chat.completions.create(**body)
+    content, names, args, finish = "", {}, {}, None
+    async for chunk in await c.chat.completions.create(**body, stream=True):
+        if not chunk.choices:
+            continue
+        delta, finish = chunk.choices[0].delta, chunk.choices[0].finish_reason or finish
+        content += delta.content or ""
+        for d in delta.tool_calls or []:
+            if d.id:
+                names[d.index] = d.function.name
+            args[d.index] = args.get(d.index, "") + (d.function.arguments or "")
+    calls = [(names[i], args[i]) for i in sorted(names)]
+    return whole.choices[0], (content, calls, finish)
+
+
+def calls_of(choice: Any) -> list[tuple[str, str]]:
+    return [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_required_and_named_tool_choice_give_parsable_calls_streamed_or_not(apps, mode) -> None:
+    named = {"type": "function", "function": {"name": "get_time"}}
+
+    async def run_all() -> list[tuple[Any, Any]]:
+        c = openai_client(apps[mode])
+        return await asyncio.gather(*(answer_both_ways(c, {**TOOL_BODY, "tool_choice": choice})
+                                      for choice in ("required", named)))
+
+    (required, required_stream), (by_name, by_name_stream) = asyncio.run(run_all())
+    for choice, streamed in ((required, required_stream), (by_name, by_name_stream)):
+        calls = calls_of(choice)
+        assert calls and choice.finish_reason == "tool_calls", choice
+        assert all(name in ("get_weather", "get_time") and isinstance(json.loads(args), dict)
+                   for name, args in calls)
+        assert all(c.id and c.type == "function" for c in choice.message.tool_calls)
+        assert streamed == ((choice.message.content or ""), calls, "tool_calls")
+    assert [name for name, _ in calls_of(by_name)] == ["get_time"]
