@@ -20,6 +20,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from ray.serve.exceptions import BackPressureError
 
@@ -34,7 +35,6 @@ from router.protocol import (
     SamplingFields,
     Usage,
 )
-from router.structured import constraint_params
 from router.tokenizer import Prompts, RawPrompt
 from router.tools.choice import ToolPlan
 from workers.api import GenerateRequest, RequestOutput, TokenLogprob
@@ -117,14 +117,16 @@ class Job:
 
 def build_job(req: SamplingFields, prompt_ids: list[list[int]], prompts: Prompts, model: str,
               metrics: Metrics, defaults: Mapping[str, float] | None = None,
-              tools: ToolPlan | None = None) -> Job:
+              tools: ToolPlan | None = None,
+              constraints: Mapping[str, Any] | None = None) -> Job:
+    """`constraints`: the SamplingParams fields of the request's constraints
+    (`router.structured.constraint_params`); `tools`: its tool plan, for its answers."""
     chat = isinstance(req, ChatCompletionRequest)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     requested = req.max_tokens
     if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
         requested = req.max_completion_tokens
     requests, choices = [], []
-    constraints = constraint_params(req, prompts.vocab_size, tools)
     for p, ids in enumerate(prompt_ids):
         max_tokens = prompts.resolve_max_tokens(len(ids), requested, chat)
         for i in range(req.n):

@@ -56,6 +56,7 @@ from router.protocol import (
 )
 from router.responses import chat_response, completion_response
 from router.streaming import HEADERS, MEDIA_TYPE, stream_events
+from router.structured import constraint_params
 from router.tokenizer import Prompts
 from router.tools.choice import ToolPlan, plan_tools
 from router.tools.parsers import default_parser
@@ -151,8 +152,10 @@ def build_openai_app(
         req: SamplingFields, prompt_ids: list[list[int]], slot: Slot, outcome: RequestOutcome,
         tools: ToolPlan | None = None,
     ) -> Response:
+        # In a thread: checking a constraint may compile a grammar.
+        constraints = await asyncio.to_thread(constraint_params, req, prompts, tools)
         job = build_job(req, prompt_ids, prompts, served_model_name, metrics, sampling_defaults,
-                        tools)
+                        tools, constraints)
         job.outcome = outcome
         merged = merge_streams([backend.generate(r) for r in job.requests], job.leaders())
         try:

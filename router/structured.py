@@ -17,25 +17,26 @@ from pydantic import ValidationError
 
 from router.errors import BadRequestError
 from router.structured_fields import StructuredFields
+from router.tokenizer import Prompts
 from router.tools.choice import ToolPlan
 from workers.api import StructuredOutputs
 
 
-def constraint_params(req: StructuredFields, vocab_size: int,
+def constraint_params(req: StructuredFields, prompts: Prompts,
                       plan: ToolPlan | None = None) -> dict[str, Any]:
     """The SamplingParams fields for the request's constraints (empty when it has none)."""
     out: dict[str, Any] = {}
-    spec = structured_outputs(req, plan)
+    spec = structured_outputs(req, prompts, plan)
     if spec is not None:
         out["structured_outputs"] = spec
     if req.allowed_token_ids is not None:
-        out["allowed_token_ids"] = _allowed(req.allowed_token_ids, vocab_size)
+        out["allowed_token_ids"] = _allowed(req.allowed_token_ids, prompts.vocab_size)
     if plan is not None and plan.choice == "auto":
         out["skip_special_tokens"] = False  # the call markers are special tokens in some families
     return out
 
 
-def structured_outputs(req: StructuredFields, plan: ToolPlan | None = None
+def structured_outputs(req: StructuredFields, prompts: Prompts, plan: ToolPlan | None = None
                        ) -> StructuredOutputs | None:
     asked = _asked(req)
     if plan is not None and plan.schema is not None:
@@ -53,7 +54,7 @@ def structured_outputs(req: StructuredFields, plan: ToolPlan | None = None
         where = ".".join(str(p) for p in err.get("loc", ()))
         raise BadRequestError(f"{param}: {where + ': ' if where else ''}{err.get('msg')}",
                               param=param) from e
-    check_structured_outputs(spec, param)
+    check_structured_outputs(spec, param, prompts)
     return spec
 
 
@@ -78,10 +79,11 @@ def _asked(req: StructuredFields) -> dict[str, dict[str, Any]]:
     return asked
 
 
-def check_structured_outputs(spec: StructuredOutputs, param: str) -> None:
+def check_structured_outputs(spec: StructuredOutputs, param: str, prompts: Prompts) -> None:
     """400 for a constraint that cannot be compiled: a JSON schema that is not JSON, not an
     object or not a valid schema; a regex that does not compile; an empty choice or grammar.
-    The grammar engine's own check of the spec (its compiler's verdict) belongs here too."""
+    The grammar engine's own check of the spec with `prompts.tokenizer` (its compiler's
+    verdict, a ValueError) belongs here too."""
     try:
         if spec.json_schema is not None:
             schema = json.loads(spec.json_schema)

@@ -62,11 +62,13 @@ class Prompts:
                                   "exclusive: set add_generation_prompt to false",
                                   param="continue_final_message")
         conversation = [_template_message(m, i) for i, m in enumerate(messages)]
+        kwargs = dict(template_kwargs or {})
+        if tools is not None:  # the request's `tools` over a `tools` in chat_template_kwargs
+            kwargs["tools"] = tools
         try:
             out = self.tokenizer.apply_chat_template(
                 conversation, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, tokenize=True, tools=tools,
-                **(template_kwargs or {}),
+                continue_final_message=continue_final_message, tokenize=True, **kwargs,
             )
         except Exception as e:  # noqa: BLE001 - jinja raises many kinds; all are the caller's
             raise BadRequestError(f"the chat template failed: {e}", param="messages") from e
