@@ -22,6 +22,7 @@ from router.metrics_board import MetricsBoard
 from router.openai_api import build_openai_app
 from router.params import generation_defaults
 from router.pd_backend import DisaggregatedBackend
+from router.tools.parsers import default_parser
 from workers.model.loader import load_model_config, load_tokenizer, resolve_model
 from workers.serve.decode import DecodeWorker
 from workers.serve.prefill import PrefillWorker
@@ -48,9 +49,12 @@ class OpenAIIngress:
         self.health = PoolWatch(app_name, pools, self.config.router.health_period_s)
         model_dir = resolve_model(self.config.engine.model, self.config.engine.load_format)
         self.tokenizer = load_tokenizer(model_dir)
-        self.max_model_len = load_model_config(model_dir).context_limit(
-            self.config.engine.max_model_len
-        )
+        model_config = load_model_config(model_dir)
+        self.max_model_len = model_config.context_limit(self.config.engine.max_model_len)
+        self.tool_parser: str = r.tool_call_parser
+        if self.tool_parser == "auto":
+            self.tool_parser = default_parser(self.tokenizer.chat_template,
+                                              model_config.architecture)
         self.sampling_defaults = generation_defaults(model_dir)
         if self.sampling_defaults:
             logger.info("sampling defaults from generation_config.json: %s", self.sampling_defaults)
@@ -70,6 +74,7 @@ class OpenAIIngress:
                 retry_after_s=self.config.router.retry_after_s,
             ),
             health=self.health,
+            tool_parser=self.tool_parser,
         )
 
 

@@ -157,6 +157,13 @@ class RouterConfig(Strict):
         description="a request whose replica failed gets a 503 unless another serves it within "
         "this many seconds of the failure",
     )
+    tool_call_parser: Literal["auto", "hermes", "llama3_json", "mistral"] = Field(
+        "auto",
+        description="how tool calls are found in answers with tool_choice auto: hermes "
+        "(`<tool_call>` JSON: Qwen, Hermes), llama3_json (Llama 3.1+), mistral "
+        "(`[TOOL_CALLS]`); auto: the format the model's chat template writes, else by "
+        "architecture, else hermes",
+    )
     replica_timeout_s: float = Field(
         60.0,
         gt=0,

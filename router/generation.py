@@ -20,6 +20,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from ray.serve.exceptions import BackPressureError
 
@@ -35,6 +36,7 @@ from router.protocol import (
     Usage,
 )
 from router.tokenizer import Prompts, RawPrompt
+from router.tools.choice import ToolPlan
 from workers.api import GenerateRequest, RequestOutput, TokenLogprob
 
 
@@ -68,6 +70,7 @@ class Job:
     continuous_usage: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     outcome: RequestOutcome | None = None  # counts the HTTP request's failure, once
+    tools: ToolPlan | None = None  # chat with tools: how answers become tool calls
 
     def add(self, index: int, out: RequestOutput) -> ChoiceState:
         """Fold one engine chunk into its choice."""
@@ -113,7 +116,11 @@ class Job:
 
 
 def build_job(req: SamplingFields, prompt_ids: list[list[int]], prompts: Prompts, model: str,
-              metrics: Metrics, defaults: Mapping[str, float] | None = None) -> Job:
+              metrics: Metrics, defaults: Mapping[str, float] | None = None,
+              tools: ToolPlan | None = None,
+              constraints: Mapping[str, Any] | None = None) -> Job:
+    """`constraints`: the SamplingParams fields of the request's constraints
+    (`router.structured.constraint_params`); `tools`: its tool plan, for its answers."""
     chat = isinstance(req, ChatCompletionRequest)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     requested = req.max_tokens
@@ -124,7 +131,8 @@ def build_job(req: SamplingFields, prompt_ids: list[list[int]], prompts: Prompts
         max_tokens = prompts.resolve_max_tokens(len(ids), requested, chat)
         for i in range(req.n):
             index = p * req.n + i
-            params = sampling_params(req, max_tokens, seed_offset=i, defaults=defaults)
+            params = sampling_params(req, max_tokens, seed_offset=i, defaults=defaults,
+                                     constraints=constraints)
             name = rid if len(prompt_ids) * req.n == 1 else f"{rid}-{index}"
             requests.append(GenerateRequest(request_id=name, prompt_token_ids=tuple(ids),
                                             params=params))
@@ -137,7 +145,8 @@ def build_job(req: SamplingFields, prompt_ids: list[list[int]], prompts: Prompts
                choices=choices, logprobs=requests[0].params.logprobs, echo=echo,
                prompt_logprobs=req.prompt_logprobs is not None,
                include_usage=bool(opts and opts.include_usage),
-               continuous_usage=bool(opts and opts.include_usage and opts.continuous_usage_stats))
+               continuous_usage=bool(opts and opts.include_usage and opts.continuous_usage_stats),
+               tools=tools)
 
 
 def _prompt_texts(prompt: RawPrompt, prompt_ids: list[list[int]], prompts: Prompts) -> list[str]:

@@ -56,7 +56,10 @@ from router.protocol import (
 )
 from router.responses import chat_response, completion_response
 from router.streaming import HEADERS, MEDIA_TYPE, stream_events
+from router.structured import constraint_params
 from router.tokenizer import Prompts
+from router.tools.choice import ToolPlan, plan_tools
+from router.tools.parsers import default_parser
 from workers.api import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -101,6 +104,7 @@ def build_openai_app(
     board: MetricsBoard | None = None,
     limits: IngressLimits | None = None,
     health: PoolWatch | None = None,
+    tool_parser: str | None = None,
 ) -> FastAPI:
     """The app for one served model; `tokenizer` is the model's transformers tokenizer.
 
@@ -111,9 +115,12 @@ def build_openai_app(
     so /metrics covers them all; without it /metrics shows this process's requests.
     `limits`: body size and queue bounds (none without). `health` (in Serve) says whether every
     pool has a live replica; without it /health is 200 while the app answers.
+    `tool_parser` (`router.tools.parsers.PARSERS`) finds tool calls in `auto` answers; default:
+    the one the chat template's tool format names.
     """
     prompts = Prompts(tokenizer, max_model_len)
     metrics = metrics or Metrics(served_model_name)
+    tool_parser = tool_parser or default_parser(getattr(tokenizer, "chat_template", None), None)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -142,9 +149,13 @@ def build_openai_app(
             raise unknown_model(name)
 
     async def run(
-        req: SamplingFields, prompt_ids: list[list[int]], slot: Slot, outcome: RequestOutcome
+        req: SamplingFields, prompt_ids: list[list[int]], slot: Slot, outcome: RequestOutcome,
+        tools: ToolPlan | None = None,
     ) -> Response:
-        job = build_job(req, prompt_ids, prompts, served_model_name, metrics, sampling_defaults)
+        # In a thread: checking a constraint may compile a grammar.
+        constraints = await asyncio.to_thread(constraint_params, req, prompts, tools)
+        job = build_job(req, prompt_ids, prompts, served_model_name, metrics, sampling_defaults,
+                        tools, constraints)
         job.outcome = outcome
         merged = merge_streams([backend.generate(r) for r in job.requests], job.leaders())
         try:
@@ -179,6 +190,7 @@ def build_openai_app(
     async def chat_completions(req: ChatCompletionRequest) -> Response:
         check_model(req.model)
         check_supported(req)
+        tools = plan_tools(req.tools, req.tool_choice, tool_parser)
         with admission.slot() as slot, metrics.outcome() as outcome:
             ids = await asyncio.to_thread(
                 prompts.chat_prompt,
@@ -186,8 +198,9 @@ def build_openai_app(
                 req.add_generation_prompt,
                 req.continue_final_message,
                 req.chat_template_kwargs,
+                None if tools is None else tools.tools,
             )
-            return await run(req, [ids], slot, outcome)
+            return await run(req, [ids], slot, outcome, tools)
 
     @v1.get("/models")
     async def models() -> ModelList:

@@ -1,8 +1,9 @@
 """OpenAI request fields into the engine's `SamplingParams`, refusing what we cannot honour.
 
 A field that would change the output but that the engine does not implement is answered with 400
-"not supported" rather than ignored: guided decoding, beam search, tools. Unknown fields that do
-not change the output are ignored.
+"not supported" rather than ignored: beam search, `tools` on completions. Unknown fields that do
+not change the output are ignored. Constraints (response_format, guided_*, tools) are mapped by
+`router.structured` and passed in as `constraints`.
 """
 
 from __future__ import annotations
@@ -31,14 +32,8 @@ UNSUPPORTED_EXTRAS: dict[str, tuple[Any, ...]] = {
     "use_beam_search": (None, False),
     "length_penalty": (None, 1, 1.0),
     "bad_words": (None, []),
-    "allowed_token_ids": (None,),
     "truncate_prompt_tokens": (None,),
     "logits_processors": (None, []),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
-    "structured_outputs": (None,),
     "tools": (None, []),
     "functions": (None, []),
 }
@@ -63,10 +58,6 @@ def check_supported(req: SamplingFields) -> None:
     for name, allowed in UNSUPPORTED_EXTRAS.items():
         if name in extra and not any(extra[name] == v for v in allowed):
             raise BadRequestError(f"{name} is not supported", param=name)
-    fmt = extra.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise BadRequestError("response_format other than 'text' is not supported",
-                              param="response_format")
     best_of = extra.get("best_of")
     if best_of is not None and (not isinstance(best_of, int) or isinstance(best_of, bool)
                                 or best_of < req.n):
@@ -106,11 +97,13 @@ def wanted_prompt_logprobs(req: SamplingFields) -> int | None:
 
 
 def sampling_params(req: SamplingFields, max_tokens: int, seed_offset: int = 0,
-                    defaults: Mapping[str, float] | None = None) -> SamplingParams:
+                    defaults: Mapping[str, float] | None = None,
+                    constraints: Mapping[str, Any] | None = None) -> SamplingParams:
     """The engine's parameters for one choice; `seed_offset` makes n seeded choices differ.
 
     `defaults` stands in for omitted SAMPLING_DEFAULTABLE fields, as vLLM takes them from the
-    model's generation_config.json (`generation_defaults`).
+    model's generation_config.json (`generation_defaults`); `constraints` are the fields
+    `router.structured.constraint_params` made of the request's constraints.
     """
     if req.min_tokens > max_tokens:
         raise BadRequestError(f"min_tokens ({req.min_tokens}) must not exceed max_tokens "
@@ -130,6 +123,7 @@ def sampling_params(req: SamplingFields, max_tokens: int, seed_offset: int = 0,
         "logprobs": requested_logprobs(req),
         "prompt_logprobs": wanted_prompt_logprobs(req),
         "skip_special_tokens": req.skip_special_tokens,
+        **(constraints or {}),
     }
     try:
         return SamplingParams(**{k: v for k, v in fields.items() if v is not None})

@@ -20,6 +20,8 @@ from pydantic import (
     model_validator,
 )
 
+from router.structured_fields import StructuredFields
+from router.tools.protocol import DeltaToolCall, Tool, ToolCall, ToolChoice
 from workers.api import MAX_LOGPROBS
 
 
@@ -73,8 +75,9 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
-class SamplingFields(RequestBody):
-    """The fields that completions and chat share; unknown ones are kept in `model_extra`."""
+class SamplingFields(RequestBody, StructuredFields):
+    """The fields that completions and chat share (constraints: `StructuredFields`); unknown
+    ones are kept in `model_extra`."""
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
@@ -139,6 +142,9 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None  # default: "auto" with tools, else "none"
+    parallel_tool_calls: bool | None = None  # accepted; the model decides, as in vLLM
 
 
 class TokenizeRequest(RequestBody):
@@ -223,6 +229,7 @@ class CompletionResponse(OpenAIModel):
 class AssistantMessage(OpenAIModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(OpenAIModel):
@@ -246,6 +253,7 @@ class ChatCompletionResponse(OpenAIModel):
 class DeltaMessage(OpenAIModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(OpenAIModel):

@@ -26,6 +26,7 @@ from router.protocol import (
     TopLogprob,
 )
 from router.tokenizer import Prompts
+from router.tools.answer import tool_answer
 from workers.api import RequestOutput, TokenLogprob
 
 MIN_LOGPROB = -9999.0
@@ -95,9 +96,12 @@ def chat_response(job: Job, prompts: Prompts) -> ChatCompletionResponse:
         logprobs = None
         if job.logprobs is not None:
             logprobs = chat_logprobs(c.logprobs, prompts, job.logprobs)
-        choices.append(ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
-                                  logprobs=logprobs, finish_reason=c.finish_reason,
-                                  stop_reason=c.stop_reason))
+        message, finish = AssistantMessage(content=c.text), c.finish_reason
+        if job.tools is not None and job.tools.parses:
+            content, calls, finish = tool_answer(job.tools, c.text, c.finish_reason)
+            message = AssistantMessage(content=content, tool_calls=calls)
+        choices.append(ChatChoice(index=c.index, message=message, logprobs=logprobs,
+                                  finish_reason=finish, stop_reason=c.stop_reason))
     return ChatCompletionResponse(id=job.id, created=job.created, model=job.model,
                                   choices=choices, usage=job.usage(),
                                   prompt_logprobs=vllm_prompt_logprobs(job, job.choices[0],

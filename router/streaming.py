@@ -22,6 +22,7 @@ from router.generation import Job
 from router.protocol import ErrorResponse
 from router.responses import content_chunk, role_chunks, usage_chunk
 from router.tokenizer import Prompts
+from router.tools.stream import ToolStream, tool_chunk
 from workers.api import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -46,6 +47,8 @@ async def stream_events(job: Job, first: tuple[int, RequestOutput],
                         prompts: Prompts) -> AsyncIterator[str]:
     """The job's SSE events; `first` is the chunk already taken from `rest` before the 200."""
     started: set[int] = set()
+    tools = ({c.index: ToolStream(job.tools) for c in job.choices}
+             if job.tools is not None and job.tools.parses else None)
     try:
         for role in role_chunks(job) if job.chat else []:
             yield sse(role)
@@ -56,7 +59,8 @@ async def stream_events(job: Job, first: tuple[int, RequestOutput],
             if out.finish_reason == "error":
                 yield error_event(APIError(out.error or "generation failed"))
                 break
-            chunk = content_chunk(job, choice, out, index not in started, prompts)
+            chunk = (content_chunk(job, choice, out, index not in started, prompts)
+                     if tools is None else tool_chunk(job, choice, out, tools[index], prompts))
             if chunk is not None:
                 started.add(index)
                 yield sse(chunk)

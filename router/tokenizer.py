@@ -12,6 +12,7 @@ from typing import Any
 
 from router.errors import BadRequestError
 from router.protocol import ChatMessage
+from router.tools.history import template_tool_fields
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 
@@ -50,7 +51,10 @@ class Prompts:
     # ---- chat -----------------------------------------------------------------------------
     def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
                     continue_final_message: bool = False,
-                    template_kwargs: dict[str, Any] | None = None) -> TokenIds:
+                    template_kwargs: dict[str, Any] | None = None,
+                    tools: list[dict[str, Any]] | None = None) -> TokenIds:
+        """The conversation through the model's chat template, `tools` (OpenAI's tool objects)
+        rendered by it too."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise BadRequestError("this model's tokenizer has no chat template", param="messages")
         if add_generation_prompt and continue_final_message:
@@ -58,16 +62,23 @@ class Prompts:
                                   "exclusive: set add_generation_prompt to false",
                                   param="continue_final_message")
         conversation = [_template_message(m, i) for i, m in enumerate(messages)]
+        kwargs = dict(template_kwargs or {})
+        if tools is not None:  # the request's `tools` over a `tools` in chat_template_kwargs
+            kwargs["tools"] = tools
         try:
             out = self.tokenizer.apply_chat_template(
                 conversation, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, tokenize=True,
-                **(template_kwargs or {}),
+                continue_final_message=continue_final_message, tokenize=True, **kwargs,
             )
         except Exception as e:  # noqa: BLE001 - jinja raises many kinds; all are the caller's
             raise BadRequestError(f"the chat template failed: {e}", param="messages") from e
         ids = out["input_ids"] if hasattr(out, "keys") else out
         return list(ids)
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids below this are the tokenizer's (added tokens included)."""
+        return len(self.tokenizer)
 
     # ---- limits ---------------------------------------------------------------------------
     def resolve_max_tokens(self, prompt_len: int, requested: int | None, chat: bool) -> int:
@@ -119,4 +130,4 @@ def _template_message(message: ChatMessage, index: int) -> dict[str, Any]:
     out: dict[str, Any] = {"role": message.role, "content": content or ""}
     if message.name is not None:
         out["name"] = message.name
-    return out
+    return out | template_tool_fields(message.model_extra or {}, index)

@@ -289,7 +289,6 @@ BAD_CHAT = [
     ({**CHAT, "repetition_penalty": 0}, "repetition_penalty"),
     ({**CHAT, "logit_bias": {"5": 101}}, "logit_bias"),
     ({**CHAT, "logit_bias": {"five": 1}}, "logit_bias"),
-    ({**CHAT, "response_format": {"type": "json_object"}}, "response_format"),
     ({**CHAT, "max_tokens": 9000}, "max_tokens"),
     ({**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      "messages.0.content"),
