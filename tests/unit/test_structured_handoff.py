@@ -53,7 +53,7 @@ def test_a_constrained_request_is_valid_across_the_handoff(
     while first is None:
         assert time.monotonic() - t0 < DEADLINE_S, "no first token"
         first = next(iter(prefill.step()), None)
-    assert first.kv is not None and first.text == "{"  # the mask held the first token too
+    assert first.kv is not None and first.text.startswith("{")  # the mask held it too
     decode.add_remote(req, first)
     chunks: list[RequestOutput] = []
     while not (chunks and chunks[-1].finished):

@@ -29,6 +29,7 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tenso
     whole = len(rows) == logits.shape[0]
     target = logits if whole else logits[rows]
     target[:, :width].masked_fill_(blocked, float("-inf"))
-    target[:, width:] = float("-inf")  # logits wider than the bitmask's vocabulary
+    if width < vocab:  # logits wider than the bitmask's vocabulary
+        target[:, width:] = float("-inf")
     if not whole:
         logits[rows] = target
