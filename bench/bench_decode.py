@@ -29,11 +29,11 @@ from collections.abc import Callable
 import torch
 
 from bench.gpu_common import (
+    PAGE_SIZE,
     bench_parser,
     copy_bandwidth_gbps,
     cuda_ms,
-    dummy_model_dir,
-    engine_options,
+    decode_config,
     read_bandwidth_gbps,
     step_timeline,
     top_kernels,
@@ -41,7 +41,6 @@ from bench.gpu_common import (
     weight_bytes_read,
 )
 from bench.results_io import write_result
-from workers.config import EngineConfig
 from workers.engine.engine import Engine
 from workers.engine.model_runner import ModelRunner
 from workers.protocol import GenerateRequest, SamplingParams
@@ -87,12 +86,14 @@ def overlapped_ms(runner: ModelRunner, step: StepInput, iters: int = 30) -> floa
     return (time.perf_counter() - start) * 1e3 / iters
 
 
-def engine_ms(engine: Engine, batch: int, context: int) -> float:
+def engine_ms(
+    engine: Engine, batch: int, context: int, params: SamplingParams | None = None
+) -> float:
     """Wall milliseconds per `Engine.step()` once `batch` random prompts of `context` tokens
-    are prefilled and decoding."""
+    are prefilled and decoding (greedy, unless `params`, which must outlast the steps)."""
     rng = random.Random(batch + context)
     steps = ENGINE_WARMUP + ENGINE_STEPS + 8
-    params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
+    params = params or SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
     for i in range(batch):
         ids = tuple(rng.randrange(1000, 30000) for _ in range(context))
         engine.add_request(GenerateRequest(request_id=f"e{i}", prompt_token_ids=ids, params=params))
@@ -144,20 +145,8 @@ def main() -> None:
     cases = CASES
     if args.cases:
         cases = [tuple(int(v) for v in c.split("x")) for c in args.cases.split(",")]
-    page_size = 16
-    pages = max(b * -(-c // page_size) for b, c in CASES + cases) + 1
-    cfg = EngineConfig(**engine_options(
-        args,
-        model=str(dummy_model_dir(args.shape, args.tokenizer_dir, args.work)),
-        load_format="dummy",
-        dtype="bfloat16",
-        page_size=page_size,
-        num_kv_pages=pages,
-        max_num_seqs=256,
-        max_num_batched_tokens=16384,
-        cuda_graph_batch_sizes=tuple(sorted({b for b, _ in CASES + cases})),
-        tensor_parallel_size=args.tp,
-    ))  # fmt: skip
+    page_size = PAGE_SIZE
+    cfg = decode_config(args, CASES + cases, tensor_parallel_size=args.tp)
     engine = Engine(cfg)
     assert engine.overlap
     runner = engine.runner

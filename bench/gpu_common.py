@@ -20,6 +20,7 @@ import torch
 from bench.results_io import add_out_argument
 
 if TYPE_CHECKING:
+    from workers.config import EngineConfig
     from workers.engine.model_runner import ModelRunner
 
 # HF config fields of the shapes the issue names; weights are random (load_format="dummy").
@@ -57,6 +58,7 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
         ),
     ),
 }
+PAGE_SIZE = 16  # the decode benchmarks' KV page
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
@@ -81,6 +83,29 @@ def engine_options(args: argparse.Namespace, **fields: Any) -> dict[str, Any]:
     from cluster.cli import apply_overrides
 
     return apply_overrides(fields, args.assignments)
+
+
+def decode_config(
+    args: argparse.Namespace, cases: list[tuple[int, int]], **fields: Any
+) -> EngineConfig:
+    """The engine of a decode benchmark: `args.shape` with random bf16 weights, a CUDA graph per
+    batch size of `cases` ((batch, context) pairs) and KV pages for the largest; `fields` and
+    then `--set` override."""
+    from workers.config import EngineConfig
+
+    pages = max(b * -(-c // PAGE_SIZE) for b, c in cases) + 1
+    return EngineConfig(**engine_options(
+        args,
+        model=str(dummy_model_dir(args.shape, args.tokenizer_dir, args.work)),
+        load_format="dummy",
+        dtype="bfloat16",
+        page_size=PAGE_SIZE,
+        num_kv_pages=pages,
+        max_num_seqs=256,
+        max_num_batched_tokens=16384,
+        cuda_graph_batch_sizes=tuple(sorted({b for b, _ in cases})),
+        **fields,
+    ))  # fmt: skip
 
 
 def dummy_model_dir(shape: str, tokenizer_dir: Path, root: Path) -> Path:

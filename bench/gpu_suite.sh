@@ -21,6 +21,8 @@
 #   kv2        NIXL KV transfer between two GPUs (2+ GPUs)
 #   kvstaged   heterogeneous-TP staged KV read (on one GPU only its bytes mean anything)
 #   serving    HTTP serving, 1 prefill + 1 decode replica against 2 colocated (2+ GPUs)
+#   structured decode step with a JSON schema on every request against none, schema compile
+#   grammar    llguidance against xgrammar: compile and per-step mask (xgrammar if installed)
 # Each part runs under its own time limit, so one hang cannot stall the rest; the script exits
 # 1 if any part failed. Needs a CUDA torch and `pip install -e ".[gpu]"` (flashinfer, nixl, ray).
 set -uo pipefail
@@ -91,6 +93,8 @@ part kvstaged 200 1 python3 bench/bench_kv_staged.py "${staged[@]}"
 part serving 900 2 python3 bench/bench_serving.py --device cuda "${tok[@]}" --shape llama3-8b \
   --num-prompts 200 --input-len 512 --range-ratio 0.9 --output-len 128 --request-rate 20,28 \
   --goodput ttft:200 tpot:25 --out "$OUT"
+part structured 300 1 python3 -m bench.structured_decode "${tok[@]}" --out "$OUT"
+part grammar 200 1 python3 -m bench.grammar_engines "${tok[@]}" --out "$OUT"
 python3 -m bench.report --results "$OUT" --stdout > "$OUT/results.md"
 echo "results: $OUT/results.md; to publish them, copy the result files to bench/results/ and" \
   "run python -m bench.report"

@@ -1,14 +1,14 @@
 """pdserve workers: the engine, the prefill and decode roles, and their Serve deployments.
 
-`from workers import LLM, SamplingParams` is the offline API; imported lazily so that light users
-of `workers.protocol` (the router) do not load the model code.
+`from workers import LLM, SamplingParams, StructuredOutputs` is the offline API; imported lazily
+so that light users of `workers.protocol` (the router) do not load the model code.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["LLM", "GenerationOutput", "SamplingParams"]
+__all__ = ["LLM", "GenerationOutput", "SamplingParams", "StructuredOutputs"]
 
 
 def __getattr__(name: str) -> Any:
@@ -16,8 +16,8 @@ def __getattr__(name: str) -> Any:
         from workers import llm
 
         return getattr(llm, name)
-    if name == "SamplingParams":
-        from workers.protocol import SamplingParams
+    if name in ("SamplingParams", "StructuredOutputs"):
+        from workers import protocol
 
-        return SamplingParams
+        return getattr(protocol, name)
     raise AttributeError(name)

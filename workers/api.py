@@ -19,6 +19,7 @@ from workers.protocol import (
     StructuredOutputs,
     TokenLogprob,
 )
+from workers.sampling.grammar import check_structured_outputs
 from workers.serve.stats_board import (
     POST_INTERVAL_S,
     Posted,
@@ -40,6 +41,7 @@ __all__ = [
     "StatsPoster",
     "StructuredOutputs",
     "TokenLogprob",
+    "check_structured_outputs",
     "read_pool",
     "read_role",
 ]

@@ -11,6 +11,7 @@ import torch
 
 from workers.detokenizer import IncrementalDetokenizer
 from workers.protocol import FinishReason, SamplingParams, TokenLogprob
+from workers.sampling.constraint import Constraint
 
 
 class SeqStatus(enum.Enum):
@@ -43,6 +44,7 @@ class Sequence:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=lambda: [None])
     first_token_time: float | None = None
+    constraint: Constraint | None = None  # structured output / allowed_token_ids
 
     @property
     def num_tokens(self) -> int:

@@ -73,7 +73,7 @@ class DecodeEngine(HandoffEngine):
             if not first.token_ids:
                 raise RequestRejectedError("a resumed request needs the tokens streamed so far")
             seq = self._continue(req, first)
-            self.scheduler.add(seq)
+            self._enqueue(seq)
             return seq
         if len(first.token_ids) != 1:
             raise RequestRejectedError("a decode request needs the first token and a KV handle")
@@ -189,7 +189,7 @@ class DecodeEngine(HandoffEngine):
             return
         self.pages_reused += first
         if first == last:  # every page is cached here already
-            self._admit(p)
+            self._admit(p, outputs)
             return
         p.spare_pages = spare
         spec = ReadSpec(
@@ -260,13 +260,18 @@ class DecodeEngine(HandoffEngine):
         if generations != list(p.kv.page_generations):
             self._failed(p, "stale KV: prefill pages were reused before the read", outputs)
             return
-        self._admit(p)
+        self._admit(p, outputs)
 
-    def _admit(self, p: PendingRead) -> None:
-        """`p`'s KV is all here: it joins the running batch."""
+    def _admit(self, p: PendingRead, outputs: list[RequestOutput]) -> None:
+        """`p`'s KV is all here: it joins the running batch, once its grammar (if any) is
+        compiled; that began when the request came, so it is ready unless it failed."""
         self.pending.remove(p)
         self._notify(p)
         seq = p.seq
+        ready = True if seq.constraint is None else seq.constraint.wait()
+        if ready is not True:  # `_fail` frees its pages
+            outputs.append(self._fail(seq, ready or "grammar compilation timed out"))
+            return
         seq.num_computed_tokens = p.kv.num_tokens
         self.kv.cache_computed(seq)
         self.scheduler.add_running(seq)
@@ -281,7 +286,7 @@ class DecodeEngine(HandoffEngine):
         if self.transfer.failure_policy == "recompute":
             logger.warning("%s: %s; recomputing the prompt here", seq.request_id, why)
             self.num_recomputed += 1
-            self.scheduler.add(seq)
+            self._enqueue(seq)
             return
         logger.warning("%s: %s; failing the request", seq.request_id, why)
         outputs.append(self._fail(seq, why))

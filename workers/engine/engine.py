@@ -19,12 +19,19 @@ import time
 
 from workers.config import EngineConfig
 from workers.detokenizer import IncrementalDetokenizer
+from workers.engine.grammar_gate import GrammarGate
 from workers.engine.tp_runner import create_runner
 from workers.kvcache.allocator import PageAllocator
 from workers.kvcache.manager import KVManager
 from workers.model.loader import load_tokenizer
 from workers.parallel.group import SINGLE, TPGroup
-from workers.protocol import EngineStats, GenerateRequest, RequestOutput, TokenLogprob
+from workers.protocol import (
+    EngineStats,
+    FinishReason,
+    GenerateRequest,
+    RequestOutput,
+    TokenLogprob,
+)
 from workers.sampling.sampler import SampleResult
 from workers.scheduler.scheduler import Scheduler
 from workers.scheduler.step import LaunchedStep, StepInput
@@ -62,6 +69,7 @@ class Engine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
         self.seqs: dict[str, Sequence] = {}
+        self.grammars = GrammarGate(self.tokenizer, self.runner.model_config.vocab_size)
         self.overlap = self.supports_overlap and cfg.resolved_overlap(self.runner.device)
         self._running: _RunningStep | None = None
         self.prompt_tokens_computed = 0
@@ -70,8 +78,22 @@ class Engine:
     # ---- requests in -------------------------------------------------------------------------
     def add_request(self, req: GenerateRequest) -> Sequence:
         seq = self._new_sequence(req)
-        self.scheduler.add(seq)
+        self._enqueue(seq)
         return seq
+
+    def _enqueue(self, seq: Sequence) -> None:
+        """Queue `seq` for the scheduler, or for its grammar first (`GrammarGate`)."""
+        if not self.grammars.holds(seq):
+            self.scheduler.add(seq)
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Queue the sequences whose grammar is ready, fail those whose grammar cannot be used;
+        with nothing else to do, wait a little for one rather than spin."""
+        idle = not self.scheduler.has_work() and self._running is None
+        ready, failed = self.grammars.ready(self.idle_wait_s() if idle else 0.0)
+        for seq in ready:
+            self.scheduler.add(seq)
+        return [self._fail(seq, why) for seq, why in failed]
 
     def _new_sequence(self, req: GenerateRequest) -> Sequence:
         """Check that `req` can be served at all, then track it (not yet scheduled)."""
@@ -92,6 +114,10 @@ class Engine:
             raise RequestRejectedError(
                 "stop_token_ids names token ids outside the model's vocabulary"
             )
+        try:
+            constraint = self.grammars.constraint(req.params)
+        except ValueError as e:
+            raise RequestRejectedError(str(e)) from e
         longest = min(n + req.params.max_tokens, self.max_model_len)
         pages = -(-longest // self.cfg.page_size)
         if pages > self.allocator.num_usable:
@@ -112,6 +138,7 @@ class Engine:
                 req.params.stop,
                 req.params.include_stop_str_in_output,
             ),
+            constraint=constraint,
         )
         self.seqs[req.request_id] = seq
         return seq
@@ -127,6 +154,7 @@ class Engine:
 
     def _retire(self, seq: Sequence, cache: bool = True) -> None:
         """Take `seq` out of the queues and free its pages, once no running step writes them."""
+        self.grammars.drop(seq)
         self.scheduler.remove(seq)
         if self._running is not None and seq in self._running.seqs:
             self._running.retired.append((seq, cache))
@@ -134,13 +162,14 @@ class Engine:
             self.kv.release(seq, cache=cache)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or self._running is not None
+        busy = self.scheduler.has_work() or self._running is not None
+        return busy or bool(self.grammars.compiling)
 
     # ---- one step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Launch the next step, then finish the one launched by the previous call (overlap),
         or launch and finish one step (no overlap). Returns the finished step's chunks."""
-        outputs: list[RequestOutput] = []
+        outputs = self._admit_compiled() if self.grammars.compiling else []
         prev, self._running = self._running, None
         step = self.scheduler.schedule(preempt=prev is None)
         if step is not None:
@@ -246,10 +275,23 @@ class Engine:
             seq.stop_reason = token if token in p.stop_token_ids else None
         elif (stop := seq.detokenizer.add_token(token, match_stop=may_stop)) is not None:
             seq.finish_reason, seq.stop_reason = "stop", stop
+        elif seq.constraint is not None and (done := self._constraint_done(seq)) is not None:
+            seq.finish_reason = done
         elif seq.num_output_tokens >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
             seq.finish_reason = "length"
         if seq.finish_reason is not None:
             seq.status = SeqStatus.FINISHED
+
+    @staticmethod
+    def _constraint_done(seq: Sequence) -> FinishReason | None:
+        """"stop" once `seq`'s grammar is complete (even under `min_tokens`: it allows nothing
+        more), "error" if its matcher refused a token."""
+        assert seq.constraint is not None
+        seq.constraint.sync(seq.output_token_ids)
+        if (error := seq.constraint.error) is not None:
+            seq.error = error
+            return "error"
+        return "stop" if seq.constraint.finished else None
 
     def _fail(self, seq: Sequence, error: str) -> RequestOutput:
         self.seqs.pop(seq.request_id, None)
@@ -278,7 +320,7 @@ class Engine:
     def stats(self) -> EngineStats:
         return EngineStats(
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            num_waiting=len(self.scheduler.waiting) + len(self.grammars.compiling),
             kv_pages_total=self.allocator.num_usable,
             kv_pages_used=self.kv.num_used_pages,
             kv_pages_pinned=self.kv.num_pinned_pages + self._pinned_own_pages(),

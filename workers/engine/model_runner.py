@@ -19,17 +19,17 @@ import torch
 from workers.attention import AttentionBatch, create_backend
 from workers.config import EngineConfig
 from workers.engine.kv_budget import GiB, GPUMemory, fixed_kv_pages, gpu_kv_pages
+from workers.engine.sampling_inputs import SamplingInputs
 from workers.kvcache.page_table import PageTable
 from workers.kvcache.pool import KVPool
 from workers.model.dummy import build_dummy_model
 from workers.model.loader import load_model, load_model_config, resolve_model
 from workers.parallel.group import SINGLE, TPGroup
 from workers.protocol import KVLayout
-from workers.sampling.penalties import LogitAdjustments, adjusts_logits
+from workers.sampling.penalties import adjusts_logits
 from workers.sampling.sampler import (
     SampledTensors,
     SampleResult,
-    SamplingBatch,
     argmax_rows,
     prompt_logprobs,
     sample,
@@ -90,6 +90,8 @@ class ModelRunner:
         self.page_table = PageTable()
         # The last launch's sampled ids on the device, and each sampling sequence's row in them.
         self._prev: tuple[torch.Tensor, dict[Sequence, int]] | None = None
+        self._prev_launch: LaunchedStep | None = None  # its sampled ids, on their way to the host
+        self.sampling = SamplingInputs(self.device, self.model_config.vocab_size, self._to_device)
         self.graphs: DecodeCudaGraphs | None = None
         graph_sizes = cfg.resolved_graph_batch_sizes()
         if graph_sizes and backend == "flashinfer" and self.device.type == "cuda":
@@ -128,6 +130,7 @@ class ModelRunner:
         out = self.run_plan(plan)
         logits, greedy_ids, prompt = out.logits, out.greedy_ids, out.prompt
         prev, self._prev = self._prev, None
+        prev_launch, self._prev_launch = self._prev_launch, None
         prompt_seqs = [(i, t) for i, t, _ in plan.prompt_targets]
         if logits is None:
             return LaunchedStep(step, plan.rows, None, prompt, prompt_seqs)
@@ -137,13 +140,16 @@ class ModelRunner:
             and s.params.logprobs is None
             and not adjusts_logits(s.params)
             and not s.held_back_ids
+            and s.constraint is None
             for s in seqs
         ):
             sampled = SampledTensors(argmax_rows(logits) if greedy_ids is None else greedy_ids)
         else:
-            sampled = sample(logits, self._sampling_batch(seqs, prev))
+            sampled = sample(logits, self.sampling.batch(seqs, prev, prev_launch))
         self._prev = (sampled.token_ids, {seq: r for r, seq in enumerate(seqs)})
-        return LaunchedStep(step, plan.rows, sampled, prompt, prompt_seqs)
+        launched = LaunchedStep(step, plan.rows, sampled, prompt, prompt_seqs)
+        self._prev_launch = launched
+        return launched
 
     def plan(self, step: StepInput) -> StepPlan:
         """`step`'s inputs as host arrays, laid out for a CUDA graph where one applies
@@ -302,36 +308,3 @@ class ModelRunner:
         if self._pin:
             t = t.pin_memory()
         return t.to(self.device, non_blocking=True)
-
-    def _sampling_batch(
-        self, seqs: list[Sequence], prev: tuple[torch.Tensor, dict[Sequence, int]] | None
-    ) -> SamplingBatch:
-        """The rules of `seqs`' rows; `prev`, the launch before this one, holds the newest
-        output token of each sequence whose token is still pending (for penalties and
-        `min_tokens`)."""
-        for seq in seqs:
-            if seq.params.seed is not None and seq.generator is None:
-                seq.generator = torch.Generator(self.device).manual_seed(seq.params.seed % 2**64)
-        params = [s.params for s in seqs]
-        logprobs = [p.logprobs for p in params if p.logprobs is not None]
-        rules = np.array([[p.temperature, p.top_k, p.top_p, p.min_p] for p in params]).T
-        adjust = None
-        held_back = [s.held_back_ids for s in seqs]
-        if any(adjusts_logits(p) for p in params) or any(held_back):
-            pending = [prev[1][s] if prev and s.num_pending_tokens else None for s in seqs]
-            adjust = LogitAdjustments.build(
-                params,
-                prompts=[s.token_ids[: s.num_prompt_tokens] for s in seqs],
-                outputs=[s.output_token_ids for s in seqs],
-                vocab=self.model_config.vocab_size,
-                to_device=self._to_device,
-                in_flight=None if prev is None else (prev[0], pending),
-                held_back=held_back,
-            )
-        return SamplingBatch.from_rules(
-            rules,
-            generators=[s.generator for s in seqs],
-            num_logprobs=max(logprobs) if logprobs else -1,
-            to_device=self._to_device,
-            adjust=adjust,
-        )

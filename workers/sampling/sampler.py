@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from workers.sampling.penalties import LogitAdjustments
+from workers.sampling.token_mask import apply_bitmask
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
@@ -45,6 +46,8 @@ class SamplingBatch:
     need_sort: bool  # some row filters by top-k or top-p
     need_min_p: bool
     adjust: LogitAdjustments | None = None  # rows with logit bias or penalties
+    # rows with a token mask (structured outputs, allowed_token_ids): row ids [R], bitmask [R, W]
+    mask: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def from_rules(
@@ -167,8 +170,12 @@ def apply_filters(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampledTensors:
     """`logits` `[B, V]` float32 -> one token per row (plus logprobs if asked), on the logits'
-    device and without waiting for it. Logprobs are those of the raw `logits`."""
+    device and without waiting for it. Logprobs are those of the raw `logits`. The token
+    masks go after the adjustments, so a bias or penalty never lets a masked token through."""
     adjusted = logits if sb.adjust is None else sb.adjust.apply(logits)
+    if sb.mask is not None:
+        adjusted = adjusted.clone() if adjusted is logits else adjusted
+        apply_bitmask(adjusted, sb.mask[1], sb.mask[0])
     greedy = argmax_rows(adjusted)
     if sb.all_greedy:
         tokens = greedy
