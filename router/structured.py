@@ -20,6 +20,7 @@ from router.structured_fields import StructuredFields
 from router.tokenizer import Prompts
 from router.tools.choice import ToolPlan
 from workers.api import StructuredOutputs
+from workers.api import check_structured_outputs as engine_check
 
 
 def constraint_params(req: StructuredFields, prompts: Prompts,
@@ -81,9 +82,8 @@ def _asked(req: StructuredFields) -> dict[str, dict[str, Any]]:
 
 def check_structured_outputs(spec: StructuredOutputs, param: str, prompts: Prompts) -> None:
     """400 for a constraint that cannot be compiled: a JSON schema that is not JSON, not an
-    object or not a valid schema; a regex that does not compile; an empty choice or grammar.
-    The grammar engine's own check of the spec with `prompts.tokenizer` (its compiler's
-    verdict, a ValueError) belongs here too."""
+    object or not a valid schema; a regex that does not compile; an empty choice or grammar;
+    then the grammar engine's own verdict (it compiles the spec for `prompts.tokenizer`)."""
     try:
         if spec.json_schema is not None:
             schema = json.loads(spec.json_schema)
@@ -96,6 +96,7 @@ def check_structured_outputs(spec: StructuredOutputs, param: str, prompts: Promp
             raise ValueError("choice needs at least one string")
         if spec.grammar is not None and not spec.grammar.strip():
             raise ValueError("the grammar is empty")
+        engine_check(spec, prompts.tokenizer)
     except jsonschema.SchemaError as e:
         raise BadRequestError(f"{param}: invalid JSON schema: {e.message}", param=param) from e
     except (ValueError, re.error) as e:
