@@ -8,6 +8,7 @@ The Serve ingress mounts the returned FastAPI app with `@serve.ingress`; anythin
     GET  /health                                 200 (empty); 503 while a pool has no live replica
     GET  /metrics                                Prometheus text, `pdserve:` names
     POST /tokenize, /detokenize                  vLLM's helpers
+    GET /version, GET|POST /ping, POST /invocations   vLLM's extras (`router.extra_routes`)
 
 With an API key configured, every /v1 path needs `Authorization: Bearer <key>` (401 otherwise);
 /health, /metrics and /tokenize stay open, as in vLLM. With `IngressLimits`, a body over the size
@@ -20,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
@@ -38,6 +40,7 @@ from router.errors import (
     install_error_handlers,
     unknown_model,
 )
+from router.extra_routes import extra_routes
 from router.generation import Job, build_job, merge_streams
 from router.health import PoolWatch
 from router.metrics import Metrics, RequestOutcome, error_status
@@ -101,6 +104,7 @@ def build_openai_app(
     board: MetricsBoard | None = None,
     limits: IngressLimits | None = None,
     health: PoolWatch | None = None,
+    prompt_tokens_details: bool = False,
 ) -> FastAPI:
     """The app for one served model; `tokenizer` is the model's transformers tokenizer.
 
@@ -111,6 +115,7 @@ def build_openai_app(
     so /metrics covers them all; without it /metrics shows this process's requests.
     `limits`: body size and queue bounds (none without). `health` (in Serve) says whether every
     pool has a live replica; without it /health is 200 while the app answers.
+    `prompt_tokens_details`: fill usage.prompt_tokens_details (null otherwise, as vLLM).
     """
     prompts = Prompts(tokenizer, max_model_len)
     metrics = metrics or Metrics(served_model_name)
@@ -138,14 +143,14 @@ def build_openai_app(
                  Admission(limits.max_queued_requests, limits.retry_after_s, metrics.reject))
 
     def check_model(name: str | None) -> None:
-        if name is not None and name != served_model_name:
+        if name and name != served_model_name:  # "" serves the model, as absent (vLLM)
             raise unknown_model(name)
 
-    async def run(
-        req: SamplingFields, prompt_ids: list[list[int]], slot: Slot, outcome: RequestOutcome
-    ) -> Response:
-        job = build_job(req, prompt_ids, prompts, served_model_name, metrics, sampling_defaults)
-        job.outcome = outcome
+    async def run(req: SamplingFields, prompt_ids: list[list[int]], slot: Slot,
+                  outcome: RequestOutcome, arrival: float) -> Response:
+        job = build_job(req, prompt_ids, prompts, served_model_name, metrics, sampling_defaults,
+                        arrival)
+        job.outcome, job.prompt_tokens_details = outcome, prompt_tokens_details
         merged = merge_streams([backend.generate(r) for r in job.requests], job.leaders())
         try:
             first = await anext(merged, None)
@@ -169,14 +174,16 @@ def build_openai_app(
 
     @v1.post("/completions")
     async def completions(req: CompletionRequest) -> Response:
+        arrival = time.monotonic()
         check_model(req.model)
         check_supported(req)
         with admission.slot() as slot, metrics.outcome() as outcome:
             ids = await asyncio.to_thread(prompts.completion_prompts, req.prompt)
-            return await run(req, ids, slot, outcome)
+            return await run(req, ids, slot, outcome, arrival)
 
     @v1.post("/chat/completions")
     async def chat_completions(req: ChatCompletionRequest) -> Response:
+        arrival = time.monotonic()
         check_model(req.model)
         check_supported(req)
         with admission.slot() as slot, metrics.outcome() as outcome:
@@ -187,7 +194,7 @@ def build_openai_app(
                 req.continue_final_message,
                 req.chat_template_kwargs,
             )
-            return await run(req, [ids], slot, outcome)
+            return await run(req, [ids], slot, outcome, arrival)
 
     @v1.get("/models")
     async def models() -> ModelList:
@@ -222,7 +229,9 @@ def build_openai_app(
         else:
             ids = await asyncio.to_thread(prompts.encode, req.prompt or "",
                                           req.add_special_tokens)
-        return TokenizeResponse(count=len(ids), max_model_len=max_model_len, tokens=ids)
+        strs = await asyncio.to_thread(prompts.token_strs, ids) if req.return_token_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=max_model_len, tokens=ids,
+                                token_strs=strs)
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> DetokenizeResponse:
@@ -233,6 +242,7 @@ def build_openai_app(
             raise BadRequestError(f"cannot decode tokens: {e}", param="tokens") from e
         return DetokenizeResponse(prompt=text)
 
+    app.include_router(extra_routes(health_check, chat_completions, completions))
     return app
 
 

@@ -32,16 +32,14 @@ pytest.importorskip("nixl")
 from ray import serve  # noqa: E402
 
 from cluster.app import build_app  # noqa: E402
-from tests.conftest import local_ray  # noqa: E402
 from tests.e2e.app_process import REPO  # noqa: E402
+from tests.e2e.serve_apps import MODES, mode_apps  # noqa: E402
 from tests.waiting import wait_until  # noqa: E402
-from workers.parallel.rendezvous import free_port  # noqa: E402
 from workers.serve.stats_board import STALE_AFTER_S  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
 MODEL = "smollm2-135m-instruct"
-MODES = ("disaggregated", "colocated")
 TIMEOUT_S = 60  # a hang shows as a timeout, not as a test that never ends
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 MAX_QUEUED = 4
@@ -53,6 +51,7 @@ def local_args(mode: str) -> dict[str, Any]:
     args["mode"] = mode
     args["engine"]["max_model_len"] = 512
     args["router"]["max_queued_requests"] = MAX_QUEUED
+    args["router"]["enable_prompt_tokens_details"] = True  # the n=2 test reads cached_tokens
     for pool in ("prefill", "decode"):
         args[pool]["num_cpus_per_rank"] = 0.5
     return args
@@ -61,15 +60,7 @@ def local_args(mode: str) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def apps() -> Iterator[dict[str, str]]:
     """Base URL of each mode's application."""
-    for _ in local_ray(num_cpus=2):
-        port = free_port("127.0.0.1")
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        try:
-            for mode in MODES:
-                serve.run(build_app(local_args(mode)), name=mode, route_prefix=f"/{mode}")
-            yield {mode: f"http://127.0.0.1:{port}/{mode}" for mode in MODES}
-        finally:
-            serve.shutdown()
+    yield from mode_apps(local_args)
 
 
 def post(base: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
