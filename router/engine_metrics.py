@@ -15,13 +15,16 @@ from collections.abc import Iterable, Mapping, Sequence
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
+    HistogramMetricFamily,
     Metric,
     SummaryMetricFamily,
 )
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from router.backend import RoleStats
 from router.metric_names import Naming
+from workers.api import ITERATION_TOKENS_BUCKETS
 
 # engine counter -> (metric name without prefix, help)
 ENGINE_COUNTERS = {
@@ -54,9 +57,20 @@ def role_totals(snapshot: Iterable[RoleStats]) -> dict[str, dict[str, float]]:
     sums: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for role, stats, live in snapshot:
         totals = sums[role]
-        for key, value in stats.model_dump().items():
+        for key, value in stats.model_dump(exclude={"iteration_tokens"}).items():
             totals[key] += value if live or key not in GAUGE_FIELDS else 0
     return sums
+
+
+def step_token_buckets(snapshot: Iterable[RoleStats]) -> dict[str, list[int]]:
+    """Role -> the engines' tokens-per-step histogram counts (+Inf last), summed over every
+    replica that ever posted (a replica from before the field posts none: left out)."""
+    size = len(ITERATION_TOKENS_BUCKETS) + 1
+    out: dict[str, list[int]] = defaultdict(lambda: [0] * size)
+    for role, stats, _ in snapshot:
+        if len(stats.iteration_tokens) == size:
+            out[role] = [a + b for a, b in zip(out[role], stats.iteration_tokens, strict=True)]
+    return out
 
 
 class EngineStatsCollector(Collector):
@@ -96,6 +110,10 @@ class EngineStatsCollector(Collector):
         )
         cache = GaugeMetricFamily(name("cache_config_info"), "The engines' KV cache settings",
                                   labels=[*labels, *self.cache_info, "num_gpu_blocks"])
+        steps = HistogramMetricFamily(name("iteration_tokens_total"), "Tokens per engine step",
+                                      labels=labels)
+        step_buckets = step_token_buckets(self.snapshot)
+        les = [floatToGoString(b) for b in (*ITERATION_TOKENS_BUCKETS, float("inf"))]
         for role, s in sorted(sums.items()):
             values = [self.model_name, role]
             running.add_metric(values, s["num_running"])
@@ -108,5 +126,8 @@ class EngineStatsCollector(Collector):
             nixl_time.add_metric(values, int(s["nixl_transfers"]), s["nixl_xfer_time_s"])
             blocks = str(int(s["kv_pages_total"]))
             cache.add_metric([*values, *self.cache_info.values(), blocks], 1.0)
+            counts = step_buckets[role]
+            steps.add_metric(values, list(zip(les, counts, strict=True)),
+                             s["iteration_tokens_sum"])
         yield from (running, waiting, usage, pinned, *counters.values(), nixl_bytes, nixl_time,
-                    cache)
+                    cache, steps)

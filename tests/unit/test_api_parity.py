@@ -15,6 +15,7 @@ from router.protocol import ChatCompletionRequest, CompletionRequest
 from router.responses import sampled_then_top
 from tests.unit.test_router_metrics import stats
 from workers.api import TokenLogprob
+from workers.engine.step_tokens import StepTokens
 
 
 def test_one_two_five_buckets_stop_at_the_limit() -> None:
@@ -48,6 +49,20 @@ def test_vllm_naming_renames_every_family_and_the_role_label() -> None:
     les = [s.labels["le"] for s in families["vllm:request_params_max_tokens"].samples
            if "le" in s.labels]
     assert les == ["1.0", "2.0", "5.0", "10.0", "20.0", "50.0", "100.0", "+Inf"]
+
+
+def test_tokens_per_step_render_as_vllms_iteration_tokens_histogram() -> None:
+    steps = StepTokens()
+    for n in (1, 8, 9, 20000):
+        steps.observe(n)
+    assert steps.buckets[:3] == [1, 2, 3] and steps.buckets[-2:] == [3, 4]
+    posted = stats(1, 2, 0, 5).model_copy(
+        update={"iteration_tokens": steps.buckets, "iteration_tokens_sum": steps.sum})
+    metrics = Metrics("m", naming=Naming("vllm"))
+    text = metrics.render([RoleStats("decode", posted), RoleStats("decode", posted)]).decode()
+    assert 'vllm:iteration_tokens_total_bucket{engine="decode",le="8.0",model_name="m"} 4.0' in text
+    assert 'vllm:iteration_tokens_total_count{engine="decode",model_name="m"} 8.0' in text
+    assert 'vllm:iteration_tokens_total_sum{engine="decode",model_name="m"} 40036.0' in text
 
 
 def test_the_sampled_token_comes_first_then_the_top_ones_best_first() -> None:
