@@ -6,7 +6,7 @@ The Serve ingress mounts the returned FastAPI app with `@serve.ingress`; anythin
     POST /v1/completions, /v1/chat/completions   SSE when stream=true, else one JSON body
     GET  /v1/models                              the one served model
     GET  /health                                 200 (empty); 503 while a pool has no live replica
-    GET  /metrics                                Prometheus text, `pdserve:` names
+    GET  /metrics                                Prometheus text, `pdserve:` or `vllm:` names
     POST /tokenize, /detokenize                  vLLM's helpers
     GET /version, GET|POST /ping, POST /invocations   vLLM's extras (`router.extra_routes`)
 
