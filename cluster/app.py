@@ -18,6 +18,8 @@ from router.admission import IngressLimits
 from router.backend import GenerationBackend
 from router.failover import FailoverPolicy
 from router.health import PoolWatch
+from router.metric_names import Naming
+from router.metrics import Metrics
 from router.metrics_board import MetricsBoard
 from router.openai_api import build_openai_app
 from router.params import generation_defaults
@@ -59,6 +61,18 @@ class OpenAIIngress:
         if self.sampling_defaults:
             logger.info("sampling defaults from generation_config.json: %s", self.sampling_defaults)
 
+    def metrics(self) -> Metrics:
+        """The app's metrics, named per `router.metric_prefix`."""
+        engine = self.config.engine
+        cache_info = {
+            "block_size": str(engine.page_size),
+            "cache_dtype": engine.dtype,
+            "enable_prefix_caching": str(engine.enable_prefix_caching),
+            "gpu_memory_utilization": str(engine.gpu_memory_utilization),
+        }
+        return Metrics(self.config.model_name, naming=Naming(self.config.router.metric_prefix),
+                       max_model_len=self.max_model_len, cache_info=cache_info)
+
     def __serve_build_asgi_app__(self) -> Any:
         return build_openai_app(
             self.backend,
@@ -66,6 +80,8 @@ class OpenAIIngress:
             self.config.model_name,
             self.max_model_len,
             api_key=self.config.resolved_api_key(),
+            metrics=self.metrics(),
+            prompt_tokens_details=self.config.router.enable_prompt_tokens_details,
             sampling_defaults=self.sampling_defaults,
             board=self.board,
             limits=IngressLimits(

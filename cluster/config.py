@@ -170,6 +170,16 @@ class RouterConfig(Strict):
         description="longest wait for a replica's answer (a prefill, a stream's next chunk, "
         "queueing included); past it the replica counts as failed",
     )
+    metric_prefix: Literal["pdserve", "vllm"] = Field(
+        "pdserve",
+        description="/metrics family names: pdserve:<name>, or vllm:<name> with vLLM's label "
+        "names (engine for role) so dashboards built for vLLM work unchanged",
+    )
+    enable_prompt_tokens_details: bool = Field(
+        False,
+        description="usage.prompt_tokens_details.cached_tokens in responses (prefix-cache hits); "
+        "off, it is null, as vLLM's --enable-prompt-tokens-details",
+    )
 
 
 class AppConfig(Strict):

@@ -1,26 +1,30 @@
 """The engines' metrics: gauges and counters per role, from the replicas' snapshots.
 
-Rendered under vLLM's names by `router.metrics.Metrics`. A role's replicas are summed: counters
-over every replica that ever posted (`RoleStats.live` or not, so a total never goes down when a
-replica is replaced), gauges over the live ones.
+Rendered under vLLM's family names (prefix and role label per `router.metric_names.Naming`). A
+role's replicas are summed: counters over every replica that ever posted (`RoleStats.live` or
+not, so a total never goes down when a replica is replaced), gauges over the live ones.
+`cache_config_info` is vLLM's info gauge (always 1): the KV cache's settings as labels, with
+`num_gpu_blocks` the role's KV pages.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
+    HistogramMetricFamily,
     Metric,
     SummaryMetricFamily,
 )
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from router.backend import RoleStats
-
-PREFIX = "pdserve:"
+from router.metric_names import Naming
+from workers.api import ITERATION_TOKENS_BUCKETS
 
 # engine counter -> (metric name without prefix, help)
 ENGINE_COUNTERS = {
@@ -53,16 +57,30 @@ def role_totals(snapshot: Iterable[RoleStats]) -> dict[str, dict[str, float]]:
     sums: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for role, stats, live in snapshot:
         totals = sums[role]
-        for key, value in stats.model_dump().items():
+        for key, value in stats.model_dump(exclude={"iteration_tokens"}).items():
             totals[key] += value if live or key not in GAUGE_FIELDS else 0
     return sums
+
+
+def step_token_buckets(snapshot: Iterable[RoleStats]) -> dict[str, list[int]]:
+    """Role -> the engines' tokens-per-step histogram counts (+Inf last), summed over every
+    replica that ever posted (a replica from before the field posts none: left out)."""
+    size = len(ITERATION_TOKENS_BUCKETS) + 1
+    out: dict[str, list[int]] = defaultdict(lambda: [0] * size)
+    for role, stats, _ in snapshot:
+        if len(stats.iteration_tokens) == size:
+            out[role] = [a + b for a, b in zip(out[role], stats.iteration_tokens, strict=True)]
+    return out
 
 
 class EngineStatsCollector(Collector):
     """Renders the latest engine snapshots; `update` replaces them."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, naming: Naming | None = None,
+                 cache_info: Mapping[str, str] | None = None) -> None:
         self.model_name = model_name
+        self.naming = naming or Naming()
+        self.cache_info = dict(cache_info or {})
         self.snapshot: list[RoleStats] = []
 
     def update(self, snapshot: Sequence[RoleStats]) -> None:
@@ -70,25 +88,32 @@ class EngineStatsCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         sums = role_totals(self.snapshot)
-        labels = ["model_name", "role"]
+        name = self.naming
+        labels = ["model_name", name.engine_label]
 
-        def gauge(name: str, doc: str) -> GaugeMetricFamily:
-            return GaugeMetricFamily(PREFIX + name, doc, labels=labels)
+        def gauge(family: str, doc: str) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name(family), doc, labels=labels)
 
         running = gauge("num_requests_running", "Requests in the engines' running batches")
         waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled")
         usage = gauge("kv_cache_usage_perc", "Fraction of KV pages in use, 0-1")
         pinned = gauge("kv_pages_pinned", "KV pages pinned for a hand-off or a running request")
         counters = {
-            k: CounterMetricFamily(PREFIX + name, doc, labels=labels)
-            for k, (name, doc) in ENGINE_COUNTERS.items()
+            k: CounterMetricFamily(name(family), doc, labels=labels)
+            for k, (family, doc) in ENGINE_COUNTERS.items()
         }
         nixl_bytes = CounterMetricFamily(
-            PREFIX + "nixl_bytes_transferred", "KV bytes moved over NIXL", labels=labels
+            name("nixl_bytes_transferred"), "KV bytes moved over NIXL", labels=labels
         )
         nixl_time = SummaryMetricFamily(
-            PREFIX + "nixl_xfer_time_seconds", "Time of the KV transfers", labels=labels
+            name("nixl_xfer_time_seconds"), "Time of the KV transfers", labels=labels
         )
+        cache = GaugeMetricFamily(name("cache_config_info"), "The engines' KV cache settings",
+                                  labels=[*labels, *self.cache_info, "num_gpu_blocks"])
+        steps = HistogramMetricFamily(name("iteration_tokens_total"), "Tokens per engine step",
+                                      labels=labels)
+        step_buckets = step_token_buckets(self.snapshot)
+        les = [floatToGoString(b) for b in (*ITERATION_TOKENS_BUCKETS, float("inf"))]
         for role, s in sorted(sums.items()):
             values = [self.model_name, role]
             running.add_metric(values, s["num_running"])
@@ -99,4 +124,10 @@ class EngineStatsCollector(Collector):
                 family.add_metric(values, s[key])
             nixl_bytes.add_metric(values, s["nixl_bytes_transferred"])
             nixl_time.add_metric(values, int(s["nixl_transfers"]), s["nixl_xfer_time_s"])
-        yield from (running, waiting, usage, pinned, *counters.values(), nixl_bytes, nixl_time)
+            blocks = str(int(s["kv_pages_total"]))
+            cache.add_metric([*values, *self.cache_info.values(), blocks], 1.0)
+            counts = step_buckets[role]
+            steps.add_metric(values, list(zip(les, counts, strict=True)),
+                             s["iteration_tokens_sum"])
+        yield from (running, waiting, usage, pinned, *counters.values(), nixl_bytes, nixl_time,
+                    cache, steps)

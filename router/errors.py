@@ -79,6 +79,15 @@ def unknown_model(name: str) -> NotFoundError:
     return NotFoundError(f"The model `{name}` does not exist.", param="model")
 
 
+def error_text(err: Any) -> str:
+    """One pydantic error as pydantic prints it: the message, then its type and input (clients
+    match on the type, e.g. `greater_than_equal`, as vLLM's messages carry it)."""
+    text = f"{err.get('msg', 'invalid')} [type={err.get('type', 'value_error')}"
+    if "input" in err and not isinstance(err["input"], dict | list):
+        text += f", input_value={err['input']!r}, input_type={type(err['input']).__name__}"
+    return text + "]"
+
+
 def _validation_message(errors: list[Any]) -> tuple[str, str | None]:
     """A readable message and the first offending field, from pydantic's error list."""
     parts, param = [], None
@@ -86,7 +95,7 @@ def _validation_message(errors: list[Any]) -> tuple[str, str | None]:
         loc = [str(p) for p in err.get("loc", ()) if p != "body"]
         field = ".".join(loc)
         param = param or (loc[0] if loc else None)  # the request field, not union members
-        parts.append(f"{field}: {err.get('msg', 'invalid')}" if field else err.get("msg", ""))
+        parts.append(f"{field}: {error_text(err)}" if field else error_text(err))
     return "; ".join(parts) or "invalid request", param
 
 

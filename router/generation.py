@@ -64,13 +64,15 @@ class Job:
     requests: list[GenerateRequest]
     choices: list[ChoiceState]
     logprobs: int | None
-    echo: list[str] | None = None  # completions with echo: each prompt's text
+    echo: list[str] | None = None  # with echo: each prompt's text (chat: the last message's)
     prompt_logprobs: bool = False  # vLLM's `prompt_logprobs` field in the response
     include_usage: bool = False
     continuous_usage: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     outcome: RequestOutcome | None = None  # counts the HTTP request's failure, once
     tools: ToolPlan | None = None  # chat with tools: how answers become tool calls
+    prompt_tokens_details: bool = False  # usage.prompt_tokens_details, as vLLM's flag
+    token_ids_as_text: bool = False  # vLLM's return_tokens_as_token_ids: "token_id:N"
 
     def add(self, index: int, out: RequestOutput) -> ChoiceState:
         """Fold one engine chunk into its choice."""
@@ -110,17 +112,21 @@ class Job:
         prompt_tokens = sum(len(self.prompt_ids[p]) for p in prompts)
         cached = sum(max(c.num_cached_tokens for c in choices if c.prompt == p) for p in prompts)
         completion = sum(c.num_tokens for c in choices)
+        details = None  # as vLLM: only when enabled and some prompt tokens were cached
+        if self.prompt_tokens_details and cached:
+            details = PromptTokensDetails(cached_tokens=cached)
         return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion,
-                     total_tokens=prompt_tokens + completion,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+                     total_tokens=prompt_tokens + completion, prompt_tokens_details=details)
 
 
 def build_job(req: SamplingFields, prompt_ids: list[list[int]], prompts: Prompts, model: str,
               metrics: Metrics, defaults: Mapping[str, float] | None = None,
               tools: ToolPlan | None = None,
-              constraints: Mapping[str, Any] | None = None) -> Job:
-    """`constraints`: the SamplingParams fields of the request's constraints
-    (`router.structured.constraint_params`); `tools`: its tool plan, for its answers."""
+              constraints: Mapping[str, Any] | None = None,
+              arrival: float | None = None) -> Job:
+    """The job of one request. `constraints`: the SamplingParams fields of the request's
+    constraints (`router.structured.constraint_params`); `tools`: its tool plan, for its
+    answers; `arrival`: when it came (`time.monotonic()`, its queue time)."""
     chat = isinstance(req, ChatCompletionRequest)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     requested = req.max_tokens
@@ -136,17 +142,20 @@ def build_job(req: SamplingFields, prompt_ids: list[list[int]], prompts: Prompts
             name = rid if len(prompt_ids) * req.n == 1 else f"{rid}-{index}"
             requests.append(GenerateRequest(request_id=name, prompt_token_ids=tuple(ids),
                                             params=params))
-            choices.append(ChoiceState(index=index, prompt=p, timer=metrics.request_timer()))
+            timer = metrics.request_timer(len(ids), req.n, max_tokens, arrival)
+            choices.append(ChoiceState(index=index, prompt=p, timer=timer))
     opts = req.stream_options
     echo = None
     if isinstance(req, CompletionRequest) and req.echo:
         echo = _prompt_texts(req.prompt, prompt_ids, prompts)
+    elif isinstance(req, ChatCompletionRequest) and req.echo:
+        echo = [chat_echo(req)]
     return Job(id=rid, chat=chat, model=model, prompt_ids=prompt_ids, requests=requests,
                choices=choices, logprobs=requests[0].params.logprobs, echo=echo,
                prompt_logprobs=req.prompt_logprobs is not None,
                include_usage=bool(opts and opts.include_usage),
                continuous_usage=bool(opts and opts.include_usage and opts.continuous_usage_stats),
-               tools=tools)
+               tools=tools, token_ids_as_text=bool(req.return_tokens_as_token_ids))
 
 
 def _prompt_texts(prompt: RawPrompt, prompt_ids: list[list[int]], prompts: Prompts) -> list[str]:
@@ -156,6 +165,17 @@ def _prompt_texts(prompt: RawPrompt, prompt_ids: list[list[int]], prompts: Promp
     if all(isinstance(p, str) for p in prompt):
         return [str(p) for p in prompt]
     return [prompts.decode(ids, skip_special_tokens=False) for ids in prompt_ids]
+
+
+def chat_echo(req: ChatCompletionRequest) -> str:
+    """What chat `echo` puts before the reply, as vLLM does: the last message's content when
+    the reply continues its role (always without a generation prompt; else an assistant's)."""
+    last = req.messages[-1]
+    if req.add_generation_prompt and last.role != "assistant":
+        return ""
+    if isinstance(last.content, list):
+        return "\n".join(part.text or "" for part in last.content)
+    return last.content or ""
 
 
 def as_api_error(exc: BaseException) -> APIError:

@@ -15,7 +15,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from router.metrics import RequestStats
+from router.request_stats import RequestStats
 from workers.api import POST_INTERVAL_S, StatsPoster, read_role
 
 logger = logging.getLogger(__name__)

@@ -6,8 +6,9 @@ The Serve ingress mounts the returned FastAPI app with `@serve.ingress`; anythin
     POST /v1/completions, /v1/chat/completions   SSE when stream=true, else one JSON body
     GET  /v1/models                              the one served model
     GET  /health                                 200 (empty); 503 while a pool has no live replica
-    GET  /metrics                                Prometheus text, `pdserve:` names
+    GET  /metrics                                Prometheus text, `pdserve:` or `vllm:` names
     POST /tokenize, /detokenize                  vLLM's helpers
+    GET /version, GET|POST /ping, POST /invocations   vLLM's extras (`router.extra_routes`)
 
 With an API key configured, every /v1 path needs `Authorization: Bearer <key>` (401 otherwise);
 /health, /metrics and /tokenize stay open, as in vLLM. With `IngressLimits`, a body over the size
@@ -20,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
@@ -38,6 +40,7 @@ from router.errors import (
     install_error_handlers,
     unknown_model,
 )
+from router.extra_routes import extra_routes
 from router.generation import Job, build_job, merge_streams
 from router.health import PoolWatch
 from router.metrics import Metrics, RequestOutcome, error_status
@@ -105,6 +108,7 @@ def build_openai_app(
     limits: IngressLimits | None = None,
     health: PoolWatch | None = None,
     tool_parser: str | None = None,
+    prompt_tokens_details: bool = False,
 ) -> FastAPI:
     """The app for one served model; `tokenizer` is the model's transformers tokenizer.
 
@@ -117,6 +121,7 @@ def build_openai_app(
     pool has a live replica; without it /health is 200 while the app answers.
     `tool_parser` (`router.tools.parsers.PARSERS`) finds tool calls in `auto` answers; default:
     the one the chat template's tool format names.
+    `prompt_tokens_details`: fill usage.prompt_tokens_details (null otherwise, as vLLM).
     """
     prompts = Prompts(tokenizer, max_model_len)
     metrics = metrics or Metrics(served_model_name)
@@ -145,18 +150,18 @@ def build_openai_app(
                  Admission(limits.max_queued_requests, limits.retry_after_s, metrics.reject))
 
     def check_model(name: str | None) -> None:
-        if name is not None and name != served_model_name:
+        if name and name != served_model_name:  # "" serves the model, as absent (vLLM)
             raise unknown_model(name)
 
     async def run(
         req: SamplingFields, prompt_ids: list[list[int]], slot: Slot, outcome: RequestOutcome,
-        tools: ToolPlan | None = None,
+        arrival: float, tools: ToolPlan | None = None,
     ) -> Response:
         # In a thread: checking a constraint may compile a grammar.
         constraints = await asyncio.to_thread(constraint_params, req, prompts, tools)
         job = build_job(req, prompt_ids, prompts, served_model_name, metrics, sampling_defaults,
-                        tools, constraints)
-        job.outcome = outcome
+                        tools, constraints, arrival)
+        job.outcome, job.prompt_tokens_details = outcome, prompt_tokens_details
         merged = merge_streams([backend.generate(r) for r in job.requests], job.leaders())
         try:
             first = await anext(merged, None)
@@ -180,14 +185,16 @@ def build_openai_app(
 
     @v1.post("/completions")
     async def completions(req: CompletionRequest) -> Response:
+        arrival = time.monotonic()
         check_model(req.model)
         check_supported(req)
         with admission.slot() as slot, metrics.outcome() as outcome:
             ids = await asyncio.to_thread(prompts.completion_prompts, req.prompt)
-            return await run(req, ids, slot, outcome)
+            return await run(req, ids, slot, outcome, arrival)
 
     @v1.post("/chat/completions")
     async def chat_completions(req: ChatCompletionRequest) -> Response:
+        arrival = time.monotonic()
         check_model(req.model)
         check_supported(req)
         tools = plan_tools(req.tools, req.tool_choice, tool_parser)
@@ -200,7 +207,7 @@ def build_openai_app(
                 req.chat_template_kwargs,
                 None if tools is None else tools.tools,
             )
-            return await run(req, [ids], slot, outcome, tools)
+            return await run(req, [ids], slot, outcome, arrival, tools)
 
     @v1.get("/models")
     async def models() -> ModelList:
@@ -235,7 +242,9 @@ def build_openai_app(
         else:
             ids = await asyncio.to_thread(prompts.encode, req.prompt or "",
                                           req.add_special_tokens)
-        return TokenizeResponse(count=len(ids), max_model_len=max_model_len, tokens=ids)
+        strs = await asyncio.to_thread(prompts.token_strs, ids) if req.return_token_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=max_model_len, tokens=ids,
+                                token_strs=strs)
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> DetokenizeResponse:
@@ -246,6 +255,7 @@ def build_openai_app(
             raise BadRequestError(f"cannot decode tokens: {e}", param="tokens") from e
         return DetokenizeResponse(prompt=text)
 
+    app.include_router(extra_routes(health_check, chat_completions, completions))
     return app
 
 

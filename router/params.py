@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from router.errors import BadRequestError
+from router.errors import BadRequestError, error_text
 from router.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from workers.api import SamplingParams
 
@@ -71,11 +71,8 @@ def check_supported(req: SamplingFields) -> None:
     if req.stream_options is not None and not req.stream:
         raise BadRequestError("stream_options is only allowed when stream is true",
                               param="stream_options")
-    if isinstance(req, ChatCompletionRequest):
-        if extra.get("echo"):
-            raise BadRequestError("echo is not supported for chat", param="echo")
-        if req.top_logprobs and not req.logprobs:
-            raise BadRequestError("top_logprobs needs logprobs set to true", param="top_logprobs")
+    if isinstance(req, ChatCompletionRequest) and req.top_logprobs and not req.logprobs:
+        raise BadRequestError("top_logprobs needs logprobs set to true", param="top_logprobs")
     ignored = sorted(set(extra) - set(UNSUPPORTED_EXTRAS))
     if ignored:
         logger.debug("request fields ignored: %s", ", ".join(ignored))
@@ -130,4 +127,4 @@ def sampling_params(req: SamplingFields, max_tokens: int, seed_offset: int = 0,
     except ValidationError as e:
         err = e.errors()[0]
         param = ".".join(str(p) for p in err.get("loc", ())) or None
-        raise BadRequestError(f"{param}: {err.get('msg')}", param=param) from e
+        raise BadRequestError(f"{param}: {error_text(err)}", param=param) from e

@@ -85,7 +85,7 @@ class SamplingFields(RequestBody, StructuredFields):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # vLLM: torch.long's range
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     n: int = Field(1, ge=1, le=128)
@@ -100,6 +100,7 @@ class SamplingFields(RequestBody, StructuredFields):
     repetition_penalty: float | None = Field(None, gt=0.0)
     logit_bias: dict[str, float] | None = None  # token id (as JSON keys are strings) -> bias
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's extension
+    return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name tokens "token_id:N"
     user: str | None = None
 
     @field_validator("n", "stream", "ignore_eos", "min_tokens", "include_stop_str_in_output",
@@ -145,6 +146,7 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None  # default: "auto" with tools, else "none"
     parallel_tool_calls: bool | None = None  # accepted; the model decides, as in vLLM
+    echo: bool = False  # vLLM's: the reply starts with the last message's content
 
 
 class TokenizeRequest(RequestBody):
@@ -153,6 +155,7 @@ class TokenizeRequest(RequestBody):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    return_token_strs: bool | None = False
 
 
 class DetokenizeRequest(RequestBody):
@@ -305,6 +308,7 @@ class TokenizeResponse(OpenAIModel):
     count: int
     max_model_len: int
     tokens: list[int]
+    token_strs: list[str] | None = None  # with return_token_strs: the tokenizer's pieces
 
 
 class DetokenizeResponse(OpenAIModel):

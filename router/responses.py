@@ -1,8 +1,9 @@
 """A job's state as OpenAI objects: full responses, stream chunks, and logprobs in both shapes.
 
-Completions logprobs name tokens by their text with a `{token: logprob}` map per position that
-includes the sampled token (as vLLM does); chat logprobs are a list per token with `bytes` and
-the `top_logprobs` best first. Logprobs are clamped to -9999 so JSON never meets -inf.
+Completions logprobs name tokens by their text with a `{token: logprob}` map per position: the
+sampled token first, then the top ones best first (as vLLM does); chat logprobs are a list per
+token with `bytes` and the `top_logprobs` best first. Logprobs are clamped to -9999 so JSON
+never meets -inf.
 """
 
 from __future__ import annotations
@@ -36,8 +37,20 @@ def _lp(value: float) -> float:
     return max(value, MIN_LOGPROB)
 
 
+def token_name(prompts: Prompts, token_id: int, as_id: bool) -> str:
+    """How logprobs name a token: its text, or vLLM's "token_id:N" with
+    return_tokens_as_token_ids (for tokens that are no text of their own)."""
+    return f"token_id:{token_id}" if as_id else prompts.token_text(token_id)
+
+
+def sampled_then_top(t: TokenLogprob) -> list[tuple[int, float]]:
+    """A position's (token id, logprob): the sampled token, then the top ones best first."""
+    best = sorted(t.top.items(), key=lambda kv: -kv[1])
+    return [(t.token_id, t.logprob), *((i, lp) for i, lp in best if i != t.token_id)]
+
+
 def completion_logprobs(choice: ChoiceState, tokens: list[TokenLogprob], prompts: Prompts,
-                        echo: list[int] | None = None) -> CompletionLogprobs:
+                        echo: list[int] | None = None, as_ids: bool = False) -> CompletionLogprobs:
     """Logprobs of `tokens`, the choice's newest, after those of the prompt's tokens `echo`
     when given (the first has none: null, as vLLM answers); advances the choice's text offset."""
     out = CompletionLogprobs()
@@ -47,22 +60,24 @@ def completion_logprobs(choice: ChoiceState, tokens: list[TokenLogprob], prompts
     for token_id, t in entries:
         text = prompts.token_text(token_id)
         out.text_offset.append(choice.text_offset)
-        out.tokens.append(text)
+        out.tokens.append(token_name(prompts, token_id, as_ids))
         if t is None:
             out.token_logprobs.append(None)
             out.top_logprobs.append(None)
         else:
-            top = {prompts.token_text(i): _lp(lp) for i, lp in t.top.items()}
-            top[text] = _lp(t.logprob)
+            top: dict[str, float] = {}
+            for i, lp in sampled_then_top(t):
+                top.setdefault(token_name(prompts, i, as_ids), _lp(lp))
             out.token_logprobs.append(_lp(t.logprob))
             out.top_logprobs.append(top)
         choice.text_offset += len(text)
     return out
 
 
-def chat_logprobs(tokens: list[TokenLogprob], prompts: Prompts, top_n: int) -> ChatLogprobs:
+def chat_logprobs(tokens: list[TokenLogprob], prompts: Prompts, top_n: int,
+                  as_ids: bool = False) -> ChatLogprobs:
     def entry(token_id: int, logprob: float) -> TopLogprob:
-        text = prompts.token_text(token_id)
+        text = token_name(prompts, token_id, as_ids)
         return TopLogprob(token=text, logprob=_lp(logprob), bytes=list(text.encode()))
 
     content = []
@@ -80,8 +95,8 @@ def completion_response(job: Job, prompts: Prompts) -> CompletionResponse:
     for c in job.choices:
         text = (job.echo[c.prompt] if job.echo else "") + c.text
         echo = job.prompt_ids[c.prompt] if job.echo else None
-        logprobs = (None if job.logprobs is None
-                    else completion_logprobs(c, c.logprobs, prompts, echo))
+        logprobs = (None if job.logprobs is None else
+                    completion_logprobs(c, c.logprobs, prompts, echo, job.token_ids_as_text))
         choices.append(CompletionChoice(index=c.index, text=text, logprobs=logprobs,
                                         finish_reason=c.finish_reason,
                                         stop_reason=c.stop_reason,
@@ -95,8 +110,8 @@ def chat_response(job: Job, prompts: Prompts) -> ChatCompletionResponse:
     for c in job.choices:
         logprobs = None
         if job.logprobs is not None:
-            logprobs = chat_logprobs(c.logprobs, prompts, job.logprobs)
-        message, finish = AssistantMessage(content=c.text), c.finish_reason
+            logprobs = chat_logprobs(c.logprobs, prompts, job.logprobs, job.token_ids_as_text)
+        message, finish = AssistantMessage(content=chat_text(job, c)), c.finish_reason
         if job.tools is not None and job.tools.parses:
             content, calls, finish = tool_answer(job.tools, c.text, c.finish_reason)
             message = AssistantMessage(content=content, tool_calls=calls)
@@ -106,6 +121,11 @@ def chat_response(job: Job, prompts: Prompts) -> ChatCompletionResponse:
                                   choices=choices, usage=job.usage(),
                                   prompt_logprobs=vllm_prompt_logprobs(job, job.choices[0],
                                                                        prompts))
+
+
+def chat_text(job: Job, choice: ChoiceState) -> str:
+    """A chat choice's reply, after the last message's content with echo."""
+    return (job.echo[0] if job.echo else "") + choice.text
 
 
 def vllm_prompt_logprobs(job: Job, choice: ChoiceState, prompts: Prompts) -> PromptLogprobs | None:
@@ -130,10 +150,11 @@ Chunk = ChatCompletionChunk | CompletionChunk
 
 
 def role_chunks(job: Job) -> list[ChatCompletionChunk]:
-    """The first chat chunks, one per choice (as vLLM sends them): `delta.role`, no content."""
+    """The first chat chunks, one per choice (as vLLM sends them): `delta.role`, no content;
+    with continuous usage stats, the usage so far (the prompt's) as on every chunk."""
     return [ChatCompletionChunk(id=job.id, created=job.created, model=job.model, choices=[
-        ChatStreamChoice(index=c.index, delta=DeltaMessage(role="assistant", content=""))])
-        for c in job.choices]
+        ChatStreamChoice(index=c.index, delta=DeltaMessage(role="assistant", content=""))],
+        usage=job.usage([c]) if job.continuous_usage else None) for c in job.choices]
 
 
 def content_chunk(job: Job, choice: ChoiceState, out: RequestOutput, first: bool,
@@ -151,14 +172,15 @@ def content_chunk(job: Job, choice: ChoiceState, out: RequestOutput, first: bool
     usage = job.usage([choice]) if job.continuous_usage else None
     tokens = out.logprobs or []
     if job.chat:
-        lp = chat_logprobs(tokens, prompts, job.logprobs) if job.logprobs is not None else None
+        lp = (chat_logprobs(tokens, prompts, job.logprobs, job.token_ids_as_text)
+              if job.logprobs is not None else None)
         delta = ChatStreamChoice(index=choice.index, delta=DeltaMessage(content=text),
                                  logprobs=lp, finish_reason=finish, stop_reason=stop)
         return ChatCompletionChunk(id=job.id, created=job.created, model=job.model,
                                    choices=[delta], usage=usage)
     echo = job.prompt_ids[choice.prompt] if first and job.echo else None
-    clp = (completion_logprobs(choice, tokens, prompts, echo) if job.logprobs is not None
-           else None)
+    clp = (completion_logprobs(choice, tokens, prompts, echo, job.token_ids_as_text)
+           if job.logprobs is not None else None)
     item = CompletionChoice(index=choice.index, text=text, logprobs=clp, finish_reason=finish,
                             stop_reason=stop)
     return CompletionChunk(id=job.id, created=job.created, model=job.model, choices=[item],

@@ -109,6 +109,10 @@ class Prompts:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return str(self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
 
+    def token_strs(self, ids: list[int]) -> list[str]:
+        """The tokenizer's own pieces of `ids` (e.g. "Ġworld"), as vLLM's /tokenize returns them."""
+        return [str(t) for t in self.tokenizer.convert_ids_to_tokens(ids)]
+
     def _token_text(self, token_id: int) -> str:
         """One token's text, special tokens included (what logprobs name a token by)."""
         return str(self.tokenizer.decode([token_id], skip_special_tokens=False))

@@ -9,6 +9,7 @@ holds it to that.
 from __future__ import annotations
 
 from workers.protocol import (
+    ITERATION_TOKENS_BUCKETS,
     MAX_LOGPROBS,
     EngineStats,
     FinishReason,
@@ -29,6 +30,7 @@ from workers.serve.stats_board import (
 )
 
 __all__ = [
+    "ITERATION_TOKENS_BUCKETS",
     "MAX_LOGPROBS",
     "POST_INTERVAL_S",
     "EngineStats",

@@ -239,6 +239,10 @@ class RequestOutput(BaseModel):
         )
 
 
+# vLLM's buckets of tokens per engine step (its iteration_tokens_total histogram)
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
 class EngineStats(BaseModel):
     num_running: int
     num_waiting: int
@@ -258,3 +262,6 @@ class EngineStats(BaseModel):
     num_recomputed: int = 0  # decode: hand-offs that failed and were prefilled here
     prompt_tokens_computed: int
     generation_tokens: int
+    # tokens per step: cumulative count per ITERATION_TOKENS_BUCKETS bound (+Inf last), and sum
+    iteration_tokens: list[int] = []
+    iteration_tokens_sum: int = 0

@@ -82,7 +82,9 @@ def wait_healthy(base: str) -> None:
 @pytest.fixture(scope="session")
 def _local_apps(serve_url: str) -> Iterator[dict[str, str]]:
     for mode in MODES:
-        serve.run(build_app(local_args(mode)), name=mode, route_prefix=f"/{mode}")
+        # usage.prompt_tokens_details on: tests read the prefix cache's hits from it
+        args = local_args(mode, enable_prompt_tokens_details=True)
+        serve.run(build_app(args), name=mode, route_prefix=f"/{mode}")
     yield {mode: f"{serve_url}/{mode}" for mode in MODES}
 
 

@@ -51,7 +51,7 @@ def test_every_replica_of_a_role_is_read_and_stale_ones_are_not_live(ray_cluster
 def test_router_replicas_render_each_others_request_metrics(ray_cluster) -> None:
     a, b = Metrics("m"), Metrics("m")
     a.success.labels("m", "stop").inc()
-    a.ttft.labels("m").observe(0.2)
+    a.observe("ttft", 0.2)
     b.success.labels("m", "stop").inc(2)
     board_a, board_b = MetricsBoard("router-app", "ra"), MetricsBoard("router-app", "rb")
 

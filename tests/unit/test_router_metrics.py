@@ -92,12 +92,11 @@ def test_nixl_transfers_and_request_timers_are_recorded() -> None:
 
 
 def observe(metrics: Metrics, ttft: float, gaps: list[float], e2e: float, reason: str) -> None:
-    name = metrics.model_name
-    metrics.ttft.labels(name).observe(ttft)
+    metrics.observe("ttft", ttft)
     for gap in gaps:
-        metrics.itl.labels(name).observe(gap)
-    metrics.e2e.labels(name).observe(e2e)
-    metrics.success.labels(name, reason).inc()
+        metrics.observe("itl", gap)
+    metrics.observe("e2e", e2e)
+    metrics.success.labels(**metrics.labels, finished_reason=reason).inc()
 
 
 def request_samples(text: bytes) -> dict[tuple[str, str], float]:
@@ -139,7 +138,7 @@ def test_posted_request_stats_round_trip_through_json() -> None:
     observe(metrics, 0.2, [0.01], 2.0, "error")
     stats = metrics.request_stats()
     assert RequestStats.model_validate_json(stats.model_dump_json()) == stats
-    assert stats.ttft.buckets[-1] == 1 and stats.success["error"] == 1
+    assert stats.histograms["ttft"].buckets[-1] == 1 and stats.success["error"] == 1
 
 
 # ---- after faults: a dead replica's gauges go, counters never go down, errors counted once ----

@@ -117,7 +117,7 @@ def test_plans_and_their_400s() -> None:
 
 
 def test_required_schema_moves_defs_up_and_its_answers_parse() -> None:
-    jsonschema = pytest.importorskip("jsonschema")
+    import jsonschema
     with_defs = Tool.model_validate({"function": {"name": "book", "parameters": {
         "type": "object", "properties": {"room": {"$ref": "#/$defs/Room"}},
         "$defs": {"Room": {"type": "string", "enum": ["a", "b"]}}}}})

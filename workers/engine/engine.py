@@ -20,6 +20,7 @@ import time
 from workers.config import EngineConfig
 from workers.detokenizer import IncrementalDetokenizer
 from workers.engine.grammar_gate import GrammarGate
+from workers.engine.step_tokens import StepTokens
 from workers.engine.tp_runner import create_runner
 from workers.kvcache.allocator import PageAllocator
 from workers.kvcache.manager import KVManager
@@ -64,9 +65,7 @@ class Engine:
         self.allocator = PageAllocator(self.runner.pool.num_pages)
         self.kv = KVManager(self.allocator, cfg.page_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens)
-        eos = set(self.runner.model_config.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
+        eos = {*self.runner.model_config.eos_token_ids, self.tokenizer.eos_token_id} - {None}
         self.eos_token_ids = frozenset(eos)
         self.seqs: dict[str, Sequence] = {}
         self.grammars = GrammarGate(self.tokenizer, self.runner.model_config.vocab_size)
@@ -74,6 +73,7 @@ class Engine:
         self._running: _RunningStep | None = None
         self.prompt_tokens_computed = 0
         self.generation_tokens = 0
+        self.step_tokens = StepTokens()
 
     # ---- requests in -------------------------------------------------------------------------
     def add_request(self, req: GenerateRequest) -> Sequence:
@@ -189,6 +189,7 @@ class Engine:
             outputs += [self._fail(seq, f"{type(e).__name__}: {e}") for seq in step.seqs]
             return
         self._running = _RunningStep(launched)
+        self.step_tokens.observe(sum(step.num_new_tokens))
         for seq, n in zip(step.seqs, step.num_new_tokens):
             prompt_left = max(0, seq.num_prompt_tokens - seq.num_computed_tokens)
             self.prompt_tokens_computed += min(n, prompt_left)
@@ -331,6 +332,8 @@ class Engine:
             num_handoffs_pending=self._num_handoffs_pending(),
             prompt_tokens_computed=self.prompt_tokens_computed,
             generation_tokens=self.generation_tokens,
+            iteration_tokens=list(self.step_tokens.buckets),
+            iteration_tokens_sum=self.step_tokens.sum,
         )
 
 

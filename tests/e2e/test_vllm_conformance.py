@@ -1,0 +1,256 @@
+"""Conformance with vLLM's OpenAI server, through real Ray Serve and HTTP, in both serving modes
+(one colocated and one disaggregated app side by side in one Serve instance, SmolLM2 on CPU).
+
+Each test pins a behaviour that vLLM's clients, harnesses and dashboards rely on, in the shapes of
+vLLM's protocol: /metrics under `vllm:` names, label names and buckets (gauges back at 0 after an
+abort); usage on every stream chunk with `continuous_usage_stats`; `model: ""`; the seed's signed
+64-bit range and pydantic's error types in messages; the sampled token first in completions'
+`top_logprobs`; `return_tokens_as_token_ids`; /tokenize's `token_strs`; /version, /ping and
+/invocations; chat `echo` continuing an assistant turn; `prompt_tokens_details` null by default.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from router.metric_names import ITL_BUCKETS, LATENCY_BUCKETS, TTFT_BUCKETS
+from tests.e2e.conftest import MODES, deployed, local_args
+from tests.e2e.test_serve_reliability import MODEL, TIMEOUT_S
+from tests.waiting import wait_until
+
+pytestmark = pytest.mark.e2e
+
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+GREEDY = {"max_tokens": 6, "temperature": 0}
+MAX_MODEL_LEN = 512  # local_args'
+
+
+@pytest.fixture(scope="module")
+def apps(serve_url: str) -> Iterator[dict[str, str]]:
+    """Base URL of each mode's configs/local.yaml application with vLLM's metric names (and
+    its default of no prompt_tokens_details)."""
+    with contextlib.ExitStack() as stack:
+        yield {mode: stack.enter_context(deployed(serve_url, f"vllm-{mode}", local_args(
+            mode, metric_prefix="vllm", enable_prompt_tokens_details=False))) for mode in MODES}
+
+
+def call(base: str, path: str, body: dict[str, Any], status: int = 200) -> dict[str, Any]:
+    r = httpx.post(f"{base}/{path}", json=body, timeout=TIMEOUT_S)
+    assert r.status_code == status, r.text
+    return r.json()
+
+
+def stream(base: str, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    with httpx.stream("POST", f"{base}/v1/{path}", json={**body, "stream": True},
+                      timeout=TIMEOUT_S) as r:
+        assert r.status_code == 200, r.read()
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def families(base: str) -> dict[str, Any]:
+    text = httpx.get(f"{base}/metrics", timeout=TIMEOUT_S).text
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def one_two_five(limit: int) -> list[float]:
+    return [float(m * 10**e) for e in range(6) for m in (1, 2, 5) if m * 10**e <= limit]
+
+
+# ---- 1. metrics ---------------------------------------------------------------------------------
+VLLM_FAMILIES = (
+    "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens",
+    "generation_tokens", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions",
+    "request_success", "time_to_first_token_seconds", "inter_token_latency_seconds",
+    "time_per_output_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
+    "request_inference_time_seconds", "request_prefill_time_seconds",
+    "request_decode_time_seconds", "request_prompt_tokens", "request_generation_tokens",
+    "request_params_n", "request_params_max_tokens", "cache_config_info",
+    "iteration_tokens_total",
+)
+
+
+def bounds(family: Any) -> list[float]:
+    les = [s.labels["le"] for s in family.samples if s.name.endswith("_bucket")]
+    return [float(le) for le in les if le != "+Inf"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_metrics_carry_vllms_names_labels_and_buckets(apps, mode) -> None:
+    base = apps[mode]
+    call(base, "v1/completions", {"prompt": "Once upon a time", "n": 2, **GREEDY})
+    got = families(base)
+    assert not [name for name in got if not name.startswith("vllm:")]
+    assert {f"vllm:{name}" for name in VLLM_FAMILIES} <= got.keys()
+    running = got["vllm:num_requests_running"].samples
+    assert running and all(set(s.labels) == {"model_name", "engine"} for s in running)
+    assert {s.labels["model_name"] for s in running} == {MODEL}
+    assert bounds(got["vllm:time_to_first_token_seconds"]) == list(TTFT_BUCKETS)
+    assert bounds(got["vllm:time_per_output_token_seconds"]) == list(ITL_BUCKETS)
+    assert bounds(got["vllm:request_queue_time_seconds"]) == list(LATENCY_BUCKETS)
+    assert bounds(got["vllm:request_params_n"]) == [1, 2, 5, 10, 20]
+    assert bounds(got["vllm:request_params_max_tokens"]) == one_two_five(MAX_MODEL_LEN)
+    n = {s.name: s.value for s in got["vllm:request_params_n"].samples if "le" not in s.labels}
+    assert n["vllm:request_params_n_count"] >= 2 and n["vllm:request_params_n_sum"] >= 4
+    reasons = {s.labels["finished_reason"] for s in got["vllm:request_success"].samples}
+    assert {"stop", "length", "abort"} <= reasons
+    steps = {s.name: s.value for s in got["vllm:iteration_tokens_total"].samples}
+    assert steps["vllm:iteration_tokens_total_count"] > 0  # the engines count their steps
+    info = got["vllm:cache_config_info"].samples
+    assert info and all(s.value == 1 and s.labels["block_size"] == "16" for s in info)
+
+
+def gauges(base: str) -> list[float]:
+    got = families(base)
+    return [s.value for name in ("vllm:num_requests_running", "vllm:num_requests_waiting")
+            for s in got[name].samples]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_gauges_return_to_zero_after_an_abort(apps, mode) -> None:
+    base = apps[mode]
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 400, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=TIMEOUT_S) as r:
+        lines = r.iter_lines()
+        for _ in range(3):  # role chunk and two tokens: the request runs
+            next(line for line in lines if line.startswith("data: "))
+        wait_until(lambda: any(gauges(base)), TIMEOUT_S, interval_s=0.2,
+                   what="the running request in the gauges")
+    # the client went away: the request is aborted on every worker
+    wait_until(lambda: not any(gauges(base)), TIMEOUT_S, interval_s=0.2,
+               what="the gauges back at 0 after the abort")
+
+
+# ---- 2. usage on every chunk ------------------------------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("path", ["chat/completions", "completions"])
+def test_continuous_usage_is_on_every_chunk_including_the_first(apps, mode, path) -> None:
+    prompt = {"messages": CHAT} if path.startswith("chat") else {"prompt": "Once upon a time"}
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = stream(apps[mode], path, {**prompt, **GREEDY, "stream_options": options})
+    assert all(c["usage"] is not None for c in chunks)
+    prompt_tokens = chunks[0]["usage"]["prompt_tokens"]
+    if path.startswith("chat"):
+        assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+        assert chunks[0]["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 0,
+                                      "total_tokens": prompt_tokens,
+                                      "prompt_tokens_details": None}
+    last = chunks[-1]
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == GREEDY["max_tokens"]
+    plain = stream(apps[mode], path, {**prompt, **GREEDY})
+    assert all("usage" not in c for c in plain)  # without stream_options: no usage at all
+
+
+# ---- 3. model "" --------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+def test_an_empty_model_name_serves_the_model(apps, mode) -> None:
+    r = call(apps[mode], "v1/chat/completions", {"model": "", "messages": CHAT, **GREEDY})
+    assert r["model"] == MODEL
+    r = call(apps[mode], "v1/completions", {"model": "", "prompt": "Hi", **GREEDY})
+    assert r["model"] == MODEL
+
+
+# ---- 4. validation ------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+def test_seed_range_and_error_types_are_vllms(apps, mode) -> None:
+    base = apps[mode]
+    for seed in (2**63 - 1, -(2**63)):
+        call(base, "v1/completions", {"prompt": "Hi", "seed": seed, **GREEDY})
+    err = call(base, "v1/completions", {"prompt": "Hi", **GREEDY, "seed": 2**63}, 400)["error"]
+    assert "less_than_equal" in err["message"] and err["param"] == "seed"
+    err = call(base, "v1/completions", {"prompt": "Hi", "max_tokens": 4, "temperature": -1},
+               400)["error"]
+    assert "greater_than_equal" in err["message"] and err["type"] == "BadRequestError"
+
+
+# ---- 5. logprobs --------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+def test_completion_top_logprobs_put_the_sampled_token_first(apps, mode) -> None:
+    body = {"prompt": "Once upon a time", "logprobs": 3, "max_tokens": 6, "temperature": 1.0,
+            "seed": 3}
+    lp = call(apps[mode], "v1/completions", body)["choices"][0]["logprobs"]
+    for token, logprob, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"],
+                                   strict=True):
+        assert next(iter(top.items())) == (token, logprob)
+        rest = list(top.values())[1:]
+        assert 3 <= len(top) <= 4 and rest == sorted(rest, reverse=True)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_tokens_as_token_ids(apps, mode) -> None:
+    base, as_id = apps[mode], re.compile(r"token_id:\d+")
+    body = {"prompt": "Once upon a time", "logprobs": 2, "return_tokens_as_token_ids": True,
+            **GREEDY}
+    lp = call(base, "v1/completions", body)["choices"][0]["logprobs"]
+    assert all(as_id.fullmatch(t) for t in lp["tokens"])
+    assert all(as_id.fullmatch(t) for top in lp["top_logprobs"] for t in top)
+    body = {"messages": CHAT, "logprobs": True, "top_logprobs": 2,
+            "return_tokens_as_token_ids": True, **GREEDY}
+    content = call(base, "v1/chat/completions", body)["choices"][0]["logprobs"]["content"]
+    for entry in [*content, *(t for c in content for t in c["top_logprobs"])]:
+        assert as_id.fullmatch(entry["token"]) and bytes(entry["bytes"]) == entry["token"].encode()
+
+
+# ---- 6. /tokenize -------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+def test_tokenize_returns_token_strs_when_asked(apps, mode) -> None:
+    base = apps[mode]
+    plain = call(base, "tokenize", {"prompt": "Hello world"})
+    assert "token_strs" in plain and plain["token_strs"] is None
+    asked = call(base, "tokenize", {"prompt": "Hello world", "return_token_strs": True})
+    assert asked["tokens"] == plain["tokens"] and len(asked["token_strs"]) == asked["count"]
+    assert asked["token_strs"][-1] == "Ġworld"  # the tokenizer's pieces, not decoded text
+
+
+# ---- 7. endpoints -------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+def test_version_ping_and_invocations(apps, mode) -> None:
+    base = apps[mode]
+    version = httpx.get(f"{base}/version", timeout=TIMEOUT_S)
+    assert version.status_code == 200 and isinstance(version.json()["version"], str)
+    assert httpx.get(f"{base}/ping", timeout=TIMEOUT_S).status_code == 200
+    assert httpx.post(f"{base}/ping", timeout=TIMEOUT_S).status_code == 200
+    chat = call(base, "invocations", {"messages": CHAT, **GREEDY})
+    assert chat["object"] == "chat.completion"
+    text = call(base, "invocations", {"prompt": "Once upon a time", **GREEDY})
+    assert text["object"] == "text_completion"
+    err = call(base, "invocations", {"max_tokens": 3}, 400)["error"]
+    assert "Cannot find suitable handler" in err["message"]
+
+
+# ---- 8. chat echo -------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+def test_chat_echo_continues_an_assistant_turn(apps, mode) -> None:
+    base = apps[mode]
+    start = "The capital of France is"
+    body = {"messages": [*CHAT, {"role": "assistant", "content": start}], **GREEDY,
+            "add_generation_prompt": False, "continue_final_message": True}
+    reply = call(base, "v1/chat/completions", body)["choices"][0]["message"]["content"]
+    echoed = call(base, "v1/chat/completions", {**body, "echo": True})
+    assert echoed["choices"][0]["message"]["content"] == start + reply and reply
+    chunks = stream(base, "chat/completions", {**body, "echo": True})
+    streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    assert streamed == start + reply
+    # with a generation prompt, the reply is a new assistant turn: nothing is echoed
+    fresh = call(base, "v1/chat/completions", {"messages": CHAT, **GREEDY, "echo": True})
+    plain = call(base, "v1/chat/completions", {"messages": CHAT, **GREEDY})
+    assert fresh["choices"][0]["message"] == plain["choices"][0]["message"]
+
+
+# ---- 9. prompt_tokens_details -------------------------------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+def test_prompt_tokens_details_is_null_unless_enabled(apps, mode) -> None:
+    body = {"messages": CHAT * 20, **GREEDY}  # long enough to be cached on the second call
+    for _ in range(2):
+        usage = call(apps[mode], "v1/chat/completions", body)["usage"]
+        assert "prompt_tokens_details" in usage and usage["prompt_tokens_details"] is None
