@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from workers.sampling.sampler import SamplingBatch, apply_filters, sample
+from workers.sampling.sampler import SamplingBatch, apply_filters, race, sample
 
 
 def batch(
@@ -86,3 +86,12 @@ def test_logprobs_are_of_the_raw_distribution() -> None:
     assert res.logprobs is not None and res.top_ids is not None and res.top_logprobs is not None
     assert abs(res.logprobs[0] - float(PROBS[0, 0].log())) < 1e-5
     assert res.top_ids[0] == [0, 1]
+
+
+def test_a_zero_noise_draw_never_picks_a_token_of_probability_zero() -> None:
+    # Exponential draws can be exactly 0; 0 / 0 would be NaN, which an argmax takes as the max.
+    probs = torch.tensor([[0.0, 0.7, 0.0, 0.3], [0.0, 0.0, 1.0, 0.0]])
+    noise = torch.tensor([[0.0, 1.0, 0.0, 1.0], [0.0, 0.0, 0.5, 0.0]])
+    assert race(probs, noise).tolist() == [1, 2]
+    noise[0, 3] = 0.0  # a zero draw of a token that can be picked makes it win, as p / 0+ would
+    assert race(probs, noise).tolist() == [3, 2]

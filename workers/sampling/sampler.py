@@ -168,6 +168,14 @@ def apply_filters(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     return logits
 
 
+def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """`argmax(probs / noise)` per row, noise ~ Exponential(1). A draw can be exactly 0 (one
+    in 2**24 on CUDA: dozens a minute at a 49k vocabulary), and 0 / 0 is NaN, which the argmax
+    takes as the maximum: a token of probability 0 (masked, filtered) would win. Flooring the
+    noise at the smallest normal float keeps every such quotient 0."""
+    return argmax_rows(probs / noise.clamp_min(torch.finfo(noise.dtype).tiny))
+
+
 def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampledTensors:
     """`logits` `[B, V]` float32 -> one token per row (plus logprobs if asked), on the logits'
     device and without waiting for it. Logprobs are those of the raw `logits`. The token
@@ -185,8 +193,7 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampledTensors:
         for row, gen in enumerate(sb.generators):
             if gen is not None:
                 noise[row] = torch.empty_like(probs[row]).exponential_(generator=gen)
-        sampled = argmax_rows(probs / noise)
-        tokens = torch.where(sb.temperatures == 0, greedy, sampled)
+        tokens = torch.where(sb.temperatures == 0, greedy, race(probs, noise))
     result = SampledTensors(token_ids=tokens)
     if sb.num_logprobs >= 0:
         logprobs = logits.log_softmax(dim=-1)
