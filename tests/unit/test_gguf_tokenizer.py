@@ -13,11 +13,11 @@ from workers.sampling.grammar import vocab_tokenizer
 def test_a_byte_level_vocabulary_gets_a_byte_level_decoder(smollm2_dir: Path) -> None:
     tok = load_tokenizer(smollm2_dir)
     space = tok.encode(" ", add_special_tokens=False)
-    # what transformers 5.17 makes of SmolLM2's GGUF vocabulary: a SentencePiece-style decoder
-    tok.backend_tokenizer.decoder = decoders.Sequence(
-        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
-    )
-    assert tok.decode(space) != " "
+    # what transformers 5.17 loads for SmolLM2's converted GGUF vocabulary
+    tok.backend_tokenizer.decoder = decoders.Sequence([
+        decoders.ByteFallback(), decoders.Fuse(), decoders.Replace("▁", " "),
+        decoders.ByteLevel(add_prefix_space=True),
+    ])  # fmt: skip
     assert vocab_tokenizer(tok, len(tok)).decode_bytes(space) != b" "
     byte_level_decoder(tok)
     assert tok.decode(space) == " "

@@ -93,7 +93,7 @@ def gguf_to_hf_dir(gguf: Path) -> Path:
     """Dequantise `gguf` once into a cached HF directory; concurrent callers wait on a lock."""
     gguf = gguf.resolve()
     stat = gguf.stat()
-    key = hashlib.sha256(f"v2:{gguf}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"v1:{gguf}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
     out = cache_root() / "gguf" / f"{gguf.stem}-{key}"
     if (out / "config.json").is_file():
         return out
@@ -107,26 +107,26 @@ def gguf_to_hf_dir(gguf: Path) -> Path:
 
 def byte_level_decoder(tokenizer: Any) -> None:
     """Give a byte-level BPE vocabulary (GPT-2's, as SmolLM2's) the ByteLevel decoder its
-    ByteLevel pre-tokenizer implies. Some transformers versions (5.17) convert such a GGUF
-    vocabulary with a SentencePiece-style decoder, which leaves 'Ġ' in decoded text instead of a
-    space; the grammar engine, which reads each token's bytes off the decoder, then finds no
-    token that starts with a space."""
+    ByteLevel pre-tokenizer implies. Some transformers versions (5.17) load SmolLM2's converted
+    GGUF vocabulary with a SentencePiece-style decoder sequence (byte fallback, fuse, '▁' to
+    space, then ByteLevel); the grammar engine, which reads each token's bytes off the decoder,
+    then takes 'Ġ' for two bytes rather than a space and finds no token that starts with one."""
     from tokenizers import decoders
 
     backend = tokenizer.backend_tokenizer
     spec = json.loads(backend.to_str())
-    if _has_step(spec.get("pre_tokenizer"), "ByteLevel") and not _has_step(
-        spec.get("decoder"), "ByteLevel"
-    ):
+    decoder = spec.get("decoder") or {}
+    if _has_step(spec.get("pre_tokenizer"), "ByteLevel") and decoder.get("type") != "ByteLevel":
         backend.decoder = decoders.ByteLevel()
 
 
 def _has_step(node: dict[str, Any] | None, kind: str) -> bool:
-    """Whether a tokenizer.json pre-tokenizer or decoder is of `kind`, or a sequence holding one."""
+    """Whether a tokenizer.json pre-tokenizer is of `kind`, or a sequence holding one."""
     if not node:
         return False
-    inner = node.get("pretokenizers") or node.get("decoders") or []
-    return node.get("type") == kind or any(_has_step(n, kind) for n in inner)
+    return node.get("type") == kind or any(
+        _has_step(n, kind) for n in node.get("pretokenizers") or []
+    )
 
 
 def _convert_gguf(gguf: Path, out: Path) -> None:
@@ -136,7 +136,6 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    byte_level_decoder(tokenizer)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
     # save_pretrained refuses models read from GGUF; the dequantised tensors are plain, though.
     state = model.state_dict()
@@ -163,7 +162,9 @@ def load_model_config(model_dir: Path) -> ModelConfig:
 def load_tokenizer(model_dir: Path):  # noqa: ANN201 - a transformers tokenizer
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    byte_level_decoder(tokenizer)
+    return tokenizer
 
 
 def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
