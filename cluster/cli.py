@@ -18,6 +18,8 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import logging
+import os
 import sys
 import threading
 import time
@@ -31,7 +33,7 @@ from cluster.config import AppConfig
 from cluster.schema_doc import schema_markdown
 
 IMPORT_PATH = "cluster.app:build_app"
-SHUTDOWN_TIMEOUT_S = 30.0  # Serve's part of Ctrl-C
+SHUTDOWN_TIMEOUT_S = 20.0  # each of Serve's and Ray's parts of Ctrl-C
 
 
 def pdserve_apps(config: dict[str, Any]) -> list[dict[str, Any]]:
@@ -130,12 +132,16 @@ def serve(config: dict[str, Any]) -> None:
     except KeyboardInterrupt:
         pass
     finally:
-        # Ctrl-C reaches Serve's controller too (one process group): its shutdown call can then
-        # wait for ever, so it gets a bound and Ray's own shutdown follows regardless.
-        stopping = threading.Thread(target=ray_serve.shutdown, daemon=True)
-        stopping.start()
-        stopping.join(SHUTDOWN_TIMEOUT_S)
-        ray.shutdown()
+        # Ctrl-C reaches Serve's controller and Ray's own processes too (one process group):
+        # Serve's and Ray's shutdown calls can then wait for ever (as can Ray's exit hook), so
+        # each gets a bound and the process ends when both are done or out of time.
+        for step in (ray_serve.shutdown, ray.shutdown):
+            stopping = threading.Thread(target=step, daemon=True)
+            stopping.start()
+            stopping.join(SHUTDOWN_TIMEOUT_S)
+        logging.shutdown()
+        sys.stdout.flush()
+        os._exit(0)
 
 
 def main(argv: list[str] | None = None) -> int:
