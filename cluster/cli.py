@@ -20,6 +20,7 @@ import copy
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -108,6 +109,18 @@ def serve_config(
     return config
 
 
+def _stop_on_signals() -> None:
+    """Ctrl-C and SIGTERM (what Kubernetes sends a pod) both stop the server, also where SIGINT
+    was ignored when the process started (a shell's background job), which would leave Python
+    without its Ctrl-C handler."""
+
+    def stop(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, stop)
+
+
 def serve(config: dict[str, Any]) -> None:
     """Start each pdserve application of `config` (from `serve_config`; no other application
     of the file) and block until Ctrl-C."""
@@ -119,6 +132,7 @@ def serve(config: dict[str, Any]) -> None:
     http = config["http_options"]  # serve_config sets it
     ray.init()
     ray_serve.start(proxy_location=config.get("proxy_location"), http_options=http)
+    _stop_on_signals()
     try:
         for app in pdserve_apps(config):
             ray_serve.run(
