@@ -8,23 +8,14 @@
 from __future__ import annotations
 
 import argparse
-import time
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from bench.gpu_common import wall_ms
 from bench.results_io import add_out_argument, write_result
 
 ROWS = (1, 3, 8, 16, 64)
-
-
-def wall_ms(fn: Callable[[], object], repeat: int) -> float:
-    fn()
-    t0 = time.perf_counter()
-    for _ in range(repeat):
-        fn()
-    return (time.perf_counter() - t0) / repeat * 1e3
 
 
 def main() -> None:
@@ -37,12 +28,13 @@ def main() -> None:
     torch.manual_seed(0)
     weight = torch.randn(args.vocab, args.hidden)
     copy = torch.empty_like(weight)
-    floor_ms = wall_ms(lambda: copy.copy_(weight), args.repeat) / 2  # a copy reads and writes
+    floor_ms = wall_ms(lambda: copy.copy_(weight), iters=args.repeat) / 2  # reads and writes
     rows = []
     for m in ROWS:
         hidden = torch.randn(m, args.hidden)
-        ours = wall_ms(lambda h=hidden: torch.mm(weight, h.t()).t().contiguous(), args.repeat)
-        linear = wall_ms(lambda h=hidden: F.linear(h, weight), args.repeat)
+        ours = wall_ms(lambda h=hidden: torch.mm(weight, h.t()).t().contiguous(),
+                       iters=args.repeat)  # fmt: skip
+        linear = wall_ms(lambda h=hidden: F.linear(h, weight), iters=args.repeat)
         rows.append({"rows": m, "ours_ms": ours, "f_linear_ms": linear,
                      "x_f_linear": linear / ours, "x_floor": ours / floor_ms})  # fmt: skip
         print(f"rows {m:3d}  W h^T {ours:7.2f} ms  F.linear {linear:7.2f} ms  "

@@ -17,6 +17,7 @@ import httpx
 import pytest
 import yaml
 from ray import serve
+from ray.serve import Application
 
 from cluster.app import build_app
 from tests.e2e.app_process import REPO
@@ -50,23 +51,20 @@ def serve_url(ray_cluster: None) -> Iterator[str]:
 
 
 @contextmanager
-def deployed(serve_url: str, name: str, args: dict[str, Any]) -> Iterator[str]:
-    """Application `name` built from `args`, at `serve_url/name` until the block ends."""
-    serve.run(build_app(args), name=name, route_prefix=f"/{name}")
+def running(name: str, app: Application, route_prefix: str | None) -> Iterator[Any]:
+    """Application `name` until the block ends: its ingress's handle."""
+    handle = serve.run(app, name=name, route_prefix=route_prefix)
     try:
-        yield f"{serve_url}/{name}"
+        yield handle
     finally:
         serve.delete(name)
 
 
 @contextmanager
-def deployed_handle(name: str, args: dict[str, Any]) -> Iterator[Any]:
-    """Application `name` without a route: its ingress's handle, until the block ends."""
-    handle = serve.run(build_app(args), name=name, route_prefix=None)
-    try:
-        yield handle
-    finally:
-        serve.delete(name)
+def deployed(serve_url: str, name: str, args: dict[str, Any]) -> Iterator[str]:
+    """Application `name` built from `args`, at `serve_url/name` until the block ends."""
+    with running(name, build_app(args), f"/{name}"):
+        yield f"{serve_url}/{name}"
 
 
 def wait_healthy(base: str) -> None:

@@ -11,6 +11,7 @@ import pytest
 import ray
 from ray import serve
 
+from tests.e2e.conftest import running
 from workers.protocol import GenerateRequest
 
 pytestmark = pytest.mark.e2e
@@ -41,10 +42,8 @@ def pool(serve_url: str) -> Iterator[Any]:
             "request_routing_stats_period_s": 1.0,
         },
     ).bind()
-    try:
-        yield serve.run(app, name="prefix-routing", route_prefix=None)
-    finally:
-        serve.delete("prefix-routing")
+    with running("prefix-routing", app, route_prefix=None) as handle:
+        yield handle
 
 
 def prompt(tenant: int, i: int) -> GenerateRequest:

@@ -12,6 +12,7 @@ from ray import serve
 
 from cluster.app import _deployment_options
 from cluster.config import AppConfig
+from tests.e2e.conftest import running
 from workers import LLM, SamplingParams
 from workers.protocol import GenerateRequest
 from workers.serve.decode import DecodeWorker
@@ -41,10 +42,8 @@ def decode(serve_url: str, tiny_llama: str, other_groups: set[str]) -> Iterator[
     app = serve.deployment(DecodeWorker, **_deployment_options("decode", cfg.decode)).bind(
         cfg.decode.engine(cfg.engine).model_dump(), cfg.kv_transfer.model_dump()
     )
-    try:
-        yield serve.run(app, name="tp", route_prefix=None)
-    finally:
-        serve.delete("tp")
+    with running("tp", app, route_prefix=None) as handle:
+        yield handle
 
 
 def test_a_tp_replica_serves_the_single_rank_tokens(

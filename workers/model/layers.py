@@ -288,7 +288,7 @@ class ParallelLMHead(VocabParallelEmbedding):
             local = linear(hidden, self.weight, out_dtype=torch.float32)
         else:
             # On the CPU, W h^T then a transposed copy: against a vocabulary-sized weight the
-            # float32 GEMM takes h W^T 1.3-3.8x slower for 3-64 rows (SmolLM2's [49152, 576]
-            # on 2 cores: 64 ms against 17 ms for 3 rows; bench/cpu_lm_head.py).
+            # float32 GEMM takes h W^T 1.3-3.7x slower for 3-64 rows (SmolLM2's [49152, 576]
+            # on 2 cores: 53 ms against 14 ms for 3 rows; bench/cpu_lm_head.py).
             local = torch.mm(self.weight, hidden.t()).t().contiguous().float()
         return self.tp.all_gather_last_dim(local)[..., : self.vocab_size]
