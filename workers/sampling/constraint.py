@@ -16,7 +16,6 @@ from concurrent.futures import Future
 from typing import Any
 
 import llguidance
-import llguidance.torch
 import numpy as np
 import torch
 
@@ -110,7 +109,9 @@ class MaskFiller:
         mask.fill_(-1)
         grammars = [(c.matcher, i) for i, c in enumerate(constraints) if c.matcher is not None]
         if grammars:
-            llguidance.torch.fill_next_token_bitmask_par(self._executor, grammars, mask)
+            # the executor itself, not llguidance.torch (whose import compiles a torch.compile
+            # kernel's dependencies: ~4 s per process); `mask` rows are contiguous int32
+            self._executor.unsafe_compute_mask_ptr(grammars, mask.data_ptr(), self.words * 4, n)
         for i, c in enumerate(constraints):
             if c.static is not None:
                 mask[i] &= torch.from_numpy(c.static)
