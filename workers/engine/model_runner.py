@@ -19,7 +19,7 @@ import torch
 from workers.attention import AttentionBatch, create_backend
 from workers.config import EngineConfig
 from workers.engine.kv_budget import GiB, GPUMemory, fixed_kv_pages, gpu_kv_pages
-from workers.engine.sampling_inputs import SamplingInputs
+from workers.engine.sampling_inputs import Masks, SamplingInputs
 from workers.kvcache.page_table import PageTable
 from workers.kvcache.pool import KVPool
 from workers.model.dummy import build_dummy_model
@@ -30,6 +30,7 @@ from workers.sampling.penalties import adjusts_logits
 from workers.sampling.sampler import (
     SampledTensors,
     SampleResult,
+    SamplingBatch,
     argmax_rows,
     prompt_logprobs,
     sample,
@@ -126,6 +127,8 @@ class ModelRunner:
         Sampling decides on the host which filters run, so the host never waits for the device
         until `LaunchedStep.result()`.
         """
+        if self._prev_launch is not None:
+            self._prev_launch.finish()  # its sampled ids are this step's unseen tokens
         plan = self.plan(step)
         out = self.run_plan(plan)
         logits, greedy_ids, prompt = out.logits, out.greedy_ids, out.prompt
@@ -145,11 +148,26 @@ class ModelRunner:
         ):
             sampled = SampledTensors(argmax_rows(logits) if greedy_ids is None else greedy_ids)
         else:
-            sampled = sample(logits, self.sampling.batch(seqs, prev, prev_launch))
+            sb, masks = self.sampling.batch(seqs, prev, prev_launch)
+            if masks is not None:  # sampled at `finish()`: the host's work till then hides the fill
+                launched = LaunchedStep(step, plan.rows, lambda: self._sample_masked(
+                    logits, sb, masks, seqs), prompt, prompt_seqs)  # fmt: skip
+                self._prev_launch = launched
+                return launched
+            sampled = sample(logits, sb)
         self._prev = (sampled.token_ids, {seq: r for r, seq in enumerate(seqs)})
         launched = LaunchedStep(step, plan.rows, sampled, prompt, prompt_seqs)
         self._prev_launch = launched
         return launched
+
+    @torch.inference_mode()
+    def _sample_masked(
+        self, logits: torch.Tensor, sb: SamplingBatch, masks: Masks, seqs: list[Sequence]
+    ) -> SampledTensors:
+        sb.mask = masks()
+        sampled = sample(logits, sb)
+        self._prev = (sampled.token_ids, {seq: r for r, seq in enumerate(seqs)})
+        return sampled
 
     def plan(self, step: StepInput) -> StepPlan:
         """`step`'s inputs as host arrays, laid out for a CUDA graph where one applies

@@ -21,6 +21,7 @@ from workers.scheduler.step import LaunchedStep
 from workers.sequence import Sequence
 
 Prev = tuple[torch.Tensor, dict[Sequence, int]]  # a launch's sampled ids, each sequence's row
+Masks = Callable[[], tuple[torch.Tensor, torch.Tensor]]  # the token masks' row ids and bitmask
 
 
 class SamplingInputs:
@@ -34,9 +35,11 @@ class SamplingInputs:
 
     def batch(
         self, seqs: list[Sequence], prev: Prev | None, prev_launch: LaunchedStep | None
-    ) -> SamplingBatch:
-        """The sampling rules of `seqs`' rows; `prev` / `prev_launch`, the launch before this
-        one, hold the newest output token of each sequence whose token is still pending."""
+    ) -> tuple[SamplingBatch, Masks | None]:
+        """The sampling rules of `seqs`' rows, and their token masks (none if no row is
+        constrained) being filled: `sb.mask = masks()` before sampling, and no matcher may be
+        called meanwhile. `prev` / `prev_launch`, the launch before this one, hold the newest
+        output token of each sequence whose token is still pending."""
         for seq in seqs:
             if seq.params.seed is not None and seq.generator is None:
                 seq.generator = torch.Generator(self.device).manual_seed(seq.params.seed % 2**64)
@@ -63,12 +66,11 @@ class SamplingInputs:
             to_device=self.to_device,
             adjust=adjust,
         )
-        sb.mask = self._token_masks(seqs, prev, prev_launch)
-        return sb
+        return sb, self._token_masks(seqs, prev, prev_launch)
 
     def _token_masks(
         self, seqs: list[Sequence], prev: Prev | None, prev_launch: LaunchedStep | None
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    ) -> Masks | None:
         """The row ids and bitmask of `seqs`' constrained rows on the device (None if none is),
         each matcher first brought to its sequence's output."""
         rows = [r for r, s in enumerate(seqs) if s.constraint is not None]
@@ -89,5 +91,6 @@ class SamplingInputs:
             constraints.append(seq.constraint)
         if self._masks is None:
             self._masks = MaskFiller(self.vocab, self.device)
-        bitmask = self._masks.to_device(constraints)
-        return self.to_device(np.asarray(rows, dtype=np.int64)), bitmask
+        filling = self._masks.start(constraints)
+        row_ids = self.to_device(np.asarray(rows, dtype=np.int64))
+        return lambda: (row_ids, filling.result())

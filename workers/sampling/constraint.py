@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import llguidance
@@ -32,6 +32,8 @@ class Constraint:
         self.matcher: Any = None  # this request's copy, once compiled
         self.deadline = time.monotonic() + GRAMMAR_WAIT_S
         self.num_consumed = 0  # output tokens the matcher has consumed
+        self.finished = False  # the grammar is complete: nothing but EOS may follow
+        self.error: str | None = None
         self.static: np.ndarray | None = None  # int32 bitmask row of `allowed`
         if allowed is not None:
             bits = np.zeros(bitmask_words(vocab) * BITS, dtype=np.uint8)
@@ -48,6 +50,7 @@ class Constraint:
             self.matcher = self._compiled.result().deep_copy()
         except ValueError as e:
             return str(e)
+        self.refresh()
         return True
 
     def wait(self, timeout_s: float | None = None) -> bool | str:
@@ -60,64 +63,91 @@ class Constraint:
 
     def sync(self, output_ids: Sequence[int]) -> None:
         """Bring the matcher to `output_ids` (the request's output tokens, in order)."""
-        if self.matcher is None:
-            return
         n = len(output_ids)
+        if self.matcher is None or n == self.num_consumed:
+            return  # nothing to do: no call on a matcher that a fill may hold
         if n < self.num_consumed:
             self.matcher.rollback(self.num_consumed - n)
             self.num_consumed = n
         for token in output_ids[self.num_consumed :]:
             self.matcher.consume_token(token)  # an error state shows in `error` / the mask
         self.num_consumed = n
+        self.refresh()
 
-    @property
-    def finished(self) -> bool:
-        """Whether the grammar is complete: nothing but EOS may follow."""
-        return self.matcher is not None and self.matcher.is_stopped()
-
-    @property
-    def error(self) -> str | None:
-        if self.matcher is not None and self.matcher.is_error():
-            return f"grammar: {self.matcher.get_error()}"
-        return None
+    def refresh(self) -> None:
+        """Read the matcher's state into `finished` / `error`: they are read while a mask fill
+        may hold the matcher (`MaskFiller`), when the matcher itself cannot be called."""
+        self.finished = self.matcher is not None and self.matcher.is_stopped()
+        failed = self.matcher is not None and self.matcher.is_error()
+        self.error = f"grammar: {self.matcher.get_error()}" if failed else None
 
 
 class MaskFiller:
-    """Fills one bitmask row per constrained request (the grammars' rows on llguidance's thread
-    pool) and takes the bitmask to the device. On CUDA through two pinned buffers in turn, each
-    reused once the copy out of it is done."""
+    """Fills one bitmask row per constrained request and takes the bitmask to the device. The
+    grammars' rows fill on llguidance's thread pool, started from a thread of its own without
+    the GIL (`start`), so the host goes on with the step's other work until `PendingMask.result`.
+    On CUDA through two pinned buffers in turn, each reused once the copy out of it is done."""
 
     def __init__(self, vocab: int, device: torch.device) -> None:
         self.words = bitmask_words(vocab)
         self.device = device
         self._executor = llguidance.LLExecutor()
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="mask-fill")
         self._buffers = [torch.empty(0, self.words, dtype=torch.int32) for _ in range(2)]
         self._copied: list[Any] = [None, None]  # CUDA event after each buffer's last copy
         self._turn = 0
 
-    def to_device(self, constraints: Sequence[Constraint]) -> torch.Tensor:
-        """`[len(constraints), words]` int32 on the device, without waiting for the copy."""
+    def start(self, constraints: Sequence[Constraint]) -> PendingMask:
+        """Begin filling `[len(constraints), words]`: no matcher may be called until the
+        result is taken."""
         n, k = len(constraints), self._turn
         self._turn ^= 1
-        cuda = self.device.type == "cuda"
         if self._copied[k] is not None:
             self._copied[k].synchronize()
         if self._buffers[k].shape[0] < n:
             self._buffers[k] = torch.empty(max(n, 64), self.words, dtype=torch.int32,
-                                           pin_memory=cuda)  # fmt: skip
+                                           pin_memory=self.device.type == "cuda")  # fmt: skip
         mask = self._buffers[k][:n]
         mask.fill_(-1)
         grammars = [(c.matcher, i) for i, c in enumerate(constraints) if c.matcher is not None]
+        # the executor itself, not llguidance.torch (whose import compiles a torch.compile
+        # kernel's dependencies: ~4 s per process); `mask` rows are contiguous int32
+        job = None
         if grammars:
-            # the executor itself, not llguidance.torch (whose import compiles a torch.compile
-            # kernel's dependencies: ~4 s per process); `mask` rows are contiguous int32
-            self._executor.unsafe_compute_mask_ptr(grammars, mask.data_ptr(), self.words * 4, n)
-        for i, c in enumerate(constraints):
-            if c.static is not None:
-                mask[i] &= torch.from_numpy(c.static)
-        if not cuda:
+            fill = self._executor.unsafe_compute_mask_ptr
+            job = self._thread.submit(fill, grammars, mask.data_ptr(), self.words * 4, n)
+        return PendingMask(self, k, mask, job, constraints)
+
+    def to_device(self, k: int, mask: torch.Tensor) -> torch.Tensor:
+        """`mask` (of buffer `k`) on the device, without waiting for the copy."""
+        if self.device.type != "cuda":
             return mask.clone()
         on_device = mask.to(self.device, non_blocking=True)
         self._copied[k] = torch.cuda.Event()
         self._copied[k].record()
         return on_device
+
+
+class PendingMask:
+    """A bitmask being filled (`MaskFiller.start`)."""
+
+    def __init__(
+        self,
+        filler: MaskFiller,
+        k: int,
+        mask: torch.Tensor,
+        job: Future[None] | None,
+        constraints: Sequence[Constraint],
+    ) -> None:
+        self._filler, self._k, self._mask, self._job = filler, k, mask, job
+        self._constraints = constraints
+
+    def result(self) -> torch.Tensor:
+        """The filled bitmask on the device (its copy may still be under way)."""
+        if self._job is not None:
+            self._job.result()
+        for i, c in enumerate(self._constraints):
+            c.refresh()  # a fill can leave a matcher in an error state
+            if c.static is not None:
+                self._mask[i] &= torch.from_numpy(c.static)
+        return self._filler.to_device(self._k, self._mask)

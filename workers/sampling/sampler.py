@@ -182,7 +182,8 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampledTensors:
     masks go after the adjustments, so a bias or penalty never lets a masked token through."""
     adjusted = logits if sb.adjust is None else sb.adjust.apply(logits)
     if sb.mask is not None:
-        adjusted = adjusted.clone() if adjusted is logits else adjusted
+        if adjusted is logits and sb.num_logprobs >= 0:  # logprobs are of the raw logits
+            adjusted = logits.clone()
         apply_bitmask(adjusted, sb.mask[1], sb.mask[0])
     greedy = argmax_rows(adjusted)
     if sb.all_greedy:

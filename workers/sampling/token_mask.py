@@ -1,7 +1,8 @@
 """Token bitmasks applied to logits on their device: bit j of word w of a row allows token
 32 * w + j. The grammar matchers fill the bitmask on the host (`workers/sampling/grammar.py`);
-one copy takes it to the device, where a few elementwise kernels apply it. Columns past the
-bitmask (logits wider than the tokenizer's vocabulary) are never allowed."""
+one copy takes it to the device, where one Triton kernel (`workers/kernels/token_bitmask.py`) or,
+on the CPU, a few elementwise ops apply it. Columns past the bitmask (logits wider than the
+tokenizer's vocabulary) are never allowed."""
 
 from __future__ import annotations
 
@@ -19,6 +20,11 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tenso
     """Set `logits[rows[i], t]` to -inf, in place, wherever bit t of `bitmask[i]` is clear.
     `bitmask` `[R, W]` int32 and `rows` `[R]` int64 on the logits' device; when every row of
     `logits` is masked (R equals its rows), `rows` must be `0..R-1`."""
+    if logits.is_cuda:
+        from workers.kernels.token_bitmask import apply_bitmask_cuda
+
+        apply_bitmask_cuda(logits, bitmask, rows)
+        return
     vocab = logits.shape[1]
     words = bitmask.shape[1]
     # contiguous operands: a broadcast over a last dimension of 32 is 30x slower on the CPU

@@ -5,6 +5,7 @@ its host arrays for every TP rank (`StepPlan`), what its forward leaves on the d
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -63,13 +64,16 @@ class StepOutputs:
 
 class LaunchedStep:
     """A step queued on the device; `result()` waits for its sampled rows, `prompt_result()`
-    for its prompt logprobs (`token_ids` there: the prompt tokens they are of)."""
+    for its prompt logprobs (`token_ids` there: the prompt tokens they are of).
+
+    `sampled` may be a function that queues the sampling later (`finish()`): the model runner
+    leaves it for after the host's other work when token masks are still being filled."""
 
     def __init__(
         self,
         step: StepInput,
         rows: list[int],
-        sampled: SampledTensors | None,
+        sampled: SampledTensors | Callable[[], SampledTensors] | None,
         prompt: SampledTensors | None = None,
         prompt_seqs: list[tuple[int, int]] | None = None,
     ) -> None:
@@ -77,22 +81,44 @@ class LaunchedStep:
         self.rows = rows  # indices into step.seqs of the sequences that sample a token
         # (index into step.seqs, position) of each prompt logprob: of the token after it
         self.prompt_seqs = prompt_seqs or []
-        self._host = None if sampled is None else sampled.copy_to_host()
         self._prompt_host = None if prompt is None else prompt.copy_to_host()
+        self._host: SampledTensors | None = None
         self._done: torch.cuda.Event | None = None
+        self._error: Exception | None = None
+        self._deferred = sampled if callable(sampled) else None
+        if not callable(sampled):
+            self._queue(sampled, prompt)
+
+    def finish(self) -> None:
+        """Queue the sampling left for later, if any and not yet queued."""
+        if self._deferred is None:
+            return
+        deferred, self._deferred = self._deferred, None
+        try:
+            self._queue(deferred(), None)
+        except Exception as e:  # noqa: BLE001 - raised by result(), where the engine fails the step
+            self._error = e
+
+    def _queue(self, sampled: SampledTensors | None, prompt: SampledTensors | None) -> None:
+        """Start the copies to the host; one event after them, and after any queued before."""
+        self._host = None if sampled is None else sampled.copy_to_host()
         if any(t is not None and t.token_ids.is_cuda for t in (sampled, prompt)):
             self._done = torch.cuda.Event()
             self._done.record()
 
     def result(self) -> SampleResult | None:
-        return self._wait(self._host)
+        return self._wait(lambda: self._host)
 
     def prompt_result(self) -> SampleResult | None:
-        return self._wait(self._prompt_host)
+        return self._wait(lambda: self._prompt_host)
 
-    def _wait(self, host: SampledTensors | None) -> SampleResult | None:
-        if host is None:
+    def _wait(self, host: Callable[[], SampledTensors | None]) -> SampleResult | None:
+        self.finish()
+        if self._error is not None:
+            raise self._error
+        copied = host()
+        if copied is None:
             return None
         if self._done is not None:
             self._done.synchronize()
-        return host.to_host()
+        return copied.to_host()
