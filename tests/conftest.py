@@ -77,24 +77,50 @@ def hf_greedy(
     max_new_tokens: int,
     processors=None,  # noqa: ANN001 - a transformers LogitsProcessorList
 ) -> list[int]:
+    """HF transformers' greedy tokens for one prompt (`hf_greedy_batch`)."""
+    return hf_greedy_batch(model, [prompt], max_new_tokens, processors)[0]
+
+
+def hf_greedy_batch(
+    model,  # noqa: ANN001 - a transformers model
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    processors=None,  # noqa: ANN001 - a transformers LogitsProcessorList
+) -> list[list[int]]:
     """HF transformers' greedy tokens with its own KV cache on the model's device, never
-    stopping at EOS; with `processors` (a `LogitsProcessorList`) the argmax is of the logits
-    they return."""
+    stopping at EOS; with `processors` (a `LogitsProcessorList`, given each row's own tokens)
+    the argmax is of the logits they return. The prompts run as one left-padded batch (an
+    attention mask, positions counted from each row's first token): a step per token, not a
+    step per token and prompt."""
     device = next(model.parameters()).device
-    ids = list(prompt)
+    width = max(map(len, prompts))
+    pads = [width - len(p) for p in prompts]
+    mask = torch.tensor([[0] * n + [1] * len(p) for n, p in zip(pads, prompts)], device=device)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    ids = torch.tensor([[0] * n + p for n, p in zip(pads, prompts)], device=device)
+    rows = [list(p) for p in prompts]
     with torch.inference_mode():
-        out = model(torch.tensor([prompt], device=device), use_cache=True)
+        out = model(ids, attention_mask=mask, position_ids=positions, use_cache=True)
         for _ in range(max_new_tokens):
             scores = out.logits[:, -1].float()
             if processors is not None:
-                scores = processors(torch.tensor([ids], device=device), scores)
-            ids.append(int(scores[0].argmax()))
+                scores = torch.cat([
+                    processors(torch.tensor([row], device=device), scores[i : i + 1])
+                    for i, row in enumerate(rows)
+                ])  # fmt: skip
+            picked = scores.argmax(-1)
+            for row, token in zip(rows, picked.tolist()):
+                row.append(token)
+            mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
+            positions = positions[:, -1:] + 1
             out = model(
-                torch.tensor([ids[-1:]], device=device),
+                picked[:, None],
+                attention_mask=mask,
+                position_ids=positions,
                 past_key_values=out.past_key_values,
                 use_cache=True,
             )
-    return ids[len(prompt) :]
+    return [row[len(p) :] for row, p in zip(rows, prompts)]
 
 
 def make_random_checkpoint(

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import hf_greedy, make_random_checkpoint
+from tests.conftest import hf_greedy, hf_greedy_batch, make_random_checkpoint
 from workers import LLM, SamplingParams
 
 PROMPTS = [
@@ -29,7 +29,7 @@ def smollm2_reference(hf_smollm2, smollm2_dir: Path) -> tuple[list[list[int]], l
 
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
     prompts = [tok.encode(p) for p in PROMPTS]
-    return prompts, [hf_greedy(hf_smollm2, p, NEW_TOKENS) for p in prompts]
+    return prompts, hf_greedy_batch(hf_smollm2, prompts, NEW_TOKENS)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -67,8 +67,8 @@ def test_smollm2_penalties_and_logit_bias_equal_hf_processors(
     for fields, processor in cases:
         params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, **fields)
         outs = llm.generate(prompts, params)
-        for prompt, out, base in zip(prompts, outs, plain):
-            want = hf_greedy(hf_smollm2, prompt, 24, LogitsProcessorList([processor]))
+        wants = hf_greedy_batch(hf_smollm2, prompts, 24, LogitsProcessorList([processor]))
+        for out, want, base in zip(outs, wants, plain):
             assert out.token_ids == want, fields
             assert want != base[:24]  # the rule changed the greedy text
 
