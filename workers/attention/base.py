@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.kvcache.kv_dtype import quantize
+from workers.kvcache.kv_dtype import as_bytes, quantize
 from workers.kvcache.pool import KVPool
 
 
@@ -71,5 +71,6 @@ def store_kv(
 ) -> None:  # fmt: skip
     """Write the new tokens' k/v `[T, Hkv, D]` into their slots, quantized as the pool stores."""
     kv, scales = pool.layer(layer_id), pool.scales
-    kv[slot_pages, 0, slot_offsets] = quantize(k, kv.dtype, scales.k[layer_id])
-    kv[slot_pages, 1, slot_offsets] = quantize(v, kv.dtype, scales.v[layer_id])
+    raw = as_bytes(kv)
+    raw[slot_pages, 0, slot_offsets] = as_bytes(quantize(k, kv.dtype, scales.k[layer_id]))
+    raw[slot_pages, 1, slot_offsets] = as_bytes(quantize(v, kv.dtype, scales.v[layer_id]))

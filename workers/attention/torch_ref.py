@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.attention.base import AttentionBackend, AttentionBatch
-from workers.kvcache.kv_dtype import dequantize
+from workers.kvcache.kv_dtype import as_bytes, dequantize
 
 
 @dataclass
@@ -91,9 +91,9 @@ class TorchAttention(AttentionBackend):
 
     def _attend(self, layer_id: int, q: torch.Tensor, g: _Group) -> torch.Tensor:
         layer = self.pool.layer(layer_id)
-        keys = layer[:, 0][g.key_page, g.key_slot].transpose(1, 2)  # [B, Hkv, T, D]
-        values = layer[:, 1][g.key_page, g.key_slot].transpose(1, 2)
-        scales = self.pool.scales
+        raw, stored, scales = as_bytes(layer), layer.dtype, self.pool.scales
+        keys = raw[:, 0][g.key_page, g.key_slot].view(stored).transpose(1, 2)  # [B, Hkv, T, D]
+        values = raw[:, 1][g.key_page, g.key_slot].view(stored).transpose(1, 2)
         keys = dequantize(keys, q.dtype, scales.k[layer_id])
         values = dequantize(values, q.dtype, scales.v[layer_id])
         num_kv_heads, head_dim = keys.shape[1], keys.shape[3]

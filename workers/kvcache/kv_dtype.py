@@ -77,6 +77,12 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
     return x.clamp(-FP8_MAX, FP8_MAX).to(dtype)
 
 
+def as_bytes(x: torch.Tensor) -> torch.Tensor:
+    """An FP8 tensor's uint8 view (indexed writes and gathers of FP8 are not implemented on
+    every device and torch version; of bytes they are), any other tensor as it is."""
+    return x.view(torch.uint8) if is_fp8(x.dtype) else x
+
+
 def dequantize(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
     """Stored values back in `dtype` (the torch backend's reads)."""
     x = x.to(dtype)
