@@ -65,11 +65,12 @@ def test_chunked_prefill_prefix_cache_and_preemption_keep_fp8_tokens(tiny_llama:
     """The same greedy tokens as one unchunked, uncached pass over a large FP8 pool: chunks of 16
     tokens, a second round from the prefix cache, and a pool small enough to preempt."""
     system = list(range(100, 140))
-    prompts = [system + [200 + i, 300 + i, 400 + i] for i in range(6)]
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompts = [system + [200 + i, 300 + i, 400 + i] for i in range(4)]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     ref = LLM(tiny_llama, enable_prefix_caching=False, max_num_batched_tokens=4096, **FP8)
     expected = [o.token_ids for o in ref.generate(prompts, params)]
-    llm = LLM(tiny_llama, page_size=4, num_kv_pages=36, max_num_batched_tokens=16, **FP8)
+    # 10 shared pages and 1 more each at admission; 5 more each by the end: 30 > 23 usable.
+    llm = LLM(tiny_llama, page_size=4, num_kv_pages=24, max_num_batched_tokens=16, **FP8)
     for attempt in range(2):
         outs = llm.generate(prompts, params)
         assert [o.token_ids for o in outs] == expected, attempt
