@@ -184,7 +184,8 @@ class EngineConfig(BaseModel):
         return getattr(torch, self.dtype)
 
     def resolved_backend(self, device: torch.device, dtype: torch.dtype | None = None) -> str:
-        """FlashInfer needs CUDA and a 16-bit KV dtype; `auto` falls back to torch otherwise."""
+        """FlashInfer needs CUDA and a 16-bit model dtype (KV in it or FP8); `auto` falls back to
+        torch otherwise."""
         if self.attention_backend == "auto":
             has_flashinfer = importlib.util.find_spec("flashinfer") is not None
             half = dtype in (None, torch.bfloat16, torch.float16)
