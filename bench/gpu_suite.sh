@@ -101,7 +101,7 @@ part structured 300 1 python3 -m bench.structured_decode "${tok[@]}" --out "$OUT
 part grammar 200 1 python3 -m bench.grammar_engines "${tok[@]}" --out "$OUT"
 part fp8tests 300 1 python3 -m pytest tests/gpu/test_fp8_kv_gpu.py tests/gpu/test_smollm2_gpu.py \
   -m gpu -k fp8 -q -rs -s -p no:cacheprovider --junitxml="$OUT/tests-fp8.xml"
-part fp8 240 1 python3 -m bench.bench_fp8_decode "${tok[@]}" --out "$OUT"
+part fp8 200 1 python3 -m bench.bench_fp8_decode "${tok[@]}" --out "$OUT"
 part kv2fp8 200 2 python3 bench/bench_kv_transfer.py --device cuda --num-gpus 1 \
   --layout llama3-8b --tokens 512,2048,8192 --kv-dtypes bfloat16,float8_e4m3fn --out "$OUT"
 python3 -m bench.report --results "$OUT" --stdout > "$OUT/results.md"
