@@ -15,9 +15,15 @@ the link itself: the driver also times a torch peer copy of the same runs from G
 (`peer_GB/s`, NVLink), and the ratio is taken against it. `--layout llama3-8b` uses that
 model's KV (32 layers, 8 KV heads, head_dim 128: 2 MiB a bf16 page).
 
+`--kv-dtypes bfloat16,float8_e4m3fn` measures each KV dtype in turn (fresh actors and pools)
+and adds, per prompt length, pattern and mode, the read time and bytes against the first dtype's
+(`engine.kv_cache_dtype=fp8_e4m3` moves its pages as they are: half a bf16 page's bytes); the
+result is then `kv-transfer-dtypes`.
+
     python bench/bench_kv_transfer.py                       # CPU, DRAM
     python bench/bench_kv_transfer.py --device cuda         # GPU, VRAM (num_gpus 0.5 each)
     python bench/bench_kv_transfer.py --device cuda --num-gpus 1 --layout llama3-8b  # 2 GPUs
+    python bench/bench_kv_transfer.py --kv-dtypes bfloat16,float8_e4m3fn   # FP8 against bf16
 """
 
 from __future__ import annotations
@@ -78,7 +84,7 @@ class BenchWorker:
         p.copy_(torch.randn(p.shape, generator=g, device=self.device, dtype=torch.float32))
 
     def digest(self, pages: list[int]) -> str:
-        data = self.pool.pages[pages].contiguous().view(torch.uint8).cpu().numpy()
+        data = self.pool.pages.view(torch.uint8)[pages].contiguous().cpu().numpy()
         return hashlib.blake2b(data.tobytes(), digest_size=16).hexdigest()
 
     def _sync(self) -> None:
@@ -142,9 +148,9 @@ def peer_copy_times(
     layout: KVLayout, num_pages: int, rpages: list[int], lpages: list[int], iters: int
 ) -> list[float]:
     """The same runs copied by torch from a pool on GPU 0 into one on GPU 1 (this process)."""
-    shape = (num_pages, layout.page_bytes // 2)
-    src = torch.randn(shape, device="cuda:0").to(torch.bfloat16)
-    dst = torch.empty(shape, device="cuda:1", dtype=torch.bfloat16)
+    shape = (num_pages, layout.page_bytes)  # bytes, whatever the KV dtype
+    src = torch.randint(0, 256, shape, device="cuda:0", dtype=torch.uint8)
+    dst = torch.empty(shape, device="cuda:1", dtype=torch.uint8)
     runs = merge_page_runs(lpages, rpages)
     times = []
     for _ in range(iters + 1):
@@ -180,19 +186,13 @@ def main() -> None:
     ap.add_argument("--progress-thread", action="store_true", help="NIXL's (spinning) thread")
     add_out_argument(ap)
     ap.add_argument("--layout", choices=sorted(LAYOUTS), default="smollm2")
+    ap.add_argument("--kv-dtypes", help="KV dtypes to compare, e.g. bfloat16,float8_e4m3fn; "
+                    "default: float32 on CPU, bfloat16 on a GPU")  # fmt: skip
     args = ap.parse_args()
 
     tokens = [int(t) for t in args.tokens.split(",")]
-    layers, kv_heads, head_dim = LAYOUTS[args.layout]
-    layout = KVLayout(
-        num_layers=layers,
-        page_size=16,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        dtype="float32" if args.device == "cpu" else "bfloat16",
-    )
-    peer = args.device == "cuda" and torch.cuda.device_count() >= 2 and args.num_gpus >= 1
-    num_pages = max(tokens) // layout.page_size + 2
+    default = "float32" if args.device == "cpu" else "bfloat16"
+    dtypes = (args.kv_dtypes or default).split(",")
     ray.init(
         num_cpus=max(2, os.cpu_count() or 2),
         include_dashboard=False,
@@ -203,6 +203,38 @@ def main() -> None:
             }
         },
     )
+    rows = []
+    for kv_dtype in dtypes:
+        rows += measure(args, tokens, kv_dtype)
+    ray.shutdown()
+    name, what = "kv-transfer", f"{dtypes[0]}"
+    if len(dtypes) > 1:
+        name, what = "kv-transfer-dtypes", " against ".join(reversed(dtypes))
+        key = ("tokens", "pattern", "mode")
+        first = {tuple(r[k] for k in key): r for r in rows if r["kv_dtype"] == dtypes[0]}
+        for r in rows:
+            base = first[tuple(r[k] for k in key)]
+            r["bytes_vs_first"] = round(r["MiB"] / base["MiB"], 3)
+            r["time_vs_first"] = round(r["read_ms"] / base["read_ms"], 3)
+            print(f"{r['kv_dtype']:>14} {r['tokens']:>6} {r['pattern']:>9} {r['mode']:>7} "
+                  f"{r['MiB']:>6.2f} MiB {r['read_ms']:>7.3f} ms: bytes x{r['bytes_vs_first']}, "
+                  f"time x{r['time_vs_first']} of {dtypes[0]}")  # fmt: skip
+    model = f"{args.layout} KV layout ({what}, page 16), NIXL READ, median of {args.iters}"
+    write_result(args.out, name, rows, model=model)
+
+
+def measure(args: argparse.Namespace, tokens: list[int], kv_dtype: str) -> list[dict]:
+    """Every prompt length, pattern and mode, between a fresh prefill and decode actor."""
+    layers, kv_heads, head_dim = LAYOUTS[args.layout]
+    layout = KVLayout(
+        num_layers=layers,
+        page_size=16,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        dtype=kv_dtype,
+    )
+    peer = args.device == "cuda" and torch.cuda.device_count() >= 2 and args.num_gpus >= 1
+    num_pages = max(tokens) // layout.page_size + 2
     gpus = args.num_gpus if args.device == "cuda" else 0
     actor = ray.remote(num_cpus=0, num_gpus=gpus, max_concurrency=2)(BenchWorker)
     pt = args.progress_thread
@@ -248,6 +280,7 @@ def main() -> None:
                 gbps = nbytes / statistics.median(r["times"]) / 1e9
                 best = nbytes / min(r["times"]) / 1e9
                 row = {
+                    "kv_dtype": kv_dtype,
                     "tokens": n_tok,
                     "pattern": pattern,
                     "mode": mode,
@@ -257,6 +290,7 @@ def main() -> None:
                     "make_us": 1e6 * r["make_s"],
                     "post_ms": 1e3 * r["post_s"],
                     "first_ms": 1e3 * r["first_s"],
+                    "read_ms": 1e3 * statistics.median(r["times"]),
                     "nixl_GBps": gbps,
                     "best_GBps": best,
                     "torch_GBps": torch_gbps,
@@ -268,9 +302,9 @@ def main() -> None:
                     f"{gbps:>9.2f} {best:>5.2f} {torch_gbps:>10.2f} {row['ratio']:>5.2f}"
                 )
                 rows.append({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()})
-    ray.shutdown()
-    model = f"{args.layout} KV layout ({layout.dtype}, page 16), NIXL READ, median of {args.iters}"
-    write_result(args.out, "kv-transfer", rows, model=model)
+    ray.kill(prefill)
+    ray.kill(decode)
+    return rows
 
 
 if __name__ == "__main__":

@@ -57,6 +57,19 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
             tie_word_embeddings=True,
         ),
     ),
+    "tiny-llama": (  # CPU smoke tests of the benchmarks' mechanics
+        "LlamaForCausalLM",
+        dict(
+            vocab_size=49152,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+            tie_word_embeddings=False,
+        ),
+    ),
 }
 PAGE_SIZE = 16  # the decode benchmarks' KV page
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")

@@ -23,6 +23,10 @@
 #   serving    HTTP serving, 1 prefill + 1 decode replica against 2 colocated (2+ GPUs)
 #   structured decode step with a JSON schema on every request against none, schema compile
 #   grammar    llguidance against xgrammar: compile and per-step mask (xgrammar if installed)
+#   fp8tests   the FP8 KV cache's GPU tests alone (kernels; SmolLM2 with FP8 KV), printing the
+#              measured errors (also part of `tests`)
+#   fp8        decode step with FP8 KV against bf16 KV, each against its floor
+#   kv2fp8     NIXL transfer of FP8 pages against bf16 between two GPUs (2+ GPUs)
 # Each part runs under its own time limit, so one hang cannot stall the rest; the script exits
 # 1 if any part failed. Needs a CUDA torch and `pip install -e ".[gpu]"` (flashinfer, nixl, ray).
 set -uo pipefail
@@ -95,6 +99,11 @@ part serving 900 2 python3 bench/bench_serving.py --device cuda "${tok[@]}" --sh
   --goodput ttft:200 tpot:25 --out "$OUT"
 part structured 300 1 python3 -m bench.structured_decode "${tok[@]}" --out "$OUT"
 part grammar 200 1 python3 -m bench.grammar_engines "${tok[@]}" --out "$OUT"
+part fp8tests 300 1 python3 -m pytest tests/gpu/test_fp8_kv_gpu.py tests/gpu/test_smollm2_gpu.py \
+  -m gpu -k fp8 -q -rs -s -p no:cacheprovider --junitxml="$OUT/tests-fp8.xml"
+part fp8 200 1 python3 -m bench.bench_fp8_decode "${tok[@]}" --out "$OUT"
+part kv2fp8 200 2 python3 bench/bench_kv_transfer.py --device cuda --num-gpus 1 \
+  --layout llama3-8b --tokens 512,2048,8192 --kv-dtypes bfloat16,float8_e4m3fn --out "$OUT"
 python3 -m bench.report --results "$OUT" --stdout > "$OUT/results.md"
 echo "results: $OUT/results.md; to publish them, copy the result files to bench/results/ and" \
   "run python -m bench.report"

@@ -33,6 +33,7 @@ SERVING_TITLE = "Disaggregated against colocated serving, "
 # The order of the sections; benchmarks not listed follow, by name.
 ORDER = (
     "decode",
+    "decode-fp8",
     "decode-tp2",
     "decode-attention",
     "gemm-decode",
@@ -44,6 +45,7 @@ ORDER = (
     "serving-stream-interval",
     "serving-router-replicas",
     "kv-transfer",
+    "kv-transfer-dtypes",
     "kv-staged",
     "prefix-cache",
     "routing",

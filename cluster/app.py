@@ -66,7 +66,7 @@ class OpenAIIngress:
         engine = self.config.engine
         cache_info = {
             "block_size": str(engine.page_size),
-            "cache_dtype": engine.dtype,
+            "cache_dtype": engine.kv_cache_dtype,  # vLLM's label: auto, or fp8_e4m3
             "enable_prefix_caching": str(engine.enable_prefix_caching),
             "gpu_memory_utilization": str(engine.gpu_memory_utilization),
         }

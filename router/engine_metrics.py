@@ -4,7 +4,8 @@ Rendered under vLLM's family names (prefix and role label per `router.metric_nam
 role's replicas are summed: counters over every replica that ever posted (`RoleStats.live` or
 not, so a total never goes down when a replica is replaced), gauges over the live ones.
 `cache_config_info` is vLLM's info gauge (always 1): the KV cache's settings as labels, with
-`num_gpu_blocks` the role's KV pages.
+`num_gpu_blocks` the role's KV pages; `kv_cache_tokens` is the tokens those pages hold (pages x
+the `block_size` label: twice as many with an FP8 KV cache).
 """
 
 from __future__ import annotations
@@ -98,6 +99,8 @@ class EngineStatsCollector(Collector):
         waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled")
         usage = gauge("kv_cache_usage_perc", "Fraction of KV pages in use, 0-1")
         pinned = gauge("kv_pages_pinned", "KV pages pinned for a hand-off or a running request")
+        kv_tokens = gauge("kv_cache_tokens", "KV tokens the live engines' pools hold")
+        page_size = int(self.cache_info.get("block_size", 0))
         counters = {
             k: CounterMetricFamily(name(family), doc, labels=labels)
             for k, (family, doc) in ENGINE_COUNTERS.items()
@@ -120,6 +123,7 @@ class EngineStatsCollector(Collector):
             waiting.add_metric(values, s["num_waiting"])
             usage.add_metric(values, s["kv_pages_used"] / max(s["kv_pages_total"], 1))
             pinned.add_metric(values, s["kv_pages_pinned"])
+            kv_tokens.add_metric(values, s["kv_pages_total"] * page_size)
             for key, family in counters.items():
                 family.add_metric(values, s[key])
             nixl_bytes.add_metric(values, s["nixl_bytes_transferred"])
@@ -129,5 +133,5 @@ class EngineStatsCollector(Collector):
             counts = step_buckets[role]
             steps.add_metric(values, list(zip(les, counts, strict=True)),
                              s["iteration_tokens_sum"])
-        yield from (running, waiting, usage, pinned, *counters.values(), nixl_bytes, nixl_time,
-                    cache, steps)
+        yield from (running, waiting, usage, pinned, kv_tokens, *counters.values(), nixl_bytes,
+                    nixl_time, cache, steps)

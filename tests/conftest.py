@@ -130,17 +130,9 @@ def make_random_checkpoint(
     import transformers
 
     config_cls = getattr(transformers, architecture.replace("ForCausalLM", "Config"))
-    shape = dict(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        architectures=[architecture],
-    )
+    from bench.gpu_common import SHAPES
+
+    shape = dict(SHAPES["tiny-llama"][1], architectures=[architecture])
     config = config_cls(**{**shape, **overrides})
     torch.manual_seed(0)
     model = getattr(transformers, architecture)(config).eval()

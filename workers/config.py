@@ -131,6 +131,12 @@ class EngineConfig(BaseModel):
     max_model_len: int | None = Field(None, ge=1)
     max_num_seqs: int = Field(256, ge=1, description="running sequences at most")
     max_num_batched_tokens: int = Field(2048, ge=1, description="token budget of one step")
+    kv_cache_dtype: Literal["auto", "fp8_e4m3"] = Field(
+        "auto",
+        description="auto: K/V stored in the model's dtype; fp8_e4m3: in FP8 (E4M3), one byte "
+        "an element, twice the tokens per GiB and half the bytes per hand-off, scaled per layer "
+        "by the checkpoint's k_scale/v_scale where it has them, else 1.0 (docs/fp8_kv_cache.md)",
+    )
     enable_prefix_caching: bool = True
     attention_backend: Literal["auto", "torch", "flashinfer"] = Field(
         "auto", description="auto: flashinfer on CUDA in bf16/fp16 when importable, else torch"
@@ -178,7 +184,8 @@ class EngineConfig(BaseModel):
         return getattr(torch, self.dtype)
 
     def resolved_backend(self, device: torch.device, dtype: torch.dtype | None = None) -> str:
-        """FlashInfer needs CUDA and a 16-bit KV dtype; `auto` falls back to torch otherwise."""
+        """FlashInfer needs CUDA and a 16-bit model dtype (KV in it or FP8); `auto` falls back to
+        torch otherwise."""
         if self.attention_backend == "auto":
             has_flashinfer = importlib.util.find_spec("flashinfer") is not None
             half = dtype in (None, torch.bfloat16, torch.float16)

@@ -70,16 +70,17 @@ def read_as_nixl(local_rows: np.ndarray, remote_rows: np.ndarray) -> None:
         ctypes.memmove(dst, src, n)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float8_e4m3fn"])  # FP8: pages moved as bytes
 @pytest.mark.parametrize("spare_run", [True, False])  # read in place, or gathered first
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 2), (2, 1), (1, 4), (4, 2)])
 def test_a_staged_read_puts_every_head_where_the_decode_rank_keeps_it(
-    prefill_tp: int, decode_tp: int, spare_run: bool
+    prefill_tp: int, decode_tp: int, spare_run: bool, dtype: str
 ) -> None:
     gen = torch.Generator().manual_seed(prefill_tp * 10 + decode_tp)
-    prefill = [KVPool(lay, 16, "cpu") for lay in layouts(prefill_tp)]
+    prefill = [KVPool(lay, 16, "cpu") for lay in layouts(prefill_tp, dtype=dtype)]
     for pool in prefill:
-        pool.pages.normal_(generator=gen)
-    decode = [KVPool(lay, 40, "cpu") for lay in layouts(decode_tp)]
+        pool.pages.copy_(torch.randn(pool.pages.shape, generator=gen))
+    decode = [KVPool(lay, 40, "cpu") for lay in layouts(decode_tp, dtype=dtype)]
     remote_pages = [3, 4, 5, 9, 2]  # a run and two strays
     local_pages = [7, 8, 1, 2, 3]
     needed = staging_pages_needed([d.layout for d in decode], [p.layout for p in prefill], 5)
@@ -99,13 +100,15 @@ def test_a_staged_read_puts_every_head_where_the_decode_rank_keeps_it(
             )
             read_as_nixl(*rows)
             scatter_heads(pool.pages, mine, local_pages, src.layout, pool.layout, s)
-    # every decode rank now holds, in local page i, its heads of remote page i
-    whole = torch.cat([p.pages for p in prefill], dim=4)  # [pages, L, 2, PS, HEADS, D]
+    # every decode rank now holds, in local page i, its heads of remote page i (compared as
+    # bytes: [pages, L, 2, PS, HEADS, D * itemsize])
+    whole = torch.cat([p.pages.view(torch.uint8) for p in prefill], dim=4)
     for pool in decode:
         lo, hi = pool.layout.kv_head_offset, pool.layout.kv_head_offset + pool.layout.num_kv_heads
-        assert torch.equal(pool.pages[local_pages], whole[remote_pages][..., lo:hi, :])
+        mine = pool.pages.view(torch.uint8)
+        assert torch.equal(mine[local_pages], whole[remote_pages][..., lo:hi, :])
         untouched = [p for p in range(40) if p not in local_pages and p not in spare]
-        assert not pool.pages[untouched].any()
+        assert not mine[untouched].any()
 
 
 def test_descriptors_merge_where_both_sides_run_on() -> None:

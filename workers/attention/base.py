@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from workers.kvcache.kv_dtype import as_bytes, quantize
 from workers.kvcache.pool import KVPool
 
 
@@ -61,6 +62,15 @@ class AttentionBackend(ABC):
     def store_kv(
         self, layer_id: int, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch
     ) -> None:
-        kv = self.pool.layer(layer_id)
-        kv[batch.slot_pages, 0, batch.slot_offsets] = k.to(kv.dtype)
-        kv[batch.slot_pages, 1, batch.slot_offsets] = v.to(kv.dtype)
+        store_kv(self.pool, layer_id, k, v, batch.slot_pages, batch.slot_offsets)
+
+
+def store_kv(
+    pool: KVPool, layer_id: int, k: torch.Tensor, v: torch.Tensor,
+    slot_pages: torch.Tensor, slot_offsets: torch.Tensor,
+) -> None:  # fmt: skip
+    """Write the new tokens' k/v `[T, Hkv, D]` into their slots, quantized as the pool stores."""
+    kv, scales = pool.layer(layer_id), pool.scales
+    raw = as_bytes(kv)
+    raw[slot_pages, 0, slot_offsets] = as_bytes(quantize(k, kv.dtype, scales.k[layer_id]))
+    raw[slot_pages, 1, slot_offsets] = as_bytes(quantize(v, kv.dtype, scales.v[layer_id]))

@@ -1,5 +1,10 @@
 """FlashInfer paged attention (CUDA, bf16/fp16): prefill with cached prefixes, and decode.
 
+An FP8 pool (`kvcache/kv_dtype.py`) is read by the same wrappers planned with an FP8 KV dtype
+and the pool's compute dtype for queries (FlashInfer's mixed-precision kernels), each layer's
+K and V scales passed to `run`; at batch 1 FP8 falls back from the split-KV Triton kernel,
+which reads 16-bit pages only, to FlashInfer's decode.
+
 FlashInfer reads a page table in CSR form: sequence i's pages are
 `kv_indices[kv_indptr[i]:kv_indptr[i+1]]`, the last one holding `last_page_len[i]` tokens.
 `paged_metadata` derives that form from an `AttentionBatch`: the small per-sequence arrays on the
@@ -24,7 +29,7 @@ import flashinfer
 import numpy as np
 import torch
 
-from workers.attention.base import AttentionBackend, AttentionBatch
+from workers.attention.base import AttentionBackend, AttentionBatch, store_kv
 from workers.attention.rotary import apply_rotary
 from workers.kernels import rope, split_kv_decode
 from workers.kernels.split_kv_decode import SplitKVDecode
@@ -102,15 +107,15 @@ class _PagedFlashInfer(AttentionBackend):
         self, pool: KVPool, num_q_heads: int, scale: float, tensor_cores: bool | None = None
     ) -> None:
         super().__init__(pool, num_q_heads, scale)
-        if pool.pages.device.type != "cuda" or pool.pages.dtype not in _FLOAT16:
+        if pool.pages.device.type != "cuda" or pool.compute_dtype not in _FLOAT16:
             raise ValueError(
-                "the flashinfer backend needs a CUDA KV pool in bfloat16 or float16, got "
-                f"{pool.pages.dtype} on {pool.pages.device}; use attention_backend='torch'"
+                "the flashinfer backend needs a CUDA KV pool for bfloat16 or float16, got "
+                f"{pool.compute_dtype} on {pool.pages.device}; use attention_backend='torch'"
             )
         layout = pool.layout
         self._heads = (num_q_heads, layout.num_kv_heads, layout.head_dim, layout.page_size)
         self._tensor_cores = decode_on_tensor_cores(tensor_cores, num_q_heads, layout.num_kv_heads)
-        self._plan_dtypes = dict(q_data_type=pool.pages.dtype, kv_data_type=pool.pages.dtype)
+        self._plan_dtypes = dict(q_data_type=pool.compute_dtype, kv_data_type=pool.pages.dtype)
         self._wrapper: _Wrapper | None = None
         self._slot_pages = self._slot_offsets = torch.empty(0)
 
@@ -129,11 +134,18 @@ class _PagedFlashInfer(AttentionBackend):
     def forward(
         self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        kv = self.pool.layer(layer_id)  # [pages, 2, page_size, Hkv, D], NHD
-        kv[self._slot_pages, 0, self._slot_offsets] = k.to(kv.dtype)
-        kv[self._slot_pages, 1, self._slot_offsets] = v.to(kv.dtype)
+        store_kv(self.pool, layer_id, k, v, self._slot_pages, self._slot_offsets)
+        return self._run(layer_id, q.to(self.pool.compute_dtype))
+
+    def _run(self, layer_id: int, q: torch.Tensor) -> torch.Tensor:
+        """Attend with the planned wrapper; an FP8 pool's scales go in as FlashInfer's
+        `k_scale` (folded into the softmax scale) and `v_scale` (applied to the output)."""
         assert self._wrapper is not None, "plan() first"
-        return self._wrapper.run(q.to(kv.dtype), kv)
+        kv, scales = self.pool.layer(layer_id), self.pool.scales
+        k_scale, v_scale = scales.k[layer_id], scales.v[layer_id]
+        if k_scale == v_scale == 1.0:
+            return self._wrapper.run(q, kv)
+        return self._wrapper.run(q, kv, k_scale=k_scale, v_scale=v_scale)
 
     def forward_rotary(
         self,
@@ -147,14 +159,16 @@ class _PagedFlashInfer(AttentionBackend):
         """`forward` of q and k before their rotary embedding: one Triton kernel rotates q and k
         and writes k and v into the pool (per layer, 1 launch instead of 2 rotary kernels and
         2 index writes). Same values as rotating with `rope.rotary` and then `forward`."""
-        kv = self.pool.layer(layer_id)
+        kv, dtype, scales = self.pool.layer(layer_id), self.pool.compute_dtype, self.pool.scales
         half = q.shape[-1] // 2
-        if q.dtype != kv.dtype or k.dtype != kv.dtype or half & (half - 1):
+        if q.dtype != dtype or k.dtype != dtype or half & (half - 1):
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             return self.forward(layer_id, q, k, v)
-        q = rope.rotary_store(q, k, v, cos, sin, kv, self._slot_pages, self._slot_offsets)
-        assert self._wrapper is not None, "plan() first"
-        return self._wrapper.run(q, kv)
+        q = rope.rotary_store(
+            q, k, v, cos, sin, kv, self._slot_pages, self._slot_offsets,
+            scales.k[layer_id], scales.v[layer_id],
+        )  # fmt: skip
+        return self._run(layer_id, q)
 
 
 class FlashInferAttention(_PagedFlashInfer):

@@ -4,6 +4,7 @@
 mixed batch never pads sixty one-token queries to the length of one long chunk. For each group
 it maps every key position t < max(kv_lens) to its (page, slot); each layer then gathers that
 group's K and V with one index each into `[batch, max_kv, heads, dim]` and runs one SDPA.
+An FP8 pool's keys and values are dequantized after the gather (`kv_dtype.dequantize`).
 Grouped-query heads are folded into the query length (`[batch, kv_heads, q_len * group,
 dim]`), so K and V are never repeated per query head. Masks are causal within the new tokens
 and end at `kv_lens`.
@@ -17,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.attention.base import AttentionBackend, AttentionBatch
+from workers.kvcache.kv_dtype import as_bytes, dequantize
 
 
 @dataclass
@@ -89,8 +91,11 @@ class TorchAttention(AttentionBackend):
 
     def _attend(self, layer_id: int, q: torch.Tensor, g: _Group) -> torch.Tensor:
         layer = self.pool.layer(layer_id)
-        keys = layer[:, 0][g.key_page, g.key_slot].transpose(1, 2)  # [B, Hkv, T, D]
-        values = layer[:, 1][g.key_page, g.key_slot].transpose(1, 2)
+        raw, stored, scales = as_bytes(layer), layer.dtype, self.pool.scales
+        keys = raw[:, 0][g.key_page, g.key_slot].view(stored).transpose(1, 2)  # [B, Hkv, T, D]
+        values = raw[:, 1][g.key_page, g.key_slot].view(stored).transpose(1, 2)
+        keys = dequantize(keys, q.dtype, scales.k[layer_id])
+        values = dequantize(values, q.dtype, scales.v[layer_id])
         num_kv_heads, head_dim = keys.shape[1], keys.shape[3]
         group = q.shape[1] // num_kv_heads
         if g.padded_rows is not None:
@@ -101,7 +106,7 @@ class TorchAttention(AttentionBackend):
         q = q.view(g.num_seqs, g.max_q, num_kv_heads, group, head_dim).permute(0, 2, 1, 3, 4)
         q = q.reshape(g.num_seqs, num_kv_heads, g.max_q * group, head_dim)
         out = F.scaled_dot_product_attention(
-            q, keys.to(q.dtype), values.to(q.dtype), attn_mask=g.mask, scale=self.scale
+            q, keys, values, attn_mask=g.mask, scale=self.scale
         )
         out = out.view(g.num_seqs, num_kv_heads, g.max_q, group, head_dim).permute(0, 2, 1, 3, 4)
         out = out.reshape(g.num_seqs * g.max_q, num_kv_heads * group, head_dim)

@@ -18,7 +18,8 @@ import torch
 GiB = 2**30
 FIX = (
     "raise gpu_memory_utilization or the pool's num_gpus_per_rank (the engine's gpu_share), "
-    "or lower max_model_len, or set num_kv_pages or kv_cache_memory_gb"
+    "or lower max_model_len, or set num_kv_pages or kv_cache_memory_gb, or store KV in FP8 "
+    "(kv_cache_dtype=fp8_e4m3: twice the tokens)"
 )
 
 

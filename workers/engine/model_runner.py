@@ -20,6 +20,7 @@ from workers.attention import AttentionBatch, create_backend
 from workers.config import EngineConfig
 from workers.engine.kv_budget import GiB, GPUMemory, fixed_kv_pages, gpu_kv_pages
 from workers.engine.sampling_inputs import Masks, SamplingInputs
+from workers.kvcache.kv_dtype import checkpoint_scales, is_fp8, kv_storage_dtype
 from workers.kvcache.page_table import PageTable
 from workers.kvcache.pool import KVPool
 from workers.model.dummy import build_dummy_model
@@ -71,18 +72,21 @@ class ModelRunner:
                 cfg.kernels.fold_norms,
             )  # fmt: skip
         attn = self.model.attention
+        kv_dtype = kv_storage_dtype(cfg.kv_cache_dtype, self.dtype)
         self.kv_layout = KVLayout(
             num_layers=self.model_config.num_layers,
             page_size=cfg.page_size,
             num_kv_heads=attn.num_kv_heads,
             head_dim=attn.head_dim,
-            dtype=str(self.dtype).removeprefix("torch."),
+            dtype=str(kv_dtype).removeprefix("torch."),
             kv_head_offset=attn.qkv_proj.kv_head_offset,
         )
         params = {p.data_ptr(): p for p in self.model.parameters()}.values()  # tied: once
         self.weight_bytes = sum(p.numel() * p.element_size() for p in params)
         self.max_model_len = self.model_config.context_limit(cfg.max_model_len)
-        self.pool = KVPool(self.kv_layout, self._num_pages(), self.device)
+        layers = self.model_config.num_layers
+        scales = checkpoint_scales(self.model_dir, layers) if is_fp8(kv_dtype) else None
+        self.pool = KVPool(self.kv_layout, self._num_pages(), self.device, self.dtype, scales)
         backend = cfg.resolved_backend(self.device, self.dtype)
         scale = attn.head_dim**-0.5
         tensor_cores = cfg.kernels.flashinfer_decode_tensor_cores

@@ -97,9 +97,12 @@ def _rotary_store_kernel(
     kv_stride_head,
     num_q_heads,
     num_kv_heads,
+    k_inv_scale,
+    v_inv_scale,
     HALF: tl.constexpr,
     Q_BLOCK: tl.constexpr,
     KV_BLOCK: tl.constexpr,
+    KV_MAX: tl.constexpr,
     PDL: tl.constexpr,
 ):
     start_dependents(PDL)
@@ -126,13 +129,25 @@ def _rotary_store_kernel(
     src = k_ptr + token * k_stride_t + kh * k_stride_h + dims
     y1 = tl.load(src, mask=km, other=0.0).to(tl.float32)
     y2 = tl.load(src + HALF, mask=km, other=0.0).to(tl.float32)
-    tl.store(k_dst, (y1 * cos - y2 * sin).to(kv_ptr.dtype.element_ty), mask=km)
-    tl.store(k_dst + HALF, (y2 * cos + y1 * sin).to(kv_ptr.dtype.element_ty), mask=km)
+    ty = kv_ptr.dtype.element_ty
+    k1 = _kv_value((y1 * cos - y2 * sin) * k_inv_scale, KV_MAX)
+    tl.store(k_dst, k1.to(ty), mask=km)
+    k2 = _kv_value((y2 * cos + y1 * sin) * k_inv_scale, KV_MAX)
+    tl.store(k_dst + HALF, k2.to(ty), mask=km)
     src = v_ptr + token * v_stride_t + kh * v_stride_h + dims
     v_dst = k_dst + kv_stride_kv
-    tl.store(v_dst, tl.load(src, mask=km, other=0.0).to(kv_ptr.dtype.element_ty), mask=km)
-    v2 = tl.load(src + HALF, mask=km, other=0.0)
-    tl.store(v_dst + HALF, v2.to(kv_ptr.dtype.element_ty), mask=km)
+    v1 = tl.load(src, mask=km, other=0.0).to(tl.float32) * v_inv_scale
+    tl.store(v_dst, _kv_value(v1, KV_MAX).to(ty), mask=km)
+    v2 = tl.load(src + HALF, mask=km, other=0.0).to(tl.float32) * v_inv_scale
+    tl.store(v_dst + HALF, _kv_value(v2, KV_MAX).to(ty), mask=km)
+
+
+@triton.jit
+def _kv_value(x, KV_MAX: tl.constexpr):
+    """`x` saturated to an FP8 pool's range (KV_MAX > 0), as `kv_dtype.quantize` does."""
+    if KV_MAX > 0:
+        x = tl.minimum(tl.maximum(x, -KV_MAX), KV_MAX)
+    return x
 
 
 def rotary_store(
@@ -144,10 +159,13 @@ def rotary_store(
     kv: torch.Tensor,
     slot_pages: torch.Tensor,
     slot_offsets: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Rotate q `[T, Hq, D]` and k `[T, Hkv, D]` (`cos`/`sin` `[T, 1, D]`); write k and v
     `[T, Hkv, D]` into `kv` `[pages, 2, page_size, Hkv, D]` at (`slot_pages[t]`,
-    `slot_offsets[t]`); return the rotated q as a new packed tensor."""
+    `slot_offsets[t]`), an FP8 `kv` as `kv_dtype.quantize` stores them (divided by the scale,
+    saturated); return the rotated q as a new packed tensor."""
     tokens, num_q_heads, dim = q.shape
     num_kv_heads = k.shape[1]
     assert k.shape == v.shape == (tokens, num_kv_heads, dim) and kv.shape[-2:] == k.shape[1:]
@@ -178,9 +196,12 @@ def rotary_store(
             kv.stride(3),
             num_q_heads,
             num_kv_heads,
+            1.0 / k_scale,
+            1.0 / v_scale,
             HALF=dim // 2,
             Q_BLOCK=triton.next_power_of_2(num_q_heads),
             KV_BLOCK=triton.next_power_of_2(num_kv_heads),
+            KV_MAX=torch.finfo(kv.dtype).max if kv.element_size() == 1 else 0.0,  # FP8
             num_warps=4,
             **pdl.launch_options(q),
         )

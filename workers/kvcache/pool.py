@@ -5,6 +5,9 @@ layer's K and V for `page_size` token slots, contiguous in memory. A run of cons
 is therefore one contiguous byte range, which NIXL moves as one descriptor (DESIGN.md, KV pool).
 A layer's view `[num_pages, 2, page_size, heads, dim]` has a strided page dimension, which the
 torch backend indexes directly and FlashInfer's paged kernels accept as NHD layout.
+
+An FP8 pool (`kv_dtype.py`) stores K and V scaled by `scales` and computes in `compute_dtype`
+(the model's): K/V arrive and attention reads in that dtype.
 """
 
 from __future__ import annotations
@@ -13,13 +16,21 @@ import logging
 
 import torch
 
+from workers.kvcache.kv_dtype import KVScales, is_fp8
 from workers.protocol import KVLayout
 
 logger = logging.getLogger(__name__)
 
 
 class KVPool:
-    def __init__(self, layout: KVLayout, num_pages: int, device: torch.device | str) -> None:
+    def __init__(
+        self,
+        layout: KVLayout,
+        num_pages: int,
+        device: torch.device | str,
+        compute_dtype: torch.dtype | None = None,
+        scales: KVScales | None = None,
+    ) -> None:
         if num_pages < 2:
             raise ValueError(f"KV pool needs at least 2 pages (one is scratch), got {num_pages}")
         self.layout = layout
@@ -36,17 +47,30 @@ class KVPool:
             dtype=getattr(torch, layout.dtype),
             device=device,
         )
+        self.compute_dtype = compute_dtype or self.pages.dtype
+        self.scales = scales or KVScales.unit(layout.num_layers)
         logger.info(
-            "KV pool: %d pages x %d tokens, %.1f MiB on %s",
+            "KV pool: %d pages x %d tokens, %.1f MiB of %s on %s: %d tokens fit",
             num_pages,
             layout.page_size,
             self.nbytes / 2**20,
+            layout.dtype,
             self.pages.device,
+            self.num_tokens,
         )
 
     @property
     def page_size(self) -> int:
         return self.layout.page_size
+
+    @property
+    def num_tokens(self) -> int:
+        """KV tokens the pool holds, the scratch page left out."""
+        return (self.num_pages - 1) * self.layout.page_size
+
+    @property
+    def is_fp8(self) -> bool:
+        return is_fp8(self.pages.dtype)
 
     @property
     def nbytes(self) -> int:

@@ -14,6 +14,7 @@ from torch import nn
 
 from workers.attention.base import AttentionBackend
 from workers.attention.rotary import RotaryEmbedding, apply_rotary
+from workers.kvcache.kv_dtype import is_kv_scale
 from workers.model.config import ModelConfig
 from workers.model.layers import (
     ColumnParallelLinear,
@@ -277,7 +278,7 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
         for name, tensor in weights:
-            if "rotary_emb" in name:
+            if "rotary_emb" in name or is_kv_scale(name):  # KV scales: the KV pool's
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue

@@ -35,6 +35,7 @@ from workers.transfer.descriptors import (
     count_descriptors,
 )
 from workers.transfer.errors import (
+    DTYPE_FIX,
     KVLayoutMismatchError,
     PeerUnavailableError,
     TransferError,
@@ -174,9 +175,10 @@ class KVTransferAgent:
         a direct read needs; other KV heads go through `read_staged`)."""
         expected = expected or self.layout
         if remote != expected:
+            fix = DTYPE_FIX if remote.dtype != expected.dtype else ""
             raise KVLayoutMismatchError(
                 f"KV layout of {remote_agent} is {remote.model_dump()}, expected "
-                f"{expected.model_dump()} (at {self.name})"
+                f"{expected.model_dump()} (at {self.name}){fix}"
             )
 
     def read_pages(

@@ -23,7 +23,7 @@ import torch
 
 from workers.protocol import KVLayout
 from workers.transfer.descriptors import PoolRegion, descriptor_rows, merge_page_runs
-from workers.transfer.errors import KVLayoutMismatchError
+from workers.transfer.errors import DTYPE_FIX, KVLayoutMismatchError
 
 _SAME_MODEL = ("num_layers", "page_size", "head_dim", "dtype")
 
@@ -45,6 +45,7 @@ def head_sources(local: KVLayout, remote: Sequence[KVLayout]) -> list[HeadSource
         if theirs != {mine}:
             raise KVLayoutMismatchError(
                 f"prefill KV pages differ in {field}: {sorted(map(str, theirs))} vs {mine} here"
+                + (DTYPE_FIX if field == "dtype" else "")
             )
     lo, hi = local.kv_head_offset, local.kv_head_offset + local.num_kv_heads
     sources = []
@@ -127,6 +128,8 @@ def scatter_heads(
     """Copy `source`'s heads out of the remote pages that `staged_descriptors` laid into
     `spare_pages` into `local_pages` of the pool `pages` ([num_pages, *one page]): one strided
     copy per run of consecutive local pages (on 2 CPU cores 5x faster than one indexed copy)."""
+    if pages.element_size() == 1:  # FP8: moved as the bytes they are (any 1-byte dtype)
+        pages = pages.view(torch.uint8)
     n = len(local_pages)
     shape = (n, remote.num_layers, 2, remote.page_size, remote.num_kv_heads, remote.head_dim)
     spare = merge_page_runs(spare_pages, range(len(spare_pages)))
