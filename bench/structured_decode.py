@@ -14,6 +14,7 @@ applies it to the logits and samples from them (the graph's own argmax is not us
 from __future__ import annotations
 
 import json
+import statistics
 import time
 
 import torch
@@ -26,6 +27,7 @@ from workers.protocol import SamplingParams, StructuredOutputs
 from workers.sampling.grammar import compile_matcher, vocab_tokenizer
 
 CASES = [(1, 1024), (16, 1024), (64, 1024)]
+ROUNDS = 3
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -80,9 +82,15 @@ def main() -> None:
     )
     rows = [dict(case="compile", tokenizer_ms=tokenizer_ms, cold_ms=cold_ms, cached_ms=cached_ms)]
     for batch, context in CASES:
-        plain = engine_ms(engine, batch, context)
-        masked = engine_ms(engine, batch, context, constrained)
+        # alternated rounds, each side's median: a step moves by ~10% between runs of a few
+        # hundred steps (clocks, the host), more than the difference measured
+        times: dict[bool, list[float]] = {False: [], True: []}
+        for _ in range(ROUNDS):
+            for masked_run in (False, True):
+                params = constrained if masked_run else None
+                times[masked_run].append(engine_ms(engine, batch, context, params))
         torch.cuda.synchronize()
+        plain, masked = statistics.median(times[False]), statistics.median(times[True])
         ratio = masked / plain
         print(f"batch {batch:3d} x {context}: {plain:.3f} ms plain, {masked:.3f} ms with a JSON "
               f"schema on every request: x{ratio:.3f}", flush=True)  # fmt: skip

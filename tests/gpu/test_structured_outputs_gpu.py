@@ -65,3 +65,26 @@ def test_a_constrained_batch_on_cuda_gives_valid_json(smollm2_dir: Path) -> None
 
 def test_random_weights_still_give_valid_json(smollm2_random: Path) -> None:
     check_batch(LLM(str(smollm2_random), **ENGINE))
+
+
+@pytest.mark.parametrize("vocab, mask_vocab, rows", [(128256, 49152, 64), (49152, 49152, 3)])
+def test_the_triton_bitmask_kernel_blocks_what_the_torch_form_blocks(
+    vocab: int, mask_vocab: int, rows: int
+) -> None:
+    """Every row masked, or a few rows of a wider batch; logits wider than the bitmask."""
+    import torch
+
+    from workers.sampling.token_mask import apply_bitmask, bitmask_words
+
+    gen = torch.Generator().manual_seed(0)
+    batch = max(rows, 8)
+    logits = torch.randn(batch, vocab, generator=gen)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (rows, bitmask_words(mask_vocab)),
+                            dtype=torch.int32, generator=gen)  # fmt: skip
+    row_ids = torch.arange(rows) if rows == batch else torch.tensor([1, 4, 6])
+    want = logits.clone()
+    apply_bitmask(want, bitmask, row_ids)  # the CPU's torch form
+    got = logits.cuda()
+    apply_bitmask(got, bitmask.cuda(), row_ids.cuda())
+    assert torch.equal(got.cpu(), want)
+    assert torch.isinf(want[row_ids, mask_vocab:]).all()
