@@ -23,6 +23,9 @@
 #   serving    HTTP serving, 1 prefill + 1 decode replica against 2 colocated (2+ GPUs)
 #   structured decode step with a JSON schema on every request against none, schema compile
 #   grammar    llguidance against xgrammar: compile and per-step mask (xgrammar if installed)
+#   spec_tests the speculative-decoding GPU tests alone (also part of `tests`)
+#   spec       speculative decoding: a repetitive workload on SmolLM2 (--model) with and without
+#              ngram drafts, and the verify step against the decode step (bench.spec_decode)
 # Each part runs under its own time limit, so one hang cannot stall the rest; the script exits
 # 1 if any part failed. Needs a CUDA torch and `pip install -e ".[gpu]"` (flashinfer, nixl, ray).
 set -uo pipefail
@@ -95,6 +98,11 @@ part serving 900 2 python3 bench/bench_serving.py --device cuda "${tok[@]}" --sh
   --goodput ttft:200 tpot:25 --out "$OUT"
 part structured 300 1 python3 -m bench.structured_decode "${tok[@]}" --out "$OUT"
 part grammar 200 1 python3 -m bench.grammar_engines "${tok[@]}" --out "$OUT"
+part spec_tests 300 1 python3 -m pytest tests/gpu/test_speculative_gpu.py -m gpu -q -rs \
+  -p no:cacheprovider --junitxml="$OUT/spec-tests.xml"
+spec_model=()
+[ -n "$MODEL" ] && spec_model=(--model "$MODEL")
+part spec 300 1 python3 -m bench.spec_decode "${tok[@]}" "${spec_model[@]}" --out "$OUT"
 python3 -m bench.report --results "$OUT" --stdout > "$OUT/results.md"
 echo "results: $OUT/results.md; to publish them, copy the result files to bench/results/ and" \
   "run python -m bench.report"

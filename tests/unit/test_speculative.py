@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from tests.engine_checks import drain_and_check_released
-from workers.config import EngineConfig, SpeculativeConfig
+from workers.config import EngineConfig, KVTransferConfig, SpeculativeConfig
+from workers.disagg.decode import DecodeEngine
+from workers.disagg.prefill import PrefillEngine
 from workers.engine.engine import Engine
 from workers.llm import LLM, GenerationOutput
 from workers.protocol import GenerateRequest, SamplingParams, StructuredOutputs
@@ -214,3 +216,35 @@ def test_smollm2_greedy_outputs_are_the_target_alone(
     outs = LLM(speculative=spec, **SMALL).generate(SMOLLM2_PROMPTS, SMOLLM2_PARAMS)
     same_tokens(outs, smollm2_reference)
     assert sum(o.num_accepted_tokens for o in outs) > 0
+
+
+def test_disaggregated_the_decode_side_speculates_and_prefills_its_draft(
+    tiny_llama: str, tiny_reference: list[GenerationOutput]
+) -> None:
+    """A PrefillEngine and a DecodeEngine in one process (NIXL over DRAM), both configured to
+    speculate: the prefill side loads no draft and drafts nothing; the decode side computes the
+    draft's prompt KV itself and its output is the colocated engine's."""
+    cfg = EngineConfig(model=tiny_llama, num_kv_pages=64, page_size=16,
+                       speculative=draft(tiny_llama))  # fmt: skip
+    transfer = KVTransferConfig(lease_s=60.0)
+    prefill = PrefillEngine(cfg, transfer, "p")
+    decode = DecodeEngine(cfg, transfer, "d")
+    try:
+        assert prefill.spec is None and decode.spec is not None
+        decode.agent.add_peer(prefill.agent.metadata())
+        ids = prefill.tokenizer.encode(PROMPTS[0])
+        req = GenerateRequest(request_id="h", prompt_token_ids=ids, params=MIXED[0])
+        prefill.add_request(req)
+        first = None
+        while first is None:
+            first = next(iter(prefill.step()), None)
+        decode.add_remote(req, first)
+        chunks = [first]
+        while not chunks[-1].finished:
+            prefill.poll()
+            chunks += decode.poll() + decode.step()
+        assert sum((c.token_ids for c in chunks), []) == tiny_reference[0].token_ids
+        assert chunks[-1].num_accepted_tokens > 0 and decode.stats().num_recomputed == 0
+    finally:
+        decode.agent.close()
+        prefill.agent.close()
