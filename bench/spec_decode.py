@@ -83,14 +83,16 @@ def tokens_per_step(k: int, a: float) -> float:
 
 def run_workload(
     llm: LLM, params: SamplingParams
-) -> tuple[dict[str, list[GenerationOutput]], float, int]:
-    """Each workload prompt alone; its outputs, the wall seconds and the target steps."""
+) -> tuple[dict[str, list[GenerationOutput]], float, float, int]:
+    """Each workload prompt alone; its outputs, the wall and process CPU seconds (on a shared
+    CPU the latter varies less with the other processes' load) and the target steps."""
     engine = llm.engine
     steps_before = engine.step_tokens.buckets[-1]
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     outs = {name: llm.chat([{"role": "user", "content": text}], params)
             for name, text in WORKLOAD.items()}  # fmt: skip
-    return outs, time.perf_counter() - start, engine.step_tokens.buckets[-1] - steps_before
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    return outs, wall, cpu, engine.step_tokens.buckets[-1] - steps_before
 
 
 def workload_rows(args: Any) -> list[dict[str, Any]]:
@@ -103,17 +105,17 @@ def workload_rows(args: Any) -> list[dict[str, Any]]:
                                      "model": args.draft_model}) for k in args.ks]  # fmt: skip
     rows: list[dict[str, Any]] = []
     reference: dict[str, list[GenerationOutput]] = {}
-    ref_tps = 0.0
+    ref_tps = ref_cpu = 0.0
     for method, k, spec in runs:
         llm = LLM(model, speculative=spec, **args.engine)
         llm.generate("Hello", SamplingParams(max_tokens=4))  # warm up
-        outs, seconds, steps = run_workload(llm, params)
+        outs, seconds, cpu_s, steps = run_workload(llm, params)
         flat = [o for v in outs.values() for o in v]
         tokens = sum(len(o.token_ids) for o in flat)
         drafted = sum(o.num_draft_tokens for o in flat)
         accepted = sum(o.num_accepted_tokens for o in flat)
         if not reference:
-            reference, ref_tps = outs, tokens / seconds
+            reference, ref_tps, ref_cpu = outs, tokens / seconds, tokens / cpu_s
         same = all(o.token_ids == r.token_ids for n in outs for o, r in zip(outs[n], reference[n]))
         chunk = llm.engine.cfg.max_num_batched_tokens  # a prompt's prefill steps come first
         decode_steps = steps - sum(-(-len(o.prompt_token_ids) // chunk) for o in flat)
@@ -125,6 +127,8 @@ def workload_rows(args: Any) -> list[dict[str, Any]]:
             tokens_per_s=round(tokens / seconds, 2),
             reference_tokens_per_s=round(ref_tps, 2),
             x_reference=round(tokens / seconds / ref_tps, 3),
+            tokens_per_cpu_s=round(tokens / cpu_s, 2),
+            x_reference_cpu=round(tokens / cpu_s / ref_cpu, 3),
             tokens_per_step=round((tokens - len(flat)) / max(decode_steps, 1), 3),
             acceptance_rate=round(accepted / drafted, 3) if drafted else None,
             same_tokens_as_reference=same,

@@ -99,11 +99,11 @@ def test_sampled_tokens_follow_the_target_through_the_engine(tiny_llama: str) ->
     follows the target's distribution at its position: its rank among the top 4 (top_k=4), over
     all positions, against the expected counts from the logprobs the engine reports (a
     chi-square test). Always keeping the draft would inflate rank 1."""
-    params = SamplingParams(max_tokens=100, temperature=1.0, top_k=4, ignore_eos=True,
+    params = SamplingParams(max_tokens=60, temperature=1.0, top_k=4, ignore_eos=True,
                             logprobs=4, seed=0)  # fmt: skip
     llm = LLM(tiny_llama, speculative=draft(tiny_llama, k=3), **SMALL)
     out = llm.generate([[1, 422, 1205, 315, 260]], params)[0]
-    assert out.logprobs is not None and out.num_draft_tokens > 50
+    assert out.logprobs is not None and out.num_draft_tokens > 30
     counts, expected = np.zeros(4), np.zeros(4)
     for lp in out.logprobs[1:]:  # the first token is the prefill's: no draft
         ids, logprobs = zip(*sorted(lp.top.items(), key=lambda kv: -kv[1]))
@@ -116,18 +116,18 @@ def test_sampled_tokens_follow_the_target_through_the_engine(tiny_llama: str) ->
 
 
 MIXED = [
-    SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True),
-    SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, frequency_penalty=1.5,
+    SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+    SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, frequency_penalty=1.5,
                    presence_penalty=0.5, repetition_penalty=1.2, logprobs=2),
     SamplingParams(max_tokens=20, temperature=0.0, min_tokens=12, stop_token_ids=[28],
                    logit_bias={"13": -100}),
-    SamplingParams(max_tokens=20, temperature=0.0,
-                   structured_outputs=StructuredOutputs(regex="(ab|cd)+x")),
+    SamplingParams(max_tokens=20, temperature=0.0,  # prompt lookup drafts what it allows
+                   structured_outputs=StructuredOutputs(choice=(" hello" * 8,))),
     SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True),
-    SamplingParams(max_tokens=25, temperature=0.8, seed=3, top_p=0.9, logprobs=1),
+    SamplingParams(max_tokens=16, temperature=0.8, seed=3, top_p=0.9, logprobs=1),
 ]  # fmt: skip
 PROMPTS = ["a b c d a b c d a b", "Say cat many times: cat cat cat", "Item 3: the history of",
-           "hello there", "one two one two one", "The sea, the sea, the"]  # fmt: skip
+           "hello hello hello", "one two one two one", "The sea, the sea, the"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -146,6 +146,8 @@ def test_several_tokens_a_step_keep_every_rule(
     llm = LLM(tiny_llama, speculative=spec, **SMALL)
     outs = llm.generate(PROMPTS, MIXED)
     same_tokens(outs[:5], tiny_reference[:5])
+    if method == "ngram":  # drafts the grammar accepts, masked at every position
+        assert outs[3].num_accepted_tokens > 0
     for got, want in zip(outs[:5], tiny_reference[:5]):
         if want.logprobs is not None:
             assert got.logprobs is not None
@@ -199,11 +201,8 @@ def smollm2_reference(smollm2_dir: Any) -> list[GenerationOutput]:
     return LLM(**SMALL).generate(SMOLLM2_PROMPTS, SMOLLM2_PARAMS)
 
 
-SMOLLM2_PROMPTS = [REWRITE, "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n"]
-SMOLLM2_PARAMS = [
-    SamplingParams(max_tokens=16, temperature=0.0),
-    SamplingParams(max_tokens=16, temperature=0.0, stop=["\n\n"]),
-]
+SMOLLM2_PROMPTS = [REWRITE]
+SMOLLM2_PARAMS = [SamplingParams(max_tokens=32, temperature=0.0, stop=[" west"])]
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
@@ -215,6 +214,7 @@ def test_smollm2_greedy_outputs_are_the_target_alone(
     spec = ngram() if method == "ngram" else draft(str(smollm2_dir))
     outs = LLM(speculative=spec, **SMALL).generate(SMOLLM2_PROMPTS, SMOLLM2_PARAMS)
     same_tokens(outs, smollm2_reference)
+    assert outs[0].stop_reason == " west"  # the stop string lands inside a run of drafts
     assert sum(o.num_accepted_tokens for o in outs) > 0
 
 
