@@ -18,7 +18,8 @@ from workers.engine.engine import Engine
 from workers.llm import LLM, GenerationOutput
 from workers.protocol import GenerateRequest, SamplingParams, StructuredOutputs
 from workers.sampling.sampler import accept_or_resample, race
-from workers.spec.ngram import propose_ngram
+from workers.sequence import Sequence
+from workers.spec.ngram import TokenArrays, propose_ngram
 
 PASSAGE = (
     "The lighthouse keeper climbed the stairs at dusk, lit the lamp, and wrote the weather "
@@ -52,6 +53,11 @@ def test_prompt_lookup_proposes_what_followed_the_latest_match() -> None:
     assert propose_ngram(np.array([7, 1, 8, 1, 9, 1]), 2, 1, 4) == [9, 1]  # the latest [1]
     assert propose_ngram(np.array([5, 6, 7]), 3, 1, 4) == []
     assert propose_ngram(np.array([5, 6, 5]), 3, 2, 4) == []  # no 2-gram repeats
+    assert propose_ngram(np.array([0, 3, 1, 4, 2, 4, 2, 3]), 4, 1, 4) == [1, 4, 2, 4]
+    arrays, seq = TokenArrays(), Sequence("s", [1, 2], 1, SamplingParams(), None)
+    for token in range(3, 40):  # grows with the sequence, converting only the new tokens
+        assert arrays.get(seq).tolist() == seq.token_ids
+        seq.token_ids.append(token)
 
 
 def test_config_needs_a_draft_model_for_draft_model() -> None:

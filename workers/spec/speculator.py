@@ -12,13 +12,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 from workers.config import SpeculativeConfig
 from workers.kvcache.manager import KVManager
 from workers.sequence import Sequence
 from workers.spec.draft_model import DraftModel, DraftRunner
-from workers.spec.ngram import propose_ngram
+from workers.spec.ngram import TokenArrays, propose_ngram
 from workers.spec.rollback import truncate_kv
 
 
@@ -34,6 +32,7 @@ class Speculator:
         self.kv = kv
         self.max_model_len = max_model_len
         self.draft = None if draft is None else DraftModel(draft, kv.page_size)
+        self.token_arrays = TokenArrays()  # ngram's view of each sequence's tokens
         self.num_drafts = 0  # sequence-steps that verified drafts
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -59,7 +58,7 @@ class Speculator:
         else:
             c = self.cfg
             drafts = [
-                propose_ngram(np.asarray(s.token_ids), k, c.prompt_lookup_min, c.prompt_lookup_max)
+                propose_ngram(self.token_arrays.get(s), k, c.prompt_lookup_min, c.prompt_lookup_max)
                 for s, k in zip(seqs, ks)
             ]
         for seq, proposed in zip(seqs, drafts):
@@ -88,6 +87,7 @@ class Speculator:
         truncate_kv(self.kv, seq, min(seq.num_computed_tokens, len(seq.token_ids) - 1))
 
     def drop(self, seq: Sequence) -> None:
+        self.token_arrays.drop(seq)
         if self.draft is not None:
             self.draft.drop(seq)
 
