@@ -22,6 +22,7 @@ def build_speculator(cfg: EngineConfig, target: ModelRunner, kv: KVManager) -> S
                 load_format="auto",
                 kv_cache_memory_gb=spec.draft_kv_cache_memory_gb,
                 num_kv_pages=None,
+                max_model_len=None,  # its own: sequences past it are not drafted
                 enable_prefix_caching=False,
                 tensor_parallel_size=1,
                 speculative=None,
