@@ -27,6 +27,9 @@
 #              measured errors (also part of `tests`)
 #   fp8        decode step with FP8 KV against bf16 KV, each against its floor
 #   kv2fp8     NIXL transfer of FP8 pages against bf16 between two GPUs (2+ GPUs)
+#   spec_tests the speculative-decoding GPU tests alone (also part of `tests`)
+#   spec       speculative decoding: a repetitive workload on SmolLM2 (--model) with and without
+#              ngram drafts, and the verify step against the decode step (bench.spec_decode)
 # Each part runs under its own time limit, so one hang cannot stall the rest; the script exits
 # 1 if any part failed. Needs a CUDA torch and `pip install -e ".[gpu]"` (flashinfer, nixl, ray).
 set -uo pipefail
@@ -104,6 +107,11 @@ part fp8tests 300 1 python3 -m pytest tests/gpu/test_fp8_kv_gpu.py tests/gpu/tes
 part fp8 200 1 python3 -m bench.bench_fp8_decode "${tok[@]}" --out "$OUT"
 part kv2fp8 200 2 python3 bench/bench_kv_transfer.py --device cuda --num-gpus 1 \
   --layout llama3-8b --tokens 512,2048,8192 --kv-dtypes bfloat16,float8_e4m3fn --out "$OUT"
+part spec_tests 300 1 python3 -m pytest tests/gpu/test_speculative_gpu.py -m gpu -q -rs \
+  -p no:cacheprovider --junitxml="$OUT/spec-tests.xml"
+spec_model=()
+[ -n "$MODEL" ] && spec_model=(--model "$MODEL")
+part spec 300 1 python3 -m bench.spec_decode "${tok[@]}" "${spec_model[@]}" --out "$OUT"
 python3 -m bench.report --results "$OUT" --stdout > "$OUT/results.md"
 echo "results: $OUT/results.md; to publish them, copy the result files to bench/results/ and" \
   "run python -m bench.report"

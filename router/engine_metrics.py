@@ -44,6 +44,13 @@ ENGINE_COUNTERS = {
         "Hand-offs whose KV read failed or was stale, prefilled again on the decode replica",
     ),
 }
+# speculative decoding's counters, rendered where some replica speculates
+SPEC_COUNTERS = {
+    "spec_num_drafts": ("spec_decode_num_drafts", "Sequence steps that verified drafts"),
+    "spec_num_draft_tokens": ("spec_decode_num_draft_tokens", "Draft tokens proposed"),
+    "spec_num_accepted_tokens": ("spec_decode_num_accepted_tokens", "Draft tokens accepted"),
+}
+LIST_FIELDS = {"iteration_tokens", "spec_accepted_per_pos"}  # summed element-wise, not here
 
 
 # EngineStats fields that describe the present (gauges): a dead replica's are left out
@@ -58,7 +65,7 @@ def role_totals(snapshot: Iterable[RoleStats]) -> dict[str, dict[str, float]]:
     sums: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for role, stats, live in snapshot:
         totals = sums[role]
-        for key, value in stats.model_dump(exclude={"iteration_tokens"}).items():
+        for key, value in stats.model_dump(exclude=LIST_FIELDS).items():
             totals[key] += value if live or key not in GAUGE_FIELDS else 0
     return sums
 
@@ -72,6 +79,44 @@ def step_token_buckets(snapshot: Iterable[RoleStats]) -> dict[str, list[int]]:
         if len(stats.iteration_tokens) == size:
             out[role] = [a + b for a, b in zip(out[role], stats.iteration_tokens, strict=True)]
     return out
+
+
+def accepted_per_pos(snapshot: Iterable[RoleStats]) -> dict[str, list[int]]:
+    """Role -> accepted draft tokens per draft position, summed over every replica that ever
+    posted; only roles with a speculating replica."""
+    out: dict[str, list[int]] = {}
+    for role, stats, _ in snapshot:
+        if stats.spec_accepted_per_pos:
+            sums = out.setdefault(role, [])
+            sums += [0] * (len(stats.spec_accepted_per_pos) - len(sums))
+            for pos, count in enumerate(stats.spec_accepted_per_pos):
+                sums[pos] += count
+    return out
+
+
+def spec_families(
+    snapshot: Sequence[RoleStats], sums: dict[str, dict[str, float]], model: str, naming: Naming
+) -> list[Metric]:
+    """vLLM's spec_decode_* counters of the roles that speculate (none if no replica does)."""
+    per_pos = accepted_per_pos(snapshot)
+    if not per_pos:
+        return []
+    labels = ["model_name", naming.engine_label]
+    families = {
+        k: CounterMetricFamily(naming(family), doc, labels=labels)
+        for k, (family, doc) in SPEC_COUNTERS.items()
+    }
+    positions = CounterMetricFamily(
+        naming("spec_decode_num_accepted_tokens_per_pos"),
+        "Draft tokens accepted, per draft position",
+        labels=[*labels, "position"],
+    )
+    for role, counts in sorted(per_pos.items()):
+        for key, family in families.items():
+            family.add_metric([model, role], sums[role][key])
+        for pos, count in enumerate(counts):
+            positions.add_metric([model, role, str(pos)], count)
+    return [*families.values(), positions]
 
 
 class EngineStatsCollector(Collector):
@@ -135,3 +180,4 @@ class EngineStatsCollector(Collector):
                              s["iteration_tokens_sum"])
         yield from (running, waiting, usage, pinned, kv_tokens, *counters.values(), nixl_bytes,
                     nixl_time, cache, steps)
+        yield from spec_families(self.snapshot, sums, self.model_name, name)

@@ -95,6 +95,38 @@ class FaultConfig(BaseModel):
         return self
 
 
+class SpeculativeConfig(BaseModel):
+    """Speculative decoding (docs/speculative-decoding.md): each decode step of the target
+    scores k drafted tokens and the token after them in one forward, and keeps the drafts it
+    would have produced itself (greedy: exactly; sampled: by rejection sampling)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    method: Literal["ngram", "draft_model"] = Field(
+        description="ngram: prompt lookup, the tokens that followed the latest earlier match of "
+        "the sequence's last n tokens (no model); draft_model: a small model of the same "
+        "vocabulary drafts greedily, with its own KV pool on the decode side",
+    )
+    num_speculative_tokens: int = Field(4, ge=1, le=16, description="drafted tokens per step (k)")
+    prompt_lookup_max: int = Field(4, ge=1, description="ngram: the longest suffix to match")
+    prompt_lookup_min: int = Field(1, ge=1, description="ngram: the shortest suffix to match")
+    model: str | None = Field(
+        None, description="draft_model: the draft's model (as EngineConfig.model), required"
+    )
+    draft_kv_cache_memory_gb: float = Field(
+        1.0, gt=0, description="draft_model: the draft's KV pool (taken from what the target's "
+        "pool leaves free)",
+    )  # fmt: skip
+
+    @model_validator(mode="after")
+    def _complete(self) -> SpeculativeConfig:
+        if self.method == "draft_model" and self.model is None:
+            raise ValueError("speculative.method draft_model needs speculative.model")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError("speculative.prompt_lookup_min exceeds prompt_lookup_max")
+        return self
+
+
 class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -170,6 +202,9 @@ class EngineConfig(BaseModel):
     faults: tuple[FaultConfig, ...] = Field(
         (), description="faults injected on purpose, for failover tests; none by default"
     )
+    speculative: SpeculativeConfig | None = Field(
+        None, description="speculative decoding in the decode steps; None: off"
+    )
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
@@ -193,6 +228,10 @@ class EngineConfig(BaseModel):
         return self.attention_backend
 
     def resolved_overlap(self, device: torch.device) -> bool:
+        """Off with speculation: the next step's tokens depend on how many drafts this one
+        accepts, so it cannot be scheduled before this one is read."""
+        if self.speculative is not None:
+            return False
         if self.overlap_scheduling is None:
             return device.type == "cuda"
         return self.overlap_scheduling

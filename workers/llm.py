@@ -28,6 +28,8 @@ class GenerationOutput(BaseModel):
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None  # None for the first prompt token
     error: str | None = None
+    num_draft_tokens: int = 0  # speculative decoding: tokens drafted for this request
+    num_accepted_tokens: int = 0  # of which the target accepted
 
 
 class LLM:
@@ -85,6 +87,8 @@ class LLM:
                     if chunk.prompt_logprobs is not None:
                         out.prompt_logprobs = chunk.prompt_logprobs
                     out.num_cached_tokens = chunk.num_cached_tokens
+                    out.num_draft_tokens = chunk.num_draft_tokens
+                    out.num_accepted_tokens = chunk.num_accepted_tokens
                     if chunk.finished:
                         out.finish_reason, out.stop_reason = chunk.finish_reason, chunk.stop_reason
                         out.error = chunk.error

@@ -217,6 +217,9 @@ class RequestOutput(BaseModel):
     kv: KVHandle | None = Field(
         None, description="prefill role: where the prompt's KV waits for the decode worker"
     )
+    # speculative decoding: the request's drafted and accepted tokens so far
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -265,3 +268,9 @@ class EngineStats(BaseModel):
     # tokens per step: cumulative count per ITERATION_TOKENS_BUCKETS bound (+Inf last), and sum
     iteration_tokens: list[int] = []
     iteration_tokens_sum: int = 0
+    # speculative decoding, as vLLM's spec_decode_* counters: sequence-steps that verified
+    # drafts, drafted tokens, accepted ones, and accepted ones per draft position (0..k-1)
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = []

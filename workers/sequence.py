@@ -45,6 +45,11 @@ class Sequence:
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=lambda: [None])
     first_token_time: float | None = None
     constraint: Constraint | None = None  # structured output / allowed_token_ids
+    # speculative decoding: tokens drafted for the step being scheduled (verified by it, then
+    # cleared), and the request's drafted and accepted tokens so far
+    draft_ids: list[int] = field(default_factory=list)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -79,4 +84,5 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
+        """Tokens whose KV the next step may compute: the known ones, then the drafts."""
+        return self.num_tokens + len(self.draft_ids) - self.num_computed_tokens

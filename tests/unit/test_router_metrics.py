@@ -12,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from router.backend import RoleStats
 from router.errors import APIError
+from router.metric_names import Naming
 from router.metrics import ERROR_KINDS, Metrics, RequestStats, error_kind
 from tests.waiting import wait_until
 from workers.protocol import EngineStats
@@ -61,6 +62,37 @@ def test_decode_replicas_are_summed_and_roles_kept_apart() -> None:
     assert got[("pdserve:generation_tokens_total", "decode")] == 100
     assert got[("pdserve:prefix_cache_hits_total", "prefill")] == 4
     assert got[("pdserve:nixl_bytes_transferred_total", "prefill")] == 0
+
+
+@pytest.mark.parametrize("prefix, label", [("pdserve", "role"), ("vllm", "engine")])
+def test_speculative_decoding_counters_as_vllm_names_them(prefix: str, label: str) -> None:
+    """Drafts and accepted tokens summed over the decode replicas (per position too, replicas of
+    different k); a pool that does not speculate has none, nor has an app where none does."""
+    spec = {"spec_num_drafts": 5, "spec_num_draft_tokens": 20, "spec_num_accepted_tokens": 9}
+    decode = [
+        stats(1, 10, 0, 40).model_copy(update={**spec, "spec_accepted_per_pos": [4, 3, 2]}),
+        stats(1, 10, 0, 40).model_copy(update={**spec, "spec_accepted_per_pos": [5, 4]}),
+    ]
+    metrics = Metrics("m", naming=Naming(prefix))  # type: ignore[arg-type]
+    text = metrics.render([RoleStats("prefill", stats(2, 30, 5, 2))]
+                          + [RoleStats("decode", s) for s in decode])  # fmt: skip
+    got = {}
+    for family in text_string_to_metric_families(text.decode()):
+        for sample in family.samples:
+            if "spec_decode" in sample.name:
+                got[(sample.name, sample.labels[label], sample.labels.get("position"))] = (
+                    sample.value
+                )
+    name = f"{prefix}:spec_decode_num"
+    assert got == {
+        (f"{name}_drafts_total", "decode", None): 10,
+        (f"{name}_draft_tokens_total", "decode", None): 40,
+        (f"{name}_accepted_tokens_total", "decode", None): 18,
+        (f"{name}_accepted_tokens_per_pos_total", "decode", "0"): 9,
+        (f"{name}_accepted_tokens_per_pos_total", "decode", "1"): 7,
+        (f"{name}_accepted_tokens_per_pos_total", "decode", "2"): 2,
+    }
+    assert b"spec_decode" not in Metrics("m").render([RoleStats("decode", stats(1, 1, 0, 1))])
 
 
 def test_nixl_transfers_and_request_timers_are_recorded() -> None:

@@ -26,6 +26,7 @@ GROUP_DRAIN_S = 0.05
 class PrefillEngine(HandoffEngine):
     role = "prefill"
     supports_overlap = False  # a prompt's first token ends its stay here: no step after it
+    speculates = False  # nor a decode step to speculate in
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -19,20 +19,16 @@ import time
 
 from workers.config import EngineConfig
 from workers.detokenizer import IncrementalDetokenizer
+from workers.engine.finish import check_finish, token_logprob
 from workers.engine.grammar_gate import GrammarGate
+from workers.engine.speculation import build_speculator
 from workers.engine.step_tokens import StepTokens
 from workers.engine.tp_runner import create_runner
 from workers.kvcache.allocator import PageAllocator
 from workers.kvcache.manager import KVManager
 from workers.model.loader import load_tokenizer
 from workers.parallel.group import SINGLE, TPGroup
-from workers.protocol import (
-    EngineStats,
-    FinishReason,
-    GenerateRequest,
-    RequestOutput,
-    TokenLogprob,
-)
+from workers.protocol import EngineStats, GenerateRequest, RequestOutput
 from workers.sampling.sampler import SampleResult
 from workers.scheduler.scheduler import Scheduler
 from workers.scheduler.step import LaunchedStep, StepInput
@@ -56,6 +52,7 @@ class _RunningStep:
 
 class Engine:
     supports_overlap = True  # False where a sampled token must be seen before the next step
+    speculates = True  # False where no sequence decodes (a prefill pool)
 
     def __init__(self, cfg: EngineConfig, tp: TPGroup = SINGLE) -> None:
         self.cfg = cfg
@@ -74,6 +71,7 @@ class Engine:
         self.prompt_tokens_computed = 0
         self.generation_tokens = 0
         self.step_tokens = StepTokens()
+        self.spec = build_speculator(cfg, self.runner, self.kv) if self.speculates else None
 
     # ---- requests in -------------------------------------------------------------------------
     def add_request(self, req: GenerateRequest) -> Sequence:
@@ -156,6 +154,8 @@ class Engine:
         """Take `seq` out of the queues and free its pages, once no running step writes them."""
         self.grammars.drop(seq)
         self.scheduler.remove(seq)
+        if self.spec is not None:
+            self.spec.drop(seq)
         if self._running is not None and seq in self._running.seqs:
             self._running.retired.append((seq, cache))
         else:
@@ -171,6 +171,8 @@ class Engine:
         or launch and finish one step (no overlap). Returns the finished step's chunks."""
         outputs = self._admit_compiled() if self.grammars.compiling else []
         prev, self._running = self._running, None
+        if self.spec is not None:  # never with overlap: `prev` is None
+            self.spec.propose(self.scheduler.running)
         step = self.scheduler.schedule(preempt=prev is None)
         if step is not None:
             self._launch(step, outputs)
@@ -220,13 +222,16 @@ class Engine:
                 # in order; a prompt recomputed after preemption has them already
                 if self._alive(seq) and position + 1 == len(seq.prompt_logprobs):
                     n = seq.params.prompt_logprobs or 0
-                    seq.prompt_logprobs.append(_token_logprob(prompt, row, n))
+                    seq.prompt_logprobs.append(token_logprob(prompt, row, n))
         if result is not None:
-            for row, seq in enumerate(seqs):
+            row = 0  # a sequence's rows: one, or one per position of a verify step
+            for seq in seqs:
                 seq.num_pending_tokens -= 1
+                rows = 1 + len(seq.draft_ids)
                 if self._alive(seq):  # else it left while this token was computed: drop it
-                    self._append_token(seq, result, row)
+                    self._append_tokens(seq, result, row, rows)
                     outputs.append(self._after_token(seq))
+                row += rows
         for seq, cache in running.retired:
             self.kv.release(seq, cache=cache)
         return outputs
@@ -257,6 +262,19 @@ class Engine:
         """Background work between steps (KV hand-off notifications, transfers); none here."""
         return []
 
+    def _append_tokens(self, seq: Sequence, result: SampleResult, row: int, rows: int) -> None:
+        """Append `seq`'s token from `result`'s `row`; from a verify step's `rows` rows, its
+        accepted drafts and the token after them, up to one that ends it."""
+        if self.spec is None:
+            self._append_token(seq, result, row)
+            return
+        keep = self.spec.accept(seq, result.token_ids[row : row + rows])
+        for r in range(row, row + keep):
+            self._append_token(seq, result, r)
+            if seq.finished:
+                break
+        self.spec.rollback(seq)
+
     def _append_token(self, seq: Sequence, result: SampleResult, row: int) -> None:
         token = result.token_ids[row]
         seq.token_ids.append(token)
@@ -264,35 +282,8 @@ class Engine:
         if seq.first_token_time is None:
             seq.first_token_time = time.monotonic()
         if result.logprobs is not None and seq.params.logprobs is not None:
-            seq.logprobs.append(_token_logprob(result, row, seq.params.logprobs))
-        self._check_finish(seq, token)
-
-    def _check_finish(self, seq: Sequence, token: int) -> None:
-        p = seq.params
-        may_stop = seq.num_output_tokens >= p.min_tokens
-        assert seq.detokenizer is not None
-        if may_stop and token in seq.stop_token_ids:  # EOS has no stop_reason
-            seq.finish_reason = "stop"
-            seq.stop_reason = token if token in p.stop_token_ids else None
-        elif (stop := seq.detokenizer.add_token(token, match_stop=may_stop)) is not None:
-            seq.finish_reason, seq.stop_reason = "stop", stop
-        elif seq.constraint is not None and (done := self._constraint_done(seq)) is not None:
-            seq.finish_reason = done
-        elif seq.num_output_tokens >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
-            seq.finish_reason = "length"
-        if seq.finish_reason is not None:
-            seq.status = SeqStatus.FINISHED
-
-    @staticmethod
-    def _constraint_done(seq: Sequence) -> FinishReason | None:
-        """"stop" once `seq`'s grammar is complete (even under `min_tokens`: it allows nothing
-        more), "error" if its matcher refused a token."""
-        assert seq.constraint is not None
-        seq.constraint.sync(seq.output_token_ids)
-        if (error := seq.constraint.error) is not None:
-            seq.error = error
-            return "error"
-        return "stop" if seq.constraint.finished else None
+            seq.logprobs.append(token_logprob(result, row, seq.params.logprobs))
+        check_finish(seq, token, self.max_model_len)
 
     def _fail(self, seq: Sequence, error: str) -> RequestOutput:
         self.seqs.pop(seq.request_id, None)
@@ -316,6 +307,8 @@ class Engine:
             if start == 0 and seq.params.prompt_logprobs is not None
             else None,
             error=seq.error,
+            num_draft_tokens=seq.num_draft_tokens,
+            num_accepted_tokens=seq.num_accepted_tokens,
         )
 
     def stats(self) -> EngineStats:
@@ -334,16 +327,6 @@ class Engine:
             generation_tokens=self.generation_tokens,
             iteration_tokens=list(self.step_tokens.buckets),
             iteration_tokens_sum=self.step_tokens.sum,
+            **({} if self.spec is None else self.spec.stats()),
         )
 
-
-def _token_logprob(result: SampleResult, row: int, top_n: int) -> TokenLogprob:
-    """Row `row` of `result` (its token and logprob, and the first `top_n` of its best)."""
-    assert result.logprobs is not None
-    top = {}
-    if top_n and result.top_ids is not None and result.top_logprobs is not None:
-        top = dict(zip(result.top_ids[row][:top_n], result.top_logprobs[row][:top_n]))
-    rank = None if result.ranks is None else result.ranks[row]
-    return TokenLogprob(
-        token_id=result.token_ids[row], logprob=result.logprobs[row], top=top, rank=rank
-    )

@@ -38,6 +38,7 @@ from workers.sampling.sampler import (
 )
 from workers.scheduler.step import LaunchedStep, StepInput, StepOutputs, StepPlan
 from workers.sequence import Sequence
+from workers.spec.verify import verify_rows
 
 if TYPE_CHECKING:
     from workers.engine.cuda_graph import DecodeCudaGraphs
@@ -142,6 +143,10 @@ class ModelRunner:
         if logits is None:
             return LaunchedStep(step, plan.rows, None, prompt, prompt_seqs)
         seqs = [step.seqs[i] for i in plan.rows]
+        drafts = None
+        if any(s.draft_ids for s in seqs):  # a verify step: a sampling row per position
+            self.sampling.ensure_generators(seqs)
+            seqs, drafts = verify_rows(seqs)
         if all(
             s.params.temperature == 0
             and s.params.logprobs is None
@@ -153,6 +158,7 @@ class ModelRunner:
             sampled = SampledTensors(argmax_rows(logits) if greedy_ids is None else greedy_ids)
         else:
             sb, masks = self.sampling.batch(seqs, prev, prev_launch)
+            sb.drafts = None if drafts is None else (self._to_device(drafts), drafts)
             if masks is not None:  # sampled at `finish()`: the host's work till then hides the fill
                 launched = LaunchedStep(step, plan.rows, lambda: self._sample_masked(
                     logits, sb, masks, seqs), prompt, prompt_seqs)  # fmt: skip
@@ -202,6 +208,8 @@ class ModelRunner:
                     prompt_targets.append((i, t, seq.token_ids[t + 1]))
                     prompt_top_n = max(prompt_top_n, seq.params.prompt_logprobs or 0)
             known = seq.token_ids[start : start + n]
+            if seq.draft_ids and len(known) < n:  # a verify step: the drafts follow
+                known += seq.draft_ids[: n - len(known)]
             if len(known) < n:  # the last token is being sampled by the step still running
                 assert self._prev is not None and len(known) == n - 1, "one unseen token at most"
                 unseen.append((len(ids) + n - 1, self._prev[1][seq]))
@@ -215,8 +223,8 @@ class ModelRunner:
                 row_seqs.append(seq)
                 q_lens.append(n)
                 kv_lens.append(start + n)
-            if step.samples(i):
-                sample_rows.append(len(q_lens) - 1)
+            if step.samples(i):  # its last token's logits, and one per draft before it
+                sample_rows += range(len(ids) - 1 - len(seq.draft_ids), len(ids))
         padding = 0 if pad_to is None else pad_to - len(q_lens)
         q_lens += [1] * padding
         kv_lens += [1] * padding
@@ -264,11 +272,10 @@ class ModelRunner:
         prompt = self._prompt_logprobs(hidden, plan) if plan.prompt_rows else None
         if not rows:
             return StepOutputs(None, None, prompt)
-        ends = np.cumsum(batch.q_lens)[rows] - 1
-        if ends[-1] == len(ends) - 1:  # rows 0..k-1, one token each: no gather needed
-            last = hidden[: len(ends)]
+        if rows[-1] == len(rows) - 1:  # tokens 0..k-1: no gather needed
+            last = hidden[: len(rows)]
         else:
-            last = hidden[self._to_device(ends.astype(np.int64))]
+            last = hidden[self._to_device(np.asarray(rows, dtype=np.int64))]
         return StepOutputs(self.model.compute_logits(last), None, prompt)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, plan: StepPlan) -> SampledTensors:

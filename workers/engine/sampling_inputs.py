@@ -40,9 +40,7 @@ class SamplingInputs:
         constrained) being filled: `sb.mask = masks()` before sampling, and no matcher may be
         called meanwhile. `prev` / `prev_launch`, the launch before this one, hold the newest
         output token of each sequence whose token is still pending."""
-        for seq in seqs:
-            if seq.params.seed is not None and seq.generator is None:
-                seq.generator = torch.Generator(self.device).manual_seed(seq.params.seed % 2**64)
+        self.ensure_generators(seqs)
         params = [s.params for s in seqs]
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
         rules = np.array([[p.temperature, p.top_k, p.top_p, p.min_p] for p in params]).T
@@ -67,6 +65,12 @@ class SamplingInputs:
             adjust=adjust,
         )
         return sb, self._token_masks(seqs, prev, prev_launch)
+
+    def ensure_generators(self, seqs: list[Sequence]) -> None:
+        """Give each seeded sequence its generator, on this device, at its first step."""
+        for seq in seqs:
+            if seq.params.seed is not None and seq.generator is None:
+                seq.generator = torch.Generator(self.device).manual_seed(seq.params.seed % 2**64)
 
     def _token_masks(
         self, seqs: list[Sequence], prev: Prev | None, prev_launch: LaunchedStep | None

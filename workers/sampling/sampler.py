@@ -48,6 +48,9 @@ class SamplingBatch:
     adjust: LogitAdjustments | None = None  # rows with logit bias or penalties
     # rows with a token mask (structured outputs, allowed_token_ids): row ids [R], bitmask [R, W]
     mask: tuple[torch.Tensor, torch.Tensor] | None = None
+    # speculative decoding's verify rows: each row's draft [B] (-1: none), on the device and
+    # the host (`accept_or_resample`)
+    drafts: tuple[torch.Tensor, np.ndarray] | None = None
 
     @classmethod
     def from_rules(
@@ -179,7 +182,9 @@ def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
 def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampledTensors:
     """`logits` `[B, V]` float32 -> one token per row (plus logprobs if asked), on the logits'
     device and without waiting for it. Logprobs are those of the raw `logits`. The token
-    masks go after the adjustments, so a bias or penalty never lets a masked token through."""
+    masks go after the adjustments, so a bias or penalty never lets a masked token through.
+    With `sb.drafts` a sampled row keeps its drafted token or draws another by
+    `accept_or_resample`; a greedy row takes its argmax, which the host compares."""
     adjusted = logits if sb.adjust is None else sb.adjust.apply(logits)
     if sb.mask is not None:
         if adjusted is logits and sb.num_logprobs >= 0:  # logprobs are of the raw logits
@@ -194,7 +199,10 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampledTensors:
         for row, gen in enumerate(sb.generators):
             if gen is not None:
                 noise[row] = torch.empty_like(probs[row]).exponential_(generator=gen)
-        tokens = torch.where(sb.temperatures == 0, greedy, race(probs, noise))
+        drawn = race(probs, noise) if sb.drafts is None else accept_or_resample(
+            probs, noise, *sb.drafts, sb.generators
+        )
+        tokens = torch.where(sb.temperatures == 0, greedy, drawn)
     result = SampledTensors(token_ids=tokens)
     if sb.num_logprobs >= 0:
         logprobs = logits.log_softmax(dim=-1)
@@ -203,6 +211,30 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> SampledTensors:
             top = logprobs.topk(sb.num_logprobs, dim=-1)
             result.top_ids, result.top_logprobs = top.indices, top.values
     return result
+
+
+def accept_or_resample(
+    probs: torch.Tensor,
+    noise: torch.Tensor,
+    drafts: torch.Tensor,
+    host_drafts: np.ndarray,
+    generators: list[torch.Generator | None],
+) -> torch.Tensor:
+    """Rejection sampling of a deterministic proposal (speculative decoding): row i keeps its
+    draft x with probability p_i(x), else draws from p_i with x taken out (renormalised by the
+    race). So the row's token has distribution p_i whatever the draft, and it equals the draft
+    only if accepted. Rows without a draft (-1) draw from p_i. Seeded rows draw from their own
+    generators (the noise, then, with a draft, the acceptance: `host_drafts` says which rows
+    have one without a wait for the device), so they reproduce whatever shares the batch."""
+    has = drafts >= 0
+    x = drafts.clamp_min(0)[:, None]
+    uniform = torch.rand(len(drafts), device=probs.device)
+    for row, gen in enumerate(generators):
+        if gen is not None and host_drafts[row] >= 0:
+            uniform[row] = torch.rand(1, generator=gen, device=probs.device)[0]
+    accepted = has & (uniform < probs.gather(1, x).squeeze(1))
+    residual = torch.where(has[:, None], probs.scatter(1, x, 0.0), probs)
+    return torch.where(accepted, drafts, race(residual, noise))
 
 
 def prompt_logprobs(logits: torch.Tensor, targets: torch.Tensor, top_n: int) -> SampledTensors:

@@ -63,6 +63,8 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             if seq.num_tokens - seq.num_prompt_tokens >= seq.params.max_tokens:
                 continue  # its last token is still being sampled: nothing more to compute
+            if len(seq.draft_ids) >= budget:  # the budget cuts its drafts
+                del seq.draft_ids[budget - 1 :]
             n = min(seq.num_uncomputed_tokens, budget)
             if not self._reserve(seq, n, step, preempt):
                 continue
@@ -102,6 +104,7 @@ class Scheduler:
         logger.info("preempting %s (%d tokens) for recomputation", seq.request_id, seq.num_tokens)
         self.running.remove(seq)
         self.kv.release(seq, cache=True)  # only when no step is running: nothing is pending
+        seq.draft_ids.clear()  # recomputed from its known tokens alone
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1

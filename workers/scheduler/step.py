@@ -21,9 +21,12 @@ class StepInput:
     num_new_tokens: list[int]  # tokens of each sequence computed in this step
 
     def samples(self, i: int) -> bool:
-        """Whether sequence i's step reaches its last token, so a next token is sampled."""
+        """Whether sequence i's step reaches its last token (or draft), so a next token is
+        sampled (after each draft too: the verify rows)."""
         seq = self.seqs[i]
-        return seq.num_computed_tokens + self.num_new_tokens[i] == seq.num_tokens
+        return seq.num_computed_tokens + self.num_new_tokens[i] == seq.num_tokens + len(
+            seq.draft_ids
+        )
 
     def scores_prompt(self) -> bool:
         """Whether some sequence computes prompt tokens whose logprobs it wants."""
@@ -43,7 +46,9 @@ class StepPlan:
     kv_lens: list[int]
     unseen: np.ndarray  # [2, k] int64: index in the token ids, row of the last launch's ids
     rows: list[int]  # the sequences (indices into the step's) that sample a token
-    sample_rows: list[int]  # their last rows: where their logits come from
+    # the tokens (indices into the token ids) whose logits are sampled: each sampling
+    # sequence's last, preceded by one per draft it verifies
+    sample_rows: list[int]
     graph: bool  # replay the CUDA graph of len(q_lens) rows
     # Prompt logprobs: tokens (indices into the token ids) whose logits give the logprob of the
     # prompt token after them, and for each (sequence index in the step, its position, that
