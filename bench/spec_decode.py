@@ -107,7 +107,8 @@ def workload_rows(args: Any) -> list[dict[str, Any]]:
     reference: dict[str, list[GenerationOutput]] = {}
     ref_tps = ref_cpu = 0.0
     for method, k, spec in runs:
-        llm = LLM(model, speculative=spec, **args.engine)
+        # a small KV pool: each run's engine is built while the last one's may still hold its own
+        llm = LLM(model, speculative=spec, **{"kv_cache_memory_gb": 2.0, **args.engine})
         llm.generate("Hello", SamplingParams(max_tokens=4))  # warm up
         outs, seconds, cpu_s, steps = run_workload(llm, params)
         flat = [o for v in outs.values() for o in v]
