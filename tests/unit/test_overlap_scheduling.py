@@ -75,8 +75,10 @@ def test_overlap_gives_the_synchronous_outputs(synchronous, budget: int) -> None
     assert stats.generation_tokens == sum(len(o.token_ids) for o in outs)
 
 
-def test_aborted_sequence_keeps_its_pages_until_the_running_step_ends() -> None:
-    engine = Engine(EngineConfig(overlap_scheduling=True, enable_prefix_caching=False))
+def test_aborted_sequence_keeps_its_pages_until_the_running_step_ends(tiny_llama: str) -> None:
+    engine = Engine(
+        EngineConfig(model=tiny_llama, overlap_scheduling=True, enable_prefix_caching=False)
+    )
     usable = engine.allocator.num_usable
     for rid, start in (("a", 100), ("b", 200)):
         engine.add_request(
@@ -101,12 +103,13 @@ def test_aborted_sequence_keeps_its_pages_until_the_running_step_ends() -> None:
     assert engine.allocator.num_free == usable
 
 
-def test_context_limit_and_preemption_with_overlap() -> None:
-    ref = LLM(overlap_scheduling=False, enable_prefix_caching=False)
+def test_context_limit_and_preemption_with_overlap(tiny_llama: str) -> None:
+    # bookkeeping: the tiny random Llama (the mixed rules above run on SmolLM2)
+    ref = LLM(tiny_llama, overlap_scheduling=False, enable_prefix_caching=False)
     ps = [ref.tokenizer.encode(f"Item {i}: the history of the number {i} is") for i in range(6)]
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
     want = ref.generate(ps, params)
-    llm = LLM(overlap_scheduling=True, page_size=4, num_kv_pages=41)
+    llm = LLM(tiny_llama, overlap_scheduling=True, page_size=4, num_kv_pages=41)
     got = llm.generate(ps, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     for g, w in zip(got, want):  # a recomputed prompt does not add its logprobs twice
@@ -119,7 +122,7 @@ def test_context_limit_and_preemption_with_overlap() -> None:
         )
     stats = llm.engine.stats()
     assert stats.num_preemptions > 0 and stats.kv_pages_pinned == 0
-    short = LLM(overlap_scheduling=True, max_model_len=32)
+    short = LLM(tiny_llama, overlap_scheduling=True, max_model_len=32)
     [out] = short.generate([[5] * 20], SamplingParams(max_tokens=100, ignore_eos=True))
     assert len(out.token_ids) == 12 and out.finish_reason == "length"
 

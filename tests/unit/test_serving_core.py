@@ -21,18 +21,23 @@ def prompts(llm: LLM, n: int) -> list[list[int]]:
     return [llm.tokenizer.encode(SYSTEM + q) for q in questions]
 
 
+# Tokens exact under chunking, prefix caching and preemption is bookkeeping, not weights: these
+# run on the tiny random Llama (~30x faster a step than SmolLM2; test_engine_matches_hf.py
+# holds SmolLM2 to HF's tokens).
 @pytest.fixture(scope="module")
-def reference() -> tuple[list[list[int]], list[list[int]]]:
-    llm = LLM(enable_prefix_caching=False, max_num_batched_tokens=100_000)
+def reference(tiny_llama: str) -> tuple[list[list[int]], list[list[int]]]:
+    llm = LLM(tiny_llama, enable_prefix_caching=False, max_num_batched_tokens=100_000)
     ps = prompts(llm, 6)
     return ps, [o.token_ids for o in llm.generate(ps, GREEDY)]
 
 
 @pytest.mark.parametrize("budget", [16, 64, 100_000])
 @pytest.mark.parametrize("prefix_caching", [True, False])
-def test_same_tokens_with_any_chunk_budget_and_prefix_cache(reference, budget, prefix_caching):
+def test_same_tokens_with_any_chunk_budget_and_prefix_cache(
+    reference, tiny_llama: str, budget: int, prefix_caching: bool
+) -> None:
     ps, expected = reference
-    llm = LLM(enable_prefix_caching=prefix_caching, max_num_batched_tokens=budget)
+    llm = LLM(tiny_llama, enable_prefix_caching=prefix_caching, max_num_batched_tokens=budget)
     first = llm.generate(ps[:1], GREEDY)  # warms the prefix cache for the others
     rest = llm.generate(ps[1:], GREEDY)
     assert [o.token_ids for o in first + rest] == expected
@@ -60,8 +65,8 @@ def test_shared_system_prompt_is_computed_once() -> None:
 
 
 @pytest.fixture(scope="module")
-def short_prompts_reference() -> tuple[list[list[int]], list[list[int]]]:
-    llm = LLM(enable_prefix_caching=False)
+def short_prompts_reference(tiny_llama: str) -> tuple[list[list[int]], list[list[int]]]:
+    llm = LLM(tiny_llama, enable_prefix_caching=False)
     ps = [llm.tokenizer.encode(f"Item {i}: the history of the number {i} is") for i in range(6)]
     return ps, [o.token_ids for o in llm.generate(ps, LONG_GREEDY)]
 
@@ -71,11 +76,11 @@ LONG_GREEDY = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
 
 @pytest.mark.parametrize("prefix_caching", [False, True])
 def test_tiny_kv_pool_preempts_and_still_gives_exact_tokens(
-    short_prompts_reference, prefix_caching: bool
+    short_prompts_reference, tiny_llama: str, prefix_caching: bool
 ) -> None:
     ps, expected = short_prompts_reference
     # All six fit at admission (~4 pages each at page size 4) but not grown to ~16 pages each.
-    llm = LLM(page_size=4, num_kv_pages=41, enable_prefix_caching=prefix_caching)
+    llm = LLM(tiny_llama, page_size=4, num_kv_pages=41, enable_prefix_caching=prefix_caching)
     outs = llm.generate(ps, LONG_GREEDY)
     assert [o.token_ids for o in outs] == expected
     stats = llm.engine.stats()
@@ -175,8 +180,8 @@ def test_eos_ends_generation_unless_ignored() -> None:
     assert len(ignored.token_ids) == 40 and ignored.finish_reason == "length"
 
 
-def test_seeded_sampling_is_reproducible_across_batches() -> None:
-    llm = LLM()
+def test_seeded_sampling_is_reproducible_across_batches(tiny_llama: str) -> None:
+    llm = LLM(tiny_llama)
     p = SamplingParams(max_tokens=16, temperature=1.0, seed=1234)
     [alone] = llm.generate(["Tell me a story about"], p)
     together = llm.generate(

@@ -179,12 +179,12 @@ def test_overlap_scheduling_gives_the_same_constrained_tokens(llm: LLM) -> None:
     drain_and_check_released(other.engine)
 
 
-def test_preemption_keeps_constrained_outputs() -> None:
+def test_preemption_keeps_constrained_outputs(llm: LLM) -> None:
     spec = StructuredOutputs(json_schema=SCHEMAS[1])
     prompts = [f"Scores for team {i} as JSON:" for i in range(3)]
     params = greedy(spec, max_tokens=30)
-    ref = LLM(num_kv_pages=96, page_size=16).generate(prompts, params)
-    small = LLM(num_kv_pages=7, page_size=8)  # 3 sequences of ~3 pages cannot all stay
+    ref = llm.generate(prompts, params)
+    small = LLM(num_kv_pages=8, page_size=8)  # 3 sequences of ~3 pages cannot all stay
     outs = small.generate(prompts, params)
     assert small.engine.scheduler.num_preemptions > 0
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
