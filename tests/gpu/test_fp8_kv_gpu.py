@@ -9,7 +9,14 @@ import zlib
 import pytest
 import torch
 
-from tests.gpu.test_flashinfer_attention import HEADS, _pad, qkv, random_batch, rel_err
+from tests.gpu.test_flashinfer_attention import (
+    HEADS,
+    MAX_KV,
+    _pad,
+    qkv,
+    random_batch,
+    rel_err,
+)
 from workers.attention.torch_ref import TorchAttention
 from workers.kvcache.kv_dtype import KVScales, quantize
 from workers.kvcache.pool import KVPool
@@ -58,7 +65,8 @@ def test_graph_decode_fp8_replays_new_batches(rows: int) -> None:
     from workers.attention.flashinfer import GraphDecodeAttention, new_workspace
 
     hq, hkv, d = HEADS["gqa-32/8-d128"]
-    bf16, _ = random_batch("decode", 16, hkv, d, seed=0)
+    # a pool with pages for `rows` sequences: the batches below take their pages from it
+    bf16, _ = random_batch("decode", 16, hkv, d, seed=0, kv_lens=[MAX_KV] * rows)
     pool = fp8_pool(bf16)
     indices = torch.zeros(rows * 4096, dtype=torch.int32, device="cuda")
     attn = GraphDecodeAttention(pool, hq, d**-0.5, rows, new_workspace(pool.pages.device), indices)
