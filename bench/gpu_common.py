@@ -41,19 +41,6 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
             tie_word_embeddings=False,
         ),
     ),
-    "llama-tiny": (  # two small layers: for checking a script on a CPU (`--set device=cpu`)
-        "LlamaForCausalLM",
-        dict(
-            vocab_size=49152,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=2048,
-            tie_word_embeddings=False,
-        ),
-    ),
     "qwen3-0.6b": (
         "Qwen3ForCausalLM",
         dict(
@@ -70,7 +57,7 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
             tie_word_embeddings=True,
         ),
     ),
-    "tiny-llama": (  # CPU smoke tests of the benchmarks' mechanics
+    "tiny-llama": (  # two small layers: a script's mechanics on a CPU (`--set device=cpu`)
         "LlamaForCausalLM",
         dict(
             vocab_size=49152,
@@ -79,7 +66,7 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
             num_hidden_layers=2,
             num_attention_heads=4,
             num_key_value_heads=2,
-            max_position_embeddings=512,
+            max_position_embeddings=2048,
             tie_word_embeddings=False,
         ),
     ),

@@ -15,7 +15,7 @@ Two parts (`--part`, default both):
   bandwidth, as `bench.bench_decode`); and from them the time per generated token that a
   per-token acceptance rate a buys: t(k) / E(k), E(k) = (1 - a^(k+1)) / (1 - a) tokens a step,
   and, with the workload part in the same run, at the tokens per step measured there (goal: at
-  batch 1 with ngram, below the floor). A GPU, or `--set device=cpu` with `--shape llama-tiny`
+  batch 1 with ngram, below the floor). A GPU, or `--set device=cpu` with `--shape tiny-llama`
   to check the script.
 
     python -m bench.spec_decode --tokenizer-dir DIR [--part workload|verify] [--ks 2,4,8]

@@ -132,7 +132,8 @@ def make_random_checkpoint(
     config_cls = getattr(transformers, architecture.replace("ForCausalLM", "Config"))
     from bench.gpu_common import SHAPES
 
-    shape = dict(SHAPES["tiny-llama"][1], architectures=[architecture])
+    # a 512-token context, as the tests' limits expect
+    shape = dict(SHAPES["tiny-llama"][1], max_position_embeddings=512, architectures=[architecture])
     config = config_cls(**{**shape, **overrides})
     torch.manual_seed(0)
     model = getattr(transformers, architecture)(config).eval()
