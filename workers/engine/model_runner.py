@@ -11,6 +11,7 @@ the one this step samples. Such a token is taken from this step's output on the 
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -155,17 +156,17 @@ class ModelRunner:
             and s.constraint is None
             for s in seqs
         ):
-            sampled = SampledTensors(argmax_rows(logits) if greedy_ids is None else greedy_ids)
+            greedy = argmax_rows(logits) if greedy_ids is None else greedy_ids
+            sampled: SampledTensors | partial[SampledTensors] = self._kept(
+                SampledTensors(greedy), seqs
+            )
         else:
             sb, masks = self.sampling.batch(seqs, prev, prev_launch)
             sb.drafts = None if drafts is None else (self._to_device(drafts), drafts)
-            if masks is not None:  # sampled at `finish()`: the host's work till then hides the fill
-                launched = LaunchedStep(step, plan.rows, lambda: self._sample_masked(
-                    logits, sb, masks, seqs), prompt, prompt_seqs)  # fmt: skip
-                self._prev_launch = launched
-                return launched
-            sampled = sample(logits, sb)
-        self._prev = (sampled.token_ids, {seq: r for r, seq in enumerate(seqs)})
+            if masks is None:
+                sampled = self._kept(sample(logits, sb), seqs)
+            else:  # sampled at `finish()`: the host's work till then hides the fill
+                sampled = partial(self._sample_masked, logits, sb, masks, seqs)
         launched = LaunchedStep(step, plan.rows, sampled, prompt, prompt_seqs)
         self._prev_launch = launched
         return launched
@@ -175,7 +176,10 @@ class ModelRunner:
         self, logits: torch.Tensor, sb: SamplingBatch, masks: Masks, seqs: list[Sequence]
     ) -> SampledTensors:
         sb.mask = masks()
-        sampled = sample(logits, sb)
+        return self._kept(sample(logits, sb), seqs)
+
+    def _kept(self, sampled: SampledTensors, seqs: list[Sequence]) -> SampledTensors:
+        """`sampled`, kept for the next launch: its unseen tokens come from these ids."""
         self._prev = (sampled.token_ids, {seq: r for r, seq in enumerate(seqs)})
         return sampled
 
