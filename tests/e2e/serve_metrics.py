@@ -9,8 +9,13 @@ from tests.waiting import wait_settled
 
 def pool_counter(base_url: str, name: str, role: str = "decode") -> float:
     """A pool's `pdserve:<name>_total`, as /metrics reports it (its replicas summed)."""
+    return pool_gauge(base_url, f"{name}_total", role)
+
+
+def pool_gauge(base_url: str, name: str, role: str = "decode") -> float:
+    """A pool's `pdserve:<name>`, as /metrics reports it (its replicas summed)."""
     metrics = httpx.get(f"{base_url}/metrics", timeout=30).text
-    rows = [r for r in metrics.splitlines() if r.startswith(f"pdserve:{name}_total{{")]
+    rows = [r for r in metrics.splitlines() if r.startswith(f"pdserve:{name}{{")]
     return sum(float(r.split()[-1]) for r in rows if f'role="{role}"' in r)
 
 

@@ -19,8 +19,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.own_ray]
 
 def test_pdserve_serve_runs_a_config_with_overrides(tmp_path: Path) -> None:
     port = free_port("127.0.0.1")
-    overrides = ["engine.max_model_len=384", "prefill.num_cpus_per_rank=0.5",
-                 "decode.num_cpus_per_rank=0.5"]  # fmt: skip
+    # colocated: one replica fewer to start (test_serve_app.py runs the config as it is)
+    overrides = ["mode=colocated", "engine.max_model_len=384", "decode.num_cpus_per_rank=0.5"]
     command = [sys.executable, "-m", "cluster.cli", "serve", str(REPO / "configs" / "local.yaml"),
                "--port", str(port)] + [a for o in overrides for a in ("--set", o)]  # fmt: skip
     base = f"http://127.0.0.1:{port}"

@@ -1,5 +1,7 @@
 """Conformance with vLLM's OpenAI server, through real Ray Serve and HTTP, in both serving modes
-(one colocated and one disaggregated app side by side in one Serve instance, SmolLM2 on CPU).
+(the shared configs/local.yaml apps of both modes, SmolLM2 on CPU), and, for what depends on
+vLLM's metric names and defaults, a disaggregated app under those names (`metric_prefix: vllm`,
+no `prompt_tokens_details`): it serves both pools, so every metric family is on its /metrics.
 
 Each test pins a behaviour that vLLM's clients, harnesses and dashboards rely on, in the shapes of
 vLLM's protocol: /metrics under `vllm:` names, label names and buckets (gauges back at 0 after an
@@ -11,7 +13,6 @@ abort); usage on every stream chunk with `continuous_usage_stats`; `model: ""`; 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
 from collections.abc import Iterator
@@ -34,12 +35,18 @@ MAX_MODEL_LEN = 512  # local_args'
 
 
 @pytest.fixture(scope="module")
-def apps(serve_url: str) -> Iterator[dict[str, str]]:
-    """Base URL of each mode's configs/local.yaml application with vLLM's metric names (and
+def apps(local_apps: dict[str, str]) -> dict[str, str]:
+    """Base URL of each mode's shared configs/local.yaml application."""
+    return local_apps
+
+
+@pytest.fixture(scope="module")
+def vllm_app(serve_url: str) -> Iterator[str]:
+    """Base URL of a disaggregated configs/local.yaml application with vLLM's metric names (and
     its default of no prompt_tokens_details)."""
-    with contextlib.ExitStack() as stack:
-        yield {mode: stack.enter_context(deployed(serve_url, f"vllm-{mode}", local_args(
-            mode, metric_prefix="vllm", enable_prompt_tokens_details=False))) for mode in MODES}
+    args = local_args("disaggregated", metric_prefix="vllm", enable_prompt_tokens_details=False)
+    with deployed(serve_url, "vllm", args) as base:
+        yield base
 
 
 def call(base: str, path: str, body: dict[str, Any], status: int = 200) -> dict[str, Any]:
@@ -84,9 +91,8 @@ def bounds(family: Any) -> list[float]:
     return [float(le) for le in les if le != "+Inf"]
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_metrics_carry_vllms_names_labels_and_buckets(apps, mode) -> None:
-    base = apps[mode]
+def test_metrics_carry_vllms_names_labels_and_buckets(vllm_app) -> None:
+    base = vllm_app
     call(base, "v1/completions", {"prompt": "Once upon a time", "n": 2, **GREEDY})
     got = families(base)
     assert not [name for name in got if not name.startswith("vllm:")]
@@ -109,25 +115,25 @@ def test_metrics_carry_vllms_names_labels_and_buckets(apps, mode) -> None:
     assert info and all(s.value == 1 and s.labels["block_size"] == "16" for s in info)
 
 
-def gauges(base: str) -> list[float]:
+def gauges(base: str, prefix: str) -> list[float]:
     got = families(base)
-    return [s.value for name in ("vllm:num_requests_running", "vllm:num_requests_waiting")
-            for s in got[name].samples]
+    return [s.value for name in (f"{prefix}:num_requests_running", f"{prefix}:num_requests_waiting")
+            for s in got[name].samples]  # fmt: skip
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_gauges_return_to_zero_after_an_abort(apps, mode) -> None:
-    base = apps[mode]
+@pytest.mark.parametrize("app", ["vllm", "colocated"])
+def test_gauges_return_to_zero_after_an_abort(apps, vllm_app, app) -> None:
+    base, prefix = (vllm_app, "vllm") if app == "vllm" else (apps[app], "pdserve")
     body = {"model": MODEL, "messages": CHAT, "max_tokens": 400, "ignore_eos": True,
             "stream": True}
     with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=TIMEOUT_S) as r:
         lines = r.iter_lines()
         for _ in range(3):  # role chunk and two tokens: the request runs
             next(line for line in lines if line.startswith("data: "))
-        wait_until(lambda: any(gauges(base)), TIMEOUT_S, interval_s=0.2,
+        wait_until(lambda: any(gauges(base, prefix)), TIMEOUT_S, interval_s=0.2,
                    what="the running request in the gauges")
     # the client went away: the request is aborted on every worker
-    wait_until(lambda: not any(gauges(base)), TIMEOUT_S, interval_s=0.2,
+    wait_until(lambda: not any(gauges(base, prefix)), TIMEOUT_S, interval_s=0.2,
                what="the gauges back at 0 after the abort")
 
 
@@ -142,9 +148,8 @@ def test_continuous_usage_is_on_every_chunk_including_the_first(apps, mode, path
     prompt_tokens = chunks[0]["usage"]["prompt_tokens"]
     if path.startswith("chat"):
         assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
-        assert chunks[0]["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 0,
-                                      "total_tokens": prompt_tokens,
-                                      "prompt_tokens_details": None}
+        first = {k: chunks[0]["usage"][k] for k in ("completion_tokens", "total_tokens")}
+        assert first == {"completion_tokens": 0, "total_tokens": prompt_tokens}
     last = chunks[-1]
     assert last["choices"] == [] and last["usage"]["completion_tokens"] == GREEDY["max_tokens"]
     plain = stream(apps[mode], path, {**prompt, **GREEDY})
@@ -248,9 +253,8 @@ def test_chat_echo_continues_an_assistant_turn(apps, mode) -> None:
 
 
 # ---- 9. prompt_tokens_details -------------------------------------------------------------------
-@pytest.mark.parametrize("mode", MODES)
-def test_prompt_tokens_details_is_null_unless_enabled(apps, mode) -> None:
+def test_prompt_tokens_details_is_null_by_default(vllm_app) -> None:
     body = {"messages": CHAT * 20, **GREEDY}  # long enough to be cached on the second call
     for _ in range(2):
-        usage = call(apps[mode], "v1/chat/completions", body)["usage"]
+        usage = call(vllm_app, "v1/chat/completions", body)["usage"]
         assert "prompt_tokens_details" in usage and usage["prompt_tokens_details"] is None
