@@ -48,7 +48,7 @@ TARGET_PROGRAMS = 1024
 _FP8 = (torch.float8_e4m3fn,)  # the pools' FP8 (`kvcache/kv_dtype.py`)
 # Decode-graph batch sizes at which FlashInfer's FP8 decode was measured the faster (the
 # attention alone, `--attention` as above): those graphs keep it. Empty: at 1, 16, 64 and 256
-# sequences this kernel took 0.57, 0.92, 0.87 and 0.86x FlashInfer's time.
+# sequences this kernel took 0.57, 0.92, 0.86 and 0.81-0.85x FlashInfer's time.
 FLASHINFER_FASTER: frozenset[int] = frozenset()
 
 
