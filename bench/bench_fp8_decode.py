@@ -8,18 +8,30 @@ replay, against the floor: the weights once plus the sequences' KV bytes (half w
 copy rate measured in the same process. `fp8_vs_bf16` is the FP8 step over the bf16 step of
 the same case, measured in the same run. 256 x 4096 runs in FP8 only: its bf16 KV (128 GiB)
 and the weights exceed one H200, its FP8 KV (64 GiB) does not. Goal: FP8 at 64 x 4096 within
-1.15x its floor.
+1.15x its floor. FP8 decode graphs read the pool with the Triton kernel `kernels/fp8_decode.py`
+(where `fp8_decode.used_at` the batch size; FlashInfer's FP8 decode elsewhere).
+
+`--attention`: the attention alone instead, per layer (Llama-3-8B heads, page 16, FP8 KV, a
+CUDA graph over enough layers that L2 holds none of it): the Triton kernel against FlashInfer's
+FP8 decode (tensor cores, as the engine plans it), each against the floor of reading the FP8
+K/V once at the read rate measured in the same run; the data behind
+`fp8_decode.FLASHINFER_FASTER`. `--sweep` adds the kernel's launch choices (tile, warps,
+stages, splits of each sequence) and reports the fastest per case.
 
     python -m bench.bench_fp8_decode --tokenizer-dir DIR [--out DIR] [--cases 1x4096,64x4096]
+    python -m bench.bench_fp8_decode --tokenizer-dir DIR --attention [--sweep] [--out DIR]
     python -m bench.bench_fp8_decode --tokenizer-dir DIR --device cpu   # smoke test: tiny shape
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import math
 import subprocess
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -30,6 +42,7 @@ from bench.gpu_common import (
     copy_bandwidth_gbps,
     cuda_ms,
     decode_config,
+    read_bandwidth_gbps,
     wall_ms,
     weight_bytes_read,
 )
@@ -41,6 +54,8 @@ FP8_ONLY = {(256, 4096)}
 CPU_CASES = [(1, 64), (4, 128)]  # --device cpu: the tiny shape, a smoke test of the mechanics
 KV_DTYPES = ("auto", "fp8_e4m3")
 ROW = "FP8ROW "  # a worker's result line
+Q_HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16  # --attention: Llama-3-8B's heads
+SWEEP = dict(tile=(64, 128), num_warps=(4,), stages=(3, 4), splits=(1, 2, 4, 8, 16, 32))
 
 
 def fill_random(runner: ModelRunner, pages_at_once: int = 1024) -> None:
@@ -99,11 +114,117 @@ def run_worker(kv_cache_dtype: str, cases: list[tuple[int, int]]) -> list[dict[s
     return [json.loads(line[len(ROW) :]) for line in lines if line.startswith(ROW)]
 
 
+def attention_graph(
+    batch: int, context: int, run: Callable[..., object]
+) -> tuple[Callable[[], object], int]:
+    """A CUDA graph of `run(q, layer_kv, indptr, indices, last)` over enough layers of random
+    FP8 K/V (each its own) that L2 holds none: its replay, and the number of layers."""
+    pages_per_seq = math.ceil(context / PAGE)
+    layer_bytes = batch * context * 2 * KV_HEADS * HEAD_DIM
+    layers = max(1, min(32, math.ceil(2**30 / layer_bytes)))
+    shape = (batch * pages_per_seq, 2, PAGE, KV_HEADS, HEAD_DIM)
+    pools = []
+    for _ in range(layers):
+        pool = torch.empty(shape, dtype=torch.float8_e4m3fn, device="cuda")
+        for part in pool.split(4096):  # no bf16 copy of a whole 2 GiB layer at once
+            part.copy_(torch.randn(part.shape, dtype=torch.bfloat16, device="cuda"))
+        pools.append(pool)
+    q = torch.randn(batch, Q_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    indptr = torch.arange(batch + 1, dtype=torch.int32) * pages_per_seq
+    indices = torch.randperm(batch * pages_per_seq, dtype=torch.int32)
+    last = torch.full((batch,), context - (pages_per_seq - 1) * PAGE, dtype=torch.int32)
+    meta = (indptr, indices, last)
+    for pool in pools:  # warm-up (compiles, plans) outside the capture
+        run(q, pool, *meta)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for pool in pools:
+            run(q, pool, *meta)
+    return graph.replay, layers
+
+
+def kernel_run(batch: int, **launch: int) -> Callable[..., object]:
+    from workers.kernels.fp8_decode import FP8Decode
+
+    kernel = FP8Decode(batch, Q_HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5, torch.device("cuda"),
+                       **launch)  # fmt: skip
+    device_meta: list[torch.Tensor] = []
+
+    def run(q: torch.Tensor, kv: torch.Tensor, *meta: torch.Tensor) -> object:
+        if not device_meta:
+            device_meta.extend(m.cuda() for m in meta)
+        return kernel.forward(q, kv, *device_meta, 0.5, 2.0)
+
+    return run
+
+
+def flashinfer_run(batch: int) -> Callable[..., object]:
+    import flashinfer
+
+    from workers.attention.flashinfer import new_workspace
+
+    wrapper: list[Any] = []
+
+    def run(q: torch.Tensor, kv: torch.Tensor, *meta: torch.Tensor) -> object:
+        if not wrapper:
+            buffers = [m.cuda() for m in meta]
+            wrapper.append(flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                new_workspace(q.device), "NHD", use_cuda_graph=True, use_tensor_cores=True,
+                paged_kv_indptr_buffer=buffers[0], paged_kv_indices_buffer=buffers[1],
+                paged_kv_last_page_len_buffer=buffers[2],
+            ))  # fmt: skip
+            wrapper[0].plan(*meta, Q_HEADS, KV_HEADS, HEAD_DIM, PAGE, sm_scale=HEAD_DIM**-0.5,
+                            q_data_type=torch.bfloat16, kv_data_type=kv.dtype)  # fmt: skip
+        return wrapper[0].run(q, kv, k_scale=0.5, v_scale=2.0)
+
+    return run
+
+
+def layer_us(batch: int, context: int, run: Callable[..., object]) -> float:
+    replay, layers = attention_graph(batch, context, run)
+    us = cuda_ms(replay, warmup=3, iters=20) * 1e3 / layers
+    torch.cuda.empty_cache()
+    return us
+
+
+def attention(args: argparse.Namespace, cases: list[tuple[int, int]]) -> None:
+    """The attention alone: the kernel (and with --sweep its launch choices) against
+    FlashInfer's FP8 decode, per layer."""
+    from workers.kernels import fp8_decode
+
+    read_gbps = read_bandwidth_gbps()
+    rows = []
+    for batch, context in cases:
+        floor_us = batch * context * 2 * KV_HEADS * HEAD_DIM / read_gbps / 1e3
+        row: dict[str, Any] = dict(batch=batch, context=context, floor_us=round(floor_us, 2))
+        row["kernel_us"] = round(layer_us(batch, context, kernel_run(batch)), 2)
+        row["flashinfer_us"] = round(layer_us(batch, context, flashinfer_run(batch)), 2)
+        if args.sweep:
+            timed = {}
+            for values in itertools.product(*SWEEP.values()):
+                launch = dict(zip(SWEEP, values))
+                timed[values] = layer_us(batch, context, kernel_run(batch, **launch))
+                print(f"SWEEP {batch}x{context} {launch}: {timed[values]:.2f} us", flush=True)
+            best = min(timed, key=timed.__getitem__)
+            row["best_us"] = round(timed[best], 2)
+            row["best_launch"] = ",".join(f"{k}={v}" for k, v in zip(SWEEP, best))
+        row["x_floor"] = round(row["kernel_us"] / floor_us, 3)
+        row["flashinfer_x_floor"] = round(row["flashinfer_us"] / floor_us, 3)
+        row["kernel_used"] = fp8_decode.used_at(batch)
+        print("FP8-ATTENTION", row, flush=True)
+        rows.append(row)
+    model = "Llama-3-8B attention heads (32/8, d128), page 16, FP8 KV, one layer's time"
+    write_result(args.out, "decode-fp8-attention", rows, model=model,
+                 measured=dict(read_gbps=round(read_gbps)))  # fmt: skip
+
+
 def main() -> None:
     ap = bench_parser(__doc__)
     ap.add_argument("--cases", help="only these, e.g. 1x4096,64x4096")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--worker", choices=KV_DTYPES, help=argparse.SUPPRESS)
+    ap.add_argument("--attention", action="store_true", help="the attention alone, per layer")
+    ap.add_argument("--sweep", action="store_true", help="--attention: the kernel's launches")
     args = ap.parse_args()
     if args.device == "cpu":
         args.shape = "tiny-llama"
@@ -112,6 +233,9 @@ def main() -> None:
         cases = [(int(b), int(c)) for b, c in (x.split("x") for x in args.cases.split(","))]
     if args.worker:
         worker(args, args.worker, cases)
+        return
+    if args.attention:
+        attention(args, cases)
         return
     rows: list[dict[str, Any]] = []
     by_case: dict[tuple[int, int], dict[str, float]] = {}

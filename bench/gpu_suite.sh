@@ -26,6 +26,7 @@
 #   fp8tests   the FP8 KV cache's GPU tests alone (kernels; SmolLM2 with FP8 KV), printing the
 #              measured errors (also part of `tests`)
 #   fp8        decode step with FP8 KV against bf16 KV, each against its floor
+#   fp8attn    the FP8 decode attention alone: the Triton kernel against FlashInfer's, per layer
 #   kv2fp8     NIXL transfer of FP8 pages against bf16 between two GPUs (2+ GPUs)
 #   spec_tests the speculative-decoding GPU tests alone (also part of `tests`)
 #   spec       speculative decoding: a repetitive workload on SmolLM2 (--model) with and without
@@ -103,8 +104,10 @@ part serving 900 2 python3 bench/bench_serving.py --device cuda "${tok[@]}" --sh
 part structured 300 1 python3 -m bench.structured_decode "${tok[@]}" --out "$OUT"
 part grammar 200 1 python3 -m bench.grammar_engines "${tok[@]}" --out "$OUT"
 part fp8tests 300 1 python3 -m pytest tests/gpu/test_fp8_kv_gpu.py tests/gpu/test_smollm2_gpu.py \
-  -m gpu -k fp8 -q -rs -s -p no:cacheprovider --junitxml="$OUT/tests-fp8.xml"
+  tests/gpu/test_fp8_decode_kernel.py -m gpu -k fp8 -q -rs -s -p no:cacheprovider \
+  --junitxml="$OUT/tests-fp8.xml"
 part fp8 200 1 python3 -m bench.bench_fp8_decode "${tok[@]}" --out "$OUT"
+part fp8attn 150 1 python3 -m bench.bench_fp8_decode "${tok[@]}" --attention --out "$OUT"
 part kv2fp8 200 2 python3 bench/bench_kv_transfer.py --device cuda --num-gpus 1 \
   --layout llama3-8b --tokens 512,2048,8192 --kv-dtypes bfloat16,float8_e4m3fn --out "$OUT"
 part spec_tests 300 1 python3 -m pytest tests/gpu/test_speculative_gpu.py -m gpu -q -rs \

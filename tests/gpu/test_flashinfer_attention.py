@@ -285,7 +285,7 @@ def test_split_kv_decode_kernel_matches_reference(
     meta = paged_metadata(batch, page_size)
     kernel = SplitKVDecode(len(batch.q_lens), hq, hkv, d, d**-0.5, pool.pages.device)
     if not all_merge:
-        kernel.all_merge = False  # else chosen on the first call: every split merges on an H200
+        kernel.parts.all_merge = False  # else chosen on the first call: all merge on an H200
     for launch in range(2):
         out = kernel.forward(
             q, k, v, cos, sin, pool.layer(2), meta.kv_indptr.cuda(), meta.kv_indices,
@@ -293,13 +293,13 @@ def test_split_kv_decode_kernel_matches_reference(
         )  # fmt: skip
         assert out.shape == q.shape and out.dtype == torch.bfloat16
         assert torch.isfinite(out).all() and rel_err(out, ref) < BF16_TOLERANCE, launch
-        assert kernel.all_merge == all_merge
+        assert kernel.parts.all_merge == all_merge
         if all_merge:
-            expect = kernel.splits if launch == 0 else -(2**31)
-            assert torch.all(kernel.locks == expect), (launch, kernel.locks)
-            kernel.locks.fill_(2**31 - kernel.splits)  # the next launch wraps
+            expect = kernel.parts.splits if launch == 0 else -(2**31)
+            assert torch.all(kernel.parts.locks == expect), (launch, kernel.parts.locks)
+            kernel.parts.locks.fill_(2**31 - kernel.parts.splits)  # the next launch wraps
         else:
-            assert not kernel.locks.any()  # the merging programs reset their counters
+            assert not kernel.parts.locks.any()  # the merging programs reset their counters
     from workers.attention.rotary import apply_rotary
 
     layer = pool.layer(2)

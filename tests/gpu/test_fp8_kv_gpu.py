@@ -61,8 +61,10 @@ def test_flashinfer_fp8_matches_torch_reference(heads: str, kind: str, layer: in
 
 @pytest.mark.parametrize("rows", [1, 12])
 def test_graph_decode_fp8_replays_new_batches(rows: int) -> None:
-    """Batch 1 leaves the 16-bit split-KV kernel for FlashInfer's decode; both sizes replay."""
+    """Batch 1 leaves the 16-bit split-KV kernel for the FP8 kernel (`fp8_decode`, or
+    FlashInfer's decode where that was measured the faster); both sizes replay."""
     from workers.attention.flashinfer import GraphDecodeAttention, new_workspace
+    from workers.kernels import fp8_decode
 
     hq, hkv, d = HEADS["gqa-32/8-d128"]
     # a pool with pages for `rows` sequences: the batches below take their pages from it
@@ -70,7 +72,7 @@ def test_graph_decode_fp8_replays_new_batches(rows: int) -> None:
     pool = fp8_pool(bf16)
     indices = torch.zeros(rows * 4096, dtype=torch.int32, device="cuda")
     attn = GraphDecodeAttention(pool, hq, d**-0.5, rows, new_workspace(pool.pages.device), indices)
-    assert attn.split_kv is None
+    assert attn.split_kv is None and (attn.fp8 is not None) == fp8_decode.used_at(rows)
     q, k, v = (torch.zeros_like(t) for t in qkv(rows, hq, hkv, d, 0))
     _, first = random_batch("decode", 16, hkv, d, seed=1, pool=bf16, kv_lens=[300] * rows)
     attn.plan(_pad(first, rows))

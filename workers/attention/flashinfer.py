@@ -2,8 +2,8 @@
 
 An FP8 pool (`kvcache/kv_dtype.py`) is read by the same wrappers planned with an FP8 KV dtype
 and the pool's compute dtype for queries (FlashInfer's mixed-precision kernels), each layer's
-K and V scales passed to `run`; at batch 1 FP8 falls back from the split-KV Triton kernel,
-which reads 16-bit pages only, to FlashInfer's decode.
+K and V scales passed to `run`; CUDA-graph decode steps read it with a Triton kernel instead
+(`kernels/fp8_decode.py`), at the batch sizes where it is the faster.
 
 FlashInfer reads a page table in CSR form: sequence i's pages are
 `kv_indices[kv_indptr[i]:kv_indptr[i+1]]`, the last one holding `last_page_len[i]` tokens.
@@ -31,7 +31,8 @@ import torch
 
 from workers.attention.base import AttentionBackend, AttentionBatch, store_kv
 from workers.attention.rotary import apply_rotary
-from workers.kernels import rope, split_kv_decode
+from workers.kernels import fp8_decode, rope, split_kv_decode
+from workers.kernels.fp8_decode import FP8Decode
 from workers.kernels.split_kv_decode import SplitKVDecode
 from workers.kvcache.pool import KVPool
 
@@ -220,7 +221,8 @@ class GraphDecodeAttention(_PagedFlashInfer):
     Up to `split_kv_decode.MAX_BATCH` rows each layer runs one Triton kernel instead of
     FlashInfer's (rotary, K/V write, attention and merge in one launch that starts reading KV
     before its input is ready); such a graph takes decode rows only, one per sequence
-    (`accepts_token_rows` is False).
+    (`accepts_token_rows` is False). An FP8 pool is read by `fp8_decode`'s kernel where
+    `fp8_decode.used_at` the batch size (the K/V written before it, as for FlashInfer).
     """
 
     def __init__(
@@ -245,12 +247,15 @@ class GraphDecodeAttention(_PagedFlashInfer):
         self.max_pages = indices_buffer.numel()
         _, num_kv_heads, head_dim, _ = self._heads
         self.split_kv: SplitKVDecode | None = None
-        if batch_size <= split_kv_decode.MAX_BATCH and split_kv_decode.applies(
-            num_q_heads, num_kv_heads, head_dim, pool.pages.dtype
-        ):
+        self.fp8: FP8Decode | None = None
+        heads = (num_q_heads, num_kv_heads, head_dim, pool.pages.dtype)
+        if batch_size <= split_kv_decode.MAX_BATCH and split_kv_decode.applies(*heads):
             self.split_kv = SplitKVDecode(
                 batch_size, num_q_heads, num_kv_heads, head_dim, scale, device
             )
+            return
+        if fp8_decode.used_at(batch_size) and fp8_decode.applies(*heads):
+            self.fp8 = FP8Decode(batch_size, num_q_heads, num_kv_heads, head_dim, scale, device)
             return
         self._wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             workspace,
@@ -273,7 +278,7 @@ class GraphDecodeAttention(_PagedFlashInfer):
         self.slot_pages.copy_(batch.slot_pages, non_blocking=True)
         self.slot_offsets.copy_(batch.slot_offsets, non_blocking=True)
         meta = paged_metadata(batch, self.pool.page_size)
-        if self.split_kv is None:
+        if self.split_kv is None and self.fp8 is None:
             assert self._wrapper is not None
             self._plan_decode(self._wrapper, meta)
             return
@@ -292,4 +297,13 @@ class GraphDecodeAttention(_PagedFlashInfer):
         return self.split_kv.forward(
             q.to(kv.dtype), k.to(kv.dtype), v.to(kv.dtype), cos, sin, kv, self.kv_indptr,
             self.kv_indices, self.last_page_len, self.slot_pages, self.slot_offsets,
+        )  # fmt: skip
+
+    def _run(self, layer_id: int, q: torch.Tensor) -> torch.Tensor:
+        if self.fp8 is None:
+            return super()._run(layer_id, q)
+        kv, scales = self.pool.layer(layer_id), self.pool.scales
+        return self.fp8.forward(
+            q, kv, self.kv_indptr, self.kv_indices, self.last_page_len, scales.k[layer_id],
+            scales.v[layer_id],
         )  # fmt: skip

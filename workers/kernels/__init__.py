@@ -5,5 +5,6 @@ CUDA only; imported lazily by the code that calls them, so CPU machines never co
 (rotary embedding), `skinny_gemm` (GEMV/GEMM for a few rows: its dispatch; the kernels in
 `skinny_gemv`, `skinny_dot`, `skinny_tiles`; launch configs per GPU in `tuning` and `tables/`),
 `step_inputs` (a decode step's first kernel), `split_kv_decode` (batch-1 attention),
+`fp8_decode` (decode attention over FP8 pages; both share `split_kv_common`),
 `greedy_argmax`, `all_reduce` (the IPC all-reduce). `tuning` imports no Triton.
 """

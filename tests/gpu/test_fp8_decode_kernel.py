@@ -1,0 +1,127 @@
+"""The FP8 paged decode-attention kernel (`kernels/fp8_decode.py`) on a GPU: against the torch
+reference reading the same FP8 bytes, in a decode graph, and in the engine (SmolLM2's shape,
+random weights) against the torch backend's tokens."""
+
+from __future__ import annotations
+
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.gpu.test_engine_gpu import decode_trace
+from tests.gpu.test_flashinfer_attention import HEADS, _cos_sin, _pad, qkv, random_batch, rel_err
+from tests.gpu.test_fp8_kv_gpu import FP8_TOLERANCE, SCALES, fp8_pool
+from workers.attention.torch_ref import TorchAttention
+from workers.config import EngineConfig
+from workers.engine.model_runner import ModelRunner
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("heads", sorted(HEADS))
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("batch", [1, 16, 64])
+@pytest.mark.parametrize("merge", ["chosen", "last", "none"])
+def test_fp8_decode_kernel_matches_reference(
+    heads: str, page_size: int, batch: int, merge: str
+) -> None:
+    """Lengths not multiples of the page, one of a single token, one over a split's tiles;
+    layers 1-2 have K and V scales other than 1. The splits merge as chosen (every split a
+    slice where all programs fit at once: batch 1 on an H200; else the last to arrive all),
+    or the last to arrive merges all, or one split writes the output directly. Twice: the
+    merge counters are reused."""
+    from workers.attention.flashinfer import paged_metadata
+    from workers.kernels.fp8_decode import FP8Decode
+
+    hq, hkv, d = HEADS[heads]
+    seed = zlib.crc32(f"fp8k/{heads}/{page_size}/{batch}".encode())
+    gen = torch.Generator().manual_seed(seed)
+    lens = (torch.randint(2, 1500, (batch,), generator=gen) | 1).tolist()  # odd: no page fills
+    lens[0], lens[-1] = (1, 4099) if batch > 1 else (4099, 4099)
+    bf16, batch_ = random_batch("decode", page_size, hkv, d, seed, kv_lens=lens)
+    pool = fp8_pool(bf16)
+    meta = paged_metadata(batch_, page_size)
+    kernel = FP8Decode(batch, hq, hkv, d, d**-0.5, pool.pages.device,
+                       splits=1 if merge == "none" else None)  # fmt: skip
+    if merge == "last":
+        kernel.parts.all_merge = False
+    reference = TorchAttention(pool, hq, d**-0.5)
+    reference.plan(batch_)
+    for layer in (0, 1, 2):
+        q, k, v = qkv(batch, hq, hkv, d, seed + layer)
+        ref = reference.forward(layer, q.float(), k.float(), v.float())  # stores the new K/V
+        for _ in range(2):
+            out = kernel.forward(
+                q, pool.layer(layer), meta.kv_indptr.cuda(), meta.kv_indices,
+                meta.last_page_len.cuda(), SCALES.k[layer], SCALES.v[layer],
+            )  # fmt: skip
+            assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+            assert rel_err(out, ref) < FP8_TOLERANCE, (layer, rel_err(out, ref))
+
+
+@pytest.mark.parametrize("rows", [1, 8, 64])
+def test_graph_decode_fp8_kernel_replays_with_rotary(rows: int) -> None:
+    """A decode graph over an FP8 pool runs the kernel after the quantizing rotary+store, and
+    takes prefill rows (it reads nothing before its input is ready)."""
+    from workers.attention.flashinfer import GraphDecodeAttention, new_workspace
+    from workers.kernels import rope
+
+    hq, hkv, d = HEADS["gqa-32/8-d128"]
+    bf16, _ = random_batch("decode", 16, hkv, d, seed=0, kv_lens=[900] * rows)
+    pool = fp8_pool(bf16)
+    indices = torch.zeros(rows * 64, dtype=torch.int32, device="cuda")
+    attn = GraphDecodeAttention(pool, hq, d**-0.5, rows, new_workspace(pool.pages.device), indices)
+    assert attn.fp8 is not None and attn.split_kv is None and attn.accepts_token_rows
+    q, k, v = (torch.zeros_like(t) for t in qkv(rows, hq, hkv, d, 0))
+    cos, sin = (torch.zeros((rows, 1, d), dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    _, first = random_batch("decode", 16, hkv, d, seed=1, pool=bf16, kv_lens=[300] * rows)
+    attn.plan(first)
+    attn.forward_rotary(1, q, k, v, cos, sin)  # compile outside the graph
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attn.forward_rotary(1, q, k, v, cos, sin)
+    for seed in (2, 3):
+        lens = [1 + (97 * i + 31 * seed) % 900 for i in range(max(1, rows - 1))]
+        _, batch = random_batch("decode", 16, hkv, d, seed, pool=bf16, kv_lens=lens)
+        pool.pages.copy_(bf16.pages)
+        padded = _pad(batch, rows)
+        new_cos, new_sin = _cos_sin(padded, d)
+        for dst, src in zip((q, k, v, cos, sin), (*qkv(rows, hq, hkv, d, seed), new_cos, new_sin)):
+            dst.copy_(src)
+        attn.plan(padded)
+        graph.replay()
+        # The reference attends to the bytes the graph stored (the new k rotated in float32
+        # and quantized: writing them again leaves them as they are) with q rotated as the
+        # graph rotates it.
+        stored_k = pool.layer(1)[padded.slot_pages, 0, padded.slot_offsets].float() * SCALES.k[1]
+        reference = TorchAttention(pool, hq, d**-0.5)
+        reference.plan(padded)
+        ref = reference.forward(1, rope.rotary(q, cos, sin).float(), stored_k, v.float())
+        assert rel_err(out[: len(lens)], ref[: len(lens)]) < FP8_TOLERANCE
+
+
+def test_engine_fp8_graphs_give_torch_backend_tokens(smollm2_random: Path) -> None:
+    """The engine with FP8 KV: decode graphs (the kernel) against the torch backend, teacher-
+    forced on the torch backend's tokens (so one near-tie cannot cascade): equal tokens unless
+    the torch backend's top two were within FP8 noise."""
+    common = dict(
+        model=str(smollm2_random), device="cuda", dtype="bfloat16", kv_cache_memory_gb=1,
+        kv_cache_dtype="fp8_e4m3", cuda_graph_batch_sizes=(1, 4),
+    )  # fmt: skip
+    fast = ModelRunner(EngineConfig(**common))
+    assert fast.graphs is not None and all(a.fp8 is not None for a in fast.graphs.attn.values())
+    slow = ModelRunner(EngineConfig(**common, attention_backend="torch", enforce_eager=True))
+    steps = 6
+    for num_seqs in (1, 4):
+        prompts = [[(11 * j + 5 * i) % 4000 + 5 for j in range(40 + 9 * i)]
+                   for i in range(num_seqs)]  # fmt: skip
+        want, want_top1, want_gaps = decode_trace(slow, prompts, steps, None)
+        got, got_top1, _ = decode_trace(fast, prompts, steps, want)
+        for t in range(steps):
+            for i in range(num_seqs):
+                seen = (num_seqs, t, i, got_top1[t][i], want_top1[t][i], want_gaps[t][i])
+                assert got[t][i] == want[t][i] or want_gaps[t][i] < 0.1, seen
+                assert abs(got_top1[t][i] - want_top1[t][i]) < 0.1, seen
