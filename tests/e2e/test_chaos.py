@@ -1,4 +1,5 @@
-"""Replicas fail under load and no stream is lost: real Ray Serve, NIXL and HTTP, SmolLM2.
+"""Replicas fail under load and no stream is lost: real Ray Serve, NIXL and HTTP, the tiny random
+Llama (failover is about the streams' bookkeeping, not the weights; its steps are cheap).
 
 2 prefill + 2 decode replicas, small KV pools, faults injected through `EngineConfig.faults`
 (each strikes once in the cluster, on the request whose prompt holds its marker): a prefill
@@ -24,7 +25,7 @@ from workers.disagg import faults
 
 pytestmark = pytest.mark.e2e
 
-MODEL = "smollm2-135m-instruct"
+MODEL = "tiny"
 DEADLINE_S = 20.0  # router.failover_deadline_s
 FAULTS = [
     {"point": "prefill", "prompt_contains": "[kill prefill]"},
@@ -38,10 +39,12 @@ WAVES = [[f"Write a poem about {t}:" for t in TOPICS] + [f"{m} Tell me about {t}
 
 
 @pytest.fixture(scope="module")
-def base_url(serve_url: str) -> Iterator[str]:
+def base_url(serve_url: str, tiny_llama: str) -> Iterator[str]:
     pool = {"num_replicas": 2, "num_cpus_per_rank": 0.25}
     args = {
-        "engine": {"num_kv_pages": 96, "max_model_len": 256, "faults": FAULTS},
+        "engine": {"model": tiny_llama, "num_kv_pages": 96, "max_model_len": 256,
+                   "faults": FAULTS},  # fmt: skip
+        "served_model_name": MODEL,
         "prefill": pool,
         "decode": pool,
         "kv_transfer": {"lease_s": 10},

@@ -182,27 +182,30 @@ def test_abort_on_decode_unpins_prefill_and_frees_decode_pages(llm, prefill, dec
     )
 
 
-def test_unread_pages_are_unpinned_when_the_lease_expires(llm, cluster) -> None:
-    short = start(cluster, Prefill, lease_s=1.0)
+@pytest.fixture(scope="module")
+def short_lease(cluster):
+    """A second prefill replica, whose leases last 1 s."""
+    return start(cluster, Prefill, lease_s=1.0)
+
+
+def test_unread_pages_are_unpinned_when_the_lease_expires(llm, short_lease) -> None:
+    short = short_lease
     first = ray.get(short.prefill.remote(request(llm, "unread", SYSTEM + "Hello?")))
     assert ray.get(short.stats.remote()).kv_pages_pinned > 0
     wait_until(
         lambda: ray.get(short.stats.remote()).kv_pages_pinned == 0, DEADLINE_S, what="lease expiry"
     )
     assert first.kv is not None and first.kv.lease_expiry < time.time()
-    ray.kill(short)
 
 
-def test_any_prefill_replica_can_release_another_ones_lease(llm, prefill, cluster) -> None:
-    other = start(cluster, Prefill)
+def test_any_prefill_replica_can_release_another_ones_lease(llm, prefill, short_lease) -> None:
     first = ray.get(prefill.prefill.remote(request(llm, "released", SYSTEM + "Bye?")))
     assert ray.get(prefill.stats.remote()).kv_pages_pinned > 0
-    ray.get(other.release.remote(first.kv.agent_names[0], first.kv.lease_id))
+    ray.get(short_lease.release.remote(first.kv.agent_names[0], first.kv.lease_id))
     # Well inside the 30 s lease: the notification, not the expiry, unpinned it.
     wait_until(
         lambda: ray.get(prefill.stats.remote()).kv_pages_pinned == 0, 10, what="remote release"
     )
-    ray.kill(other)
 
 
 def test_prefill_killed_before_the_read_recomputes_within_bound(llm, cluster, decode) -> None:

@@ -8,6 +8,7 @@ equality is up to rounding noise, which these greedy prompts do not reach.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -43,15 +44,31 @@ def single_rank(tiny_llama: str) -> list:
     return LLM(tiny_llama, **TINY).generate(PROMPTS, PARAMS)
 
 
+@pytest.fixture(scope="module")
+def shared_tp2(ray_cluster, tiny_llama: str) -> Iterator[LLM]:
+    """A TP-2 engine with overlap scheduling for the tests up to the close test, which closes
+    it (a rank actor takes ~10 s to start on 2 cores; one process holds one TP group at a time,
+    so the tests after it start their own)."""
+    llm = LLM(tiny_llama, tensor_parallel_size=2, overlap_scheduling=True, **TINY)
+    yield llm
+    llm.close()
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_two_ranks_give_the_single_rank_tokens(
-    ray_cluster, tiny_llama: str, single_rank: list, overlap: bool
+    request: pytest.FixtureRequest, ray_cluster, tiny_llama: str, single_rank: list, overlap: bool
 ) -> None:
-    with LLM(tiny_llama, tensor_parallel_size=2, overlap_scheduling=overlap, **TINY) as llm:
-        assert llm.engine.overlap is overlap
-        assert llm.engine.runner.tp.size == 2
-        outs = llm.generate(PROMPTS, PARAMS)
-        stats = llm.engine.stats()
+    if overlap:
+        llm = request.getfixturevalue("shared_tp2")
+    else:  # before the shared engine starts
+        llm = LLM(tiny_llama, tensor_parallel_size=2, overlap_scheduling=False, **TINY)
+        request.addfinalizer(llm.close)
+    assert llm.engine.overlap is overlap
+    assert llm.engine.runner.tp.size == 2
+    outs = llm.generate(PROMPTS, PARAMS)
+    stats = llm.engine.stats()
+    if not overlap:
+        llm.close()
     assert [o.token_ids for o in outs] == [o.token_ids for o in single_rank]
     assert [len(o.token_ids) for o in outs] == [24, 16, 20, 1]
     assert stats.kv_pages_pinned == 0 and stats.num_running == 0
@@ -62,6 +79,35 @@ def test_two_ranks_give_the_single_rank_tokens(
     )
 
 
+def test_abort_under_tensor_parallel_frees_pages(shared_tp2: LLM) -> None:
+    llm = shared_tp2
+    engine = llm.engine
+    ids = llm.tokenizer.encode(PROMPTS[2])
+    for rid in ("a", "b"):
+        params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+        engine.add_request(GenerateRequest(request_id=rid, prompt_token_ids=ids, params=params))
+    for _ in range(6):
+        engine.step()
+    assert engine.stats().kv_pages_used > 0
+    assert engine.abort("a") is not None
+    while engine.has_work():
+        engine.step()
+    assert engine.stats().kv_pages_used == engine.stats().kv_pages_cached
+    assert engine.kv.radix is not None
+    engine.kv.radix.evict(engine.allocator.num_usable)
+    assert engine.stats().kv_pages_used == 0
+
+
+def test_close_stops_the_rank_actors(shared_tp2: LLM) -> None:
+    llm = shared_tp2
+    actors = list(llm.engine.runner._ranks.actors)
+    llm.close()
+    assert not dist.is_initialized()
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(actors[0].device_uuid.remote(), timeout=30)
+    llm.close()  # idempotent
+
+
 def test_three_ranks_of_smollm2_give_the_single_rank_tokens(ray_cluster) -> None:
     """SmolLM2 has 9 query heads and 3 KV heads: one KV head per rank."""
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -70,35 +116,6 @@ def test_three_ranks_of_smollm2_give_the_single_rank_tokens(ray_cluster) -> None
         assert llm.engine.runner.kv_layout.num_kv_heads == 1
         got = llm.generate(PROMPTS[:2], params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
-
-
-def test_abort_under_tensor_parallel_frees_pages(ray_cluster, tiny_llama: str) -> None:
-    with LLM(tiny_llama, tensor_parallel_size=2, overlap_scheduling=True, **TINY) as llm:
-        engine = llm.engine
-        ids = llm.tokenizer.encode(PROMPTS[2])
-        for rid in ("a", "b"):
-            params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-            engine.add_request(GenerateRequest(request_id=rid, prompt_token_ids=ids, params=params))
-        for _ in range(6):
-            engine.step()
-        assert engine.stats().kv_pages_used > 0
-        assert engine.abort("a") is not None
-        while engine.has_work():
-            engine.step()
-        assert engine.stats().kv_pages_used == engine.stats().kv_pages_cached
-        assert engine.kv.radix is not None
-        engine.kv.radix.evict(engine.allocator.num_usable)
-        assert engine.stats().kv_pages_used == 0
-
-
-def test_close_stops_the_rank_actors(ray_cluster, tiny_llama: str) -> None:
-    llm = LLM(tiny_llama, tensor_parallel_size=2, **TINY)
-    actors = list(llm.engine.runner._ranks.actors)
-    llm.close()
-    assert not dist.is_initialized()
-    with pytest.raises(ray.exceptions.RayActorError):
-        ray.get(actors[0].device_uuid.remote(), timeout=30)
-    llm.close()  # idempotent
 
 
 def rank_died(runner: TPDriverRunner) -> bool:
