@@ -47,7 +47,7 @@ from ray.serve.config import AutoscalingConfig as ServeAutoscalingConfig
 from ray.serve.config import AutoscalingContext
 
 from bench.results_io import add_out_argument, write_result
-from cluster.app import _autoscaling_config
+from cluster.app import serve_autoscaling_config
 from cluster.config import AppConfig, PoolConfig
 from workers.serve.load_meter import LoadMeter
 
@@ -179,7 +179,7 @@ class Pool:
         self.kind = PrefillReplica if name == "prefill" else DecodeReplica
         a = cfg.autoscaling
         self.serve_config = None if fixed or a is None else ServeAutoscalingConfig(
-            **_autoscaling_config(a))  # fmt: skip
+            **serve_autoscaling_config(a))  # fmt: skip
         if self.serve_config is not None:
             self.policy = _apply_autoscaling_config(
                 _resolve_policy_callable(self.serve_config.policy))  # fmt: skip

@@ -117,7 +117,7 @@ def _deployment_options(
         options["placement_group_bundles"] = [rank] * pool.tensor_parallel_size
         options["placement_group_strategy"] = "STRICT_PACK"
     if pool.autoscaling is not None:
-        options["autoscaling_config"] = _autoscaling_config(pool.autoscaling)
+        options["autoscaling_config"] = serve_autoscaling_config(pool.autoscaling)
     else:
         options["num_replicas"] = pool.num_replicas
     if request_router is not None:
@@ -125,7 +125,7 @@ def _deployment_options(
     return options
 
 
-def _autoscaling_config(a: AutoscalingConfig) -> dict[str, Any]:
+def serve_autoscaling_config(a: AutoscalingConfig) -> dict[str, Any]:
     """Serve's `autoscaling_config`: its default policy (ongoing requests) for a pool without
     SLA targets; with targets, `SlaPolicy`, which applies the pool's delays itself."""
     targets = {f.name: getattr(a, f.name) for f in dataclasses.fields(Targets)}

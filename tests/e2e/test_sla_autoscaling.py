@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from ray import serve
 
-from cluster.app import _autoscaling_config
+from cluster.app import serve_autoscaling_config
 from cluster.config import AutoscalingConfig
 from tests.e2e.conftest import running
 from tests.waiting import wait_until
@@ -41,7 +41,7 @@ def test_serve_scales_a_pool_on_its_signals(serve_url: str) -> None:
     pool = AutoscalingConfig(min_replicas=1, max_replicas=3, ttft_ms=500, upscale_delay_s=0,
                              look_back_period_s=2)  # fmt: skip
     options = {
-        "autoscaling_config": _autoscaling_config(pool),
+        "autoscaling_config": serve_autoscaling_config(pool),
         "ray_actor_options": {"num_cpus": 0, "runtime_env": {"env_vars": PUSH_ENV}},
     }
     app = serve.deployment(**options)(Backlogged).bind()

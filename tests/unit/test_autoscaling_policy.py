@@ -12,7 +12,7 @@ from ray.serve._private.common import DeploymentID
 from ray.serve.config import AutoscalingConfig as ServeAutoscalingConfig
 from ray.serve.config import AutoscalingContext
 
-from cluster.app import _autoscaling_config
+from cluster.app import serve_autoscaling_config
 from cluster.autoscaling_policy import Decision, PoolSignals, SlaPolicy, Targets, decide
 from cluster.config import AppConfig, AutoscalingConfig
 from workers.serve.load_meter import (
@@ -146,7 +146,7 @@ def test_sla_fields_validate_with_clear_messages() -> None:
 
 
 def test_serve_gets_its_default_policy_without_targets() -> None:
-    options = _autoscaling_config(AutoscalingConfig(max_replicas=4))
+    options = serve_autoscaling_config(AutoscalingConfig(max_replicas=4))
     assert "policy" not in options and options["downscale_delay_s"] == 600
     ServeAutoscalingConfig(**options)
 
@@ -188,7 +188,7 @@ def test_serve_adapter_decides_on_serves_context() -> None:
 
     pool = AutoscalingConfig(min_replicas=1, max_replicas=4, ttft_ms=500, upscale_delay_s=0,
                              downscale_delay_s=10)  # fmt: skip
-    config = ServeAutoscalingConfig(**_autoscaling_config(pool))
+    config = ServeAutoscalingConfig(**serve_autoscaling_config(pool))
     policy = _apply_autoscaling_config(_resolve_policy_callable(config.policy))  # as Serve does
     assert isinstance(policy.__wrapped__, SlaPolicy)  # type: ignore[attr-defined]
     hot = {QUEUED_PROMPT_TOKENS: {"r1": 20_000.0}, PREFILL_TOKENS_PER_S: {"r1": 10_000.0}}

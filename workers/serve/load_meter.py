@@ -102,6 +102,12 @@ class LoadMeter:
             raise
         self.prefilled(prompt_tokens, self.clock() - start)
 
+    def _open(self, change: int) -> int:
+        """Count a stream opened (+1) or closed (-1); the streams open now."""
+        with self._lock:
+            self._streams += change
+            return self._streams
+
     def stream(self, prompt_tokens: int) -> StreamMeter:
         """A meter for one output stream; `prompt_tokens` 0 when its prompt was prefilled
         elsewhere (then every chunk is decode time)."""
@@ -142,8 +148,7 @@ class StreamMeter:
         self.prompt_tokens = prompt_tokens
         self.last = meter.clock()
         self.open = True
-        with meter._lock:
-            meter._streams += 1
+        meter._open(+1)
         if prompt_tokens:
             meter.admitted(prompt_tokens)
 
@@ -153,7 +158,7 @@ class StreamMeter:
             self.meter.prefilled(self.prompt_tokens, now - self.last)
             self.prompt_tokens = 0
         else:
-            self.meter.decoded(tokens, now - self.last, alone=self.meter._streams == 1)
+            self.meter.decoded(tokens, now - self.last, alone=self.meter._open(0) == 1)
         self.last = now
 
     def close(self) -> None:
@@ -163,5 +168,4 @@ class StreamMeter:
             self.prompt_tokens = 0
         if self.open:
             self.open = False
-            with self.meter._lock:
-                self.meter._streams -= 1
+            self.meter._open(-1)
