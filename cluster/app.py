@@ -7,13 +7,15 @@ In "colocated" mode there is no prefill pool: decode replicas serve whole reques
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
 from ray import serve
 from ray.serve import Application
 
-from cluster.config import AppConfig, PoolConfig, RouterConfig
+from cluster.autoscaling_policy import SlaPolicy, Targets
+from cluster.config import AppConfig, AutoscalingConfig, PoolConfig, RouterConfig
 from router.admission import IngressLimits
 from router.backend import GenerationBackend
 from router.failover import FailoverPolicy
@@ -115,12 +117,25 @@ def _deployment_options(
         options["placement_group_bundles"] = [rank] * pool.tensor_parallel_size
         options["placement_group_strategy"] = "STRICT_PACK"
     if pool.autoscaling is not None:
-        options["autoscaling_config"] = pool.autoscaling.model_dump(exclude_none=True)
+        options["autoscaling_config"] = serve_autoscaling_config(pool.autoscaling)
     else:
         options["num_replicas"] = pool.num_replicas
     if request_router is not None:
         options["request_router_config"] = request_router
     return options
+
+
+def serve_autoscaling_config(a: AutoscalingConfig) -> dict[str, Any]:
+    """Serve's `autoscaling_config`: its default policy (ongoing requests) for a pool without
+    SLA targets; with targets, `SlaPolicy`, which applies the pool's delays itself."""
+    targets = {f.name: getattr(a, f.name) for f in dataclasses.fields(Targets)}
+    shared = {"upscale_delay_s", "downscale_delay_s"}  # the only Targets fields Serve knows
+    serve_fields = a.model_dump(exclude_none=True, exclude=set(targets) - shared)
+    if not a.has_targets():
+        return serve_fields
+    policy = {"policy_function": f"{SlaPolicy.__module__}:{SlaPolicy.__name__}",
+              "policy_kwargs": targets}  # fmt: skip
+    return {**serve_fields, "upscale_delay_s": 0, "downscale_delay_s": 0, "policy": policy}
 
 
 def _request_routers(cfg: AppConfig) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:

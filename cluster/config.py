@@ -32,6 +32,61 @@ class AutoscalingConfig(Strict):
             raise ValueError("min_replicas must not exceed max_replicas")
         return self
 
+    # ---- SLA targets (cluster/autoscaling_policy.py) -------------------------------------------
+    # With a target the pool scales on its replicas' own signals against it (target_ongoing_requests
+    # is then unused) and the policy applies the delays above itself.
+    ttft_ms: float | None = Field(
+        None,
+        gt=0,
+        description="SLA target: time to first token (the prefill pool; the decode pool in "
+        "colocated mode); scales on queued prompt tokens against what a replica computes per "
+        "second, and on the measured TTFT",
+    )
+    tpot_ms: float | None = Field(
+        None,
+        gt=0,
+        description="SLA target: time per output token (the decode pool); scales on the "
+        "measured TPOT, KV usage and running sequences (batch seats)",
+    )
+    usage_target: float = Field(
+        0.85,
+        gt=0,
+        le=1,
+        description="with a target: the share of each limit the pool aims to run at (the SLA "
+        "target, a replica's measured prefill compute, its KV pages and batch seats); above it "
+        "the pool grows, so 1 - usage_target is the headroom that covers a new replica's start",
+    )
+    max_step_up: int = Field(
+        2, ge=1, description="with a target: replicas added per decision at most"
+    )
+    max_step_down: int = Field(
+        1, ge=1, description="with a target: replicas removed per decision at most"
+    )
+    downscale_below: float = Field(
+        0.6,
+        gt=0,
+        lt=1,
+        description="with a target: scale down only after every signal stayed under this share "
+        "of its target for downscale_delay_s (between it and 1 nothing changes: the hysteresis)",
+    )
+    look_back_period_s: float = Field(
+        30, gt=0, description="window over which Serve averages each replica's signals"
+    )
+
+    @model_validator(mode="after")
+    def _sla_fields_need_a_target(self) -> AutoscalingConfig:
+        tuning = {"usage_target", "max_step_up", "max_step_down", "downscale_below"}
+        stray = sorted(tuning & self.model_fields_set)
+        if stray and not self.has_targets():
+            raise ValueError(
+                f"{', '.join(stray)} only act with an SLA target: set ttft_ms and/or tpot_ms, "
+                "or leave them out"
+            )
+        return self
+
+    def has_targets(self) -> bool:
+        return self.ttft_ms is not None or self.tpot_ms is not None
+
 
 class PoolConfig(Strict):
     """One pool of workers (prefill or decode): replicas, their resources, engine overrides."""
@@ -201,6 +256,19 @@ class AppConfig(Strict):
         # An engine's share of its GPU is its pool's Ray GPU fraction, which PoolConfig passes.
         if self.engine.gpu_share != 1:
             raise ValueError("set a pool's num_gpus_per_rank (prefill, decode), not gpu_share")
+        return self
+
+    @model_validator(mode="after")
+    def _sla_targets_fit_pools(self) -> AppConfig:
+        """A pool can only be held to a target its replicas measure."""
+        prefill, decode = self.prefill.autoscaling, self.decode.autoscaling
+        if prefill is not None and prefill.tpot_ms is not None:
+            raise ValueError("prefill.autoscaling.tpot_ms: a prefill replica emits no output "
+                             "tokens after the first; set tpot_ms on decode.autoscaling")
+        if self.mode == "disaggregated" and decode is not None and decode.ttft_ms is not None:
+            raise ValueError("decode.autoscaling.ttft_ms: in disaggregated mode the prefill "
+                             "pool makes the first token; set ttft_ms on prefill.autoscaling "
+                             "(decode's ttft_ms is for colocated mode)")
         return self
 
     @property

@@ -28,11 +28,16 @@ class DecodeWorker(EngineWorker):
             stream = self.loop.stream(req.request_id, lambda: self.engine.add_remote(req, first))
         faults = self.engine.faults
         num_tokens = 0 if first is None else len(first.token_ids)
-        async for chunk in stream:
-            if faults is not None:
-                num_tokens += len(chunk.token_ids)
-                faults.strike("decode_token", req.prompt_token_ids, num_tokens)
-            yield chunk
+        timer = self.meter.stream(len(req.prompt_token_ids) if first is None else 0)
+        try:
+            async for chunk in stream:
+                timer.chunk(len(chunk.token_ids))
+                if faults is not None:
+                    num_tokens += len(chunk.token_ids)
+                    faults.strike("decode_token", req.prompt_token_ids, num_tokens)
+                yield chunk
+        finally:
+            timer.close()
 
     def record_routing_stats(self) -> dict[str, float]:
         s = self.loop.stats()

@@ -15,7 +15,8 @@ class PrefillWorker(EngineWorker):
         """Compute the prompt and the first token; the chunk's `kv` names the pinned pages."""
         stream = self.loop.generate(req)
         try:
-            first = await anext(stream)
+            with self.meter.prefill(len(req.prompt_token_ids)):
+                first = await anext(stream)
         finally:
             await stream.aclose()  # after a hand-off this aborts nothing (see AsyncEngine)
         if self.engine.faults is not None:

@@ -11,6 +11,7 @@ from workers.config import EngineConfig, KVTransferConfig
 from workers.disagg.handoff import HandoffEngine
 from workers.engine.async_engine import AsyncEngine
 from workers.protocol import EngineStats
+from workers.serve.load_meter import LoadMeter
 from workers.serve.stats_board import StatsPoster
 
 
@@ -37,6 +38,7 @@ class EngineWorker:
         if ctx is not None and tag is not None:
             poster = StatsPoster(ctx.app_name, self.engine.role, tag)
         self.loop = AsyncEngine(self.engine, poster)
+        self.meter = LoadMeter()  # its signals for SLA autoscaling
 
     async def stats(self) -> EngineStats:
         return self.loop.stats()
@@ -47,3 +49,10 @@ class EngineWorker:
         check_ranks = getattr(self.engine.runner, "check_alive", None)
         if check_ranks is not None:
             check_ranks()
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Polled by Serve for the pool's autoscaling policy (cluster/autoscaling_policy.py)."""
+        s = self.loop.stats()
+        seats = s.num_running + s.num_handoffs_pending  # decode: reads in flight take seats next
+        return self.meter.snapshot(kv_usage=s.kv_pages_used / max(1, s.kv_pages_total),
+                                   seat_usage=seats / self.engine.cfg.max_num_seqs)
