@@ -10,26 +10,15 @@ from ray import serve
 
 from cluster.app import serve_autoscaling_config
 from cluster.config import AutoscalingConfig
+from tests.e2e.backlogged import Backlogged
 from tests.e2e.conftest import running
 from tests.waiting import wait_until
-from workers.serve.load_meter import PREFILL_TOKENS_PER_S, QUEUED_PROMPT_TOKENS
 
 pytestmark = pytest.mark.e2e
 
 PUSH_ENV = {
     "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
 }
-
-
-class Backlogged:
-    """A prefill replica with 20k prompt tokens queued at 10k tokens/s: 2 s of work a replica
-    against a 500 ms TTFT target, so the pool wants 4."""
-
-    def record_autoscaling_stats(self) -> dict[str, float]:
-        return {QUEUED_PROMPT_TOKENS: 20_000.0, PREFILL_TOKENS_PER_S: 10_000.0}
-
-    def __call__(self) -> str:
-        return "ok"
 
 
 def running_replicas(app: str) -> int:
