@@ -14,12 +14,14 @@ once, when it loads Ray, so the test process could not switch to it; with a toke
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,8 +31,22 @@ from workers.parallel.rendezvous import free_port
 
 START_DEADLINE_S = 180  # three nodes on 2 busy cores take 30-40 s
 STOP_GRACE_S = 30  # SIGTERM first (each node stops its own processes), then SIGKILL
-AGENT_PORTS = ("dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port",
-               "runtime-env-agent-port")  # fmt: skip
+PR_SET_PDEATHSIG = 1  # prctl(2)
+NODE_ENV = {
+    "RAY_AUTH_MODE": "disabled",
+    "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",  # SIGTERM stops a node at once
+    # A raylet waits this long for its agents' port files, then crashes; three nodes' agents
+    # starting at once on a busy 2-core machine take longer than the 30 s default.
+    "RAY_agent_register_timeout_ms": "180000",
+    "RAY_raylet_start_wait_time_s": "180",  # `ray start` waiting for its raylet, likewise
+}
+
+
+def _end_with_parent() -> None:
+    """In the child before `exec`: SIGTERM it when the test process dies, however it dies (a
+    killed test run leaves no Ray behind; `ray start --block` stops its node on SIGTERM)."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 @dataclass
@@ -74,17 +90,17 @@ class LocalCluster:
 
     def _start_node(self, *args: str) -> Node:
         temp_dir = Path(tempfile.mkdtemp(prefix="pdray-"))  # short: socket paths live under it
-        env = {**os.environ, "RAY_AUTH_MODE": "disabled",
-               "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}  # fmt: skip
-        # Every port a node's agents bind, chosen here: nodes on one machine would otherwise
-        # share the defaults, and a raylet given them does not wait for its agents to write
-        # them to files (a wait that times out and crashes it when the machine is busy).
-        ports = [f"--{name}={free_port('127.0.0.1')}" for name in AGENT_PORTS]
+        env = {**os.environ, **NODE_ENV}
         command = ["ray", "start", "--block", "--disable-usage-stats", f"--temp-dir={temp_dir}",
-                   "--min-worker-port=0", "--max-worker-port=0", *ports, *args]  # fmt: skip
+                   # nodes on one machine share its ports: no fixed agent port, OS-picked
+                   # worker ports
+                   f"--dashboard-agent-listen-port={free_port('127.0.0.1')}",
+                   "--min-worker-port=0", "--max-worker-port=0", *args]  # fmt: skip
         with open(temp_dir / "ray-start.log", "w") as log:
-            proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)  # fmt: skip
+            proc = subprocess.Popen(
+                command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                preexec_fn=_end_with_parent,
+            )  # fmt: skip
         node = Node(proc, temp_dir)
         self.nodes.append(node)
         return node
@@ -107,6 +123,7 @@ class LocalCluster:
             self._start_node(
                 f"--address={self.address}",
                 f"--num-cpus={cpus}",
+                "--num-gpus=0",  # the machine's GPUs are the head's: one node counts them
                 f"--resources={json.dumps({resource: self.node_resource})}",
             )
         return self.address
