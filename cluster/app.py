@@ -109,6 +109,8 @@ def _deployment_options(
         },
         "health_check_period_s": 10,
     }
+    if pool.resources:  # the replica's node type (with TP, bundle 0 holds them too)
+        options["ray_actor_options"]["resources"] = dict(pool.resources)
     if pool.tensor_parallel_size > 1:
         # One replica = one TP group: the replica is rank 0 in bundle 0, its rank actors take
         # the other bundles (workers/parallel/ranks.py), all on one node.

@@ -38,23 +38,35 @@ def smollm2_dir() -> Path:
     return resolve_model(DEFAULT_MODEL)
 
 
-# Logical CPUs of the shared cluster: enough for the actors and Serve apps that modules keep
-# side by side (each module frees what it started); the machine's cores are shared either way.
+# Logical CPUs of the shared cluster's head: enough for the actors and Serve apps that modules
+# keep side by side (each module frees what it started); the machine's cores are shared either way.
 RAY_CPUS = 16
+# The worker nodes: custom resource naming the node type -> logical CPUs. The shared
+# disaggregated app pins its prefill pool to one and its decode pool to the other, so its KV
+# hand-offs cross nodes.
+PREFILL_NODE, DECODE_NODE = "pd_prefill_node", "pd_decode_node"
+WORKER_NODES = {PREFILL_NODE: 4, DECODE_NODE: 4}
 
 
 @pytest.fixture(scope="session")
 def ray_cluster() -> Iterator[None]:
-    """One local Ray for the whole run (a start and stop cost ~10 s on 2 cores), whose workers
-    import this checkout."""
+    """One Ray cluster for the whole run, of three nodes on this machine (`tests/ray_nodes.py`:
+    a head and the two WORKER_NODES, started through Ray's CLI), whose workers import this
+    checkout. Starting and stopping it costs ~20 s on 2 cores (one node in-process: ~10 s)."""
     import ray
 
-    path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
-    ray.init(
-        num_cpus=RAY_CPUS, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}}
-    )
-    yield
-    ray.shutdown()
+    from tests.ray_nodes import LocalCluster
+
+    cluster = LocalCluster(RAY_CPUS, WORKER_NODES)
+    try:
+        address = cluster.start()
+        path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
+        ray.init(address=address, runtime_env={"env_vars": {"PYTHONPATH": path}})
+        cluster.wait_alive()
+        yield
+    finally:
+        ray.shutdown()
+        cluster.stop()
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,7 @@
 """Serve for the end-to-end modules: one Serve instance on the shared Ray cluster, applications
 deployed side by side under their own route prefixes, and the configs/local.yaml applications
-(both modes) that several modules query, deployed once.
+(both modes) that several modules query, deployed once; the disaggregated one with its prefill
+and its decode pool on different nodes of the shared cluster (tests/conftest.py).
 
 An application costs ~30 s to start on 2 cores (every replica imports torch and transformers
 and builds its engine); a module deploys its own only for a configuration of its own and
@@ -20,6 +21,7 @@ from ray import serve
 from ray.serve import Application
 
 from cluster.app import build_app
+from tests.conftest import DECODE_NODE, PREFILL_NODE
 from tests.e2e.app_process import REPO
 from tests.waiting import wait_until
 from workers.parallel.rendezvous import free_port
@@ -45,7 +47,8 @@ def local_args(mode: str, **router: Any) -> dict[str, Any]:
 def serve_url(ray_cluster: None) -> Iterator[str]:
     """The base URL of the one Serve instance (its HTTP proxy on a free port)."""
     port = free_port("127.0.0.1")
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    # one proxy, on the head: the cluster's nodes share this machine and so its ports
+    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
 
@@ -82,6 +85,9 @@ def _local_apps(serve_url: str) -> Iterator[dict[str, str]]:
     for mode in MODES:
         # usage.prompt_tokens_details on: tests read the prefix cache's hits from it
         args = local_args(mode, enable_prompt_tokens_details=True)
+        if mode == "disaggregated":  # each pool on a node of its own: every hand-off crosses
+            args["prefill"]["resources"] = {PREFILL_NODE: 1}
+            args["decode"]["resources"] = {DECODE_NODE: 1}
         serve.run(build_app(args), name=mode, route_prefix=f"/{mode}")
     yield {mode: f"{serve_url}/{mode}" for mode in MODES}
 

@@ -3,12 +3,15 @@
 Serve configs (configs/*.yaml and the RayService's serveConfigV2): only field names Ray's Serve
 schema knows, `cluster.app:build_app` as import path, and `args` valid as `AppConfig`.
 `ray up` files: the cluster launcher's own preparation and validation, as `ray up` runs them.
+The Grafana dashboard: every query names only metric families and labels /metrics exports.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import re
+from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +21,9 @@ from pydantic import BaseModel, ValidationError
 from ray.serve import schema as serve_schema
 
 from cluster.config import AppConfig
+from router.backend import RoleStats
+from router.metrics import Metrics
+from workers.api import EngineStats
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -26,6 +32,7 @@ AWS = ROOT / "deploy" / "ray-cluster.aws.yaml"
 ONPREM = ROOT / "deploy" / "ray-cluster.onprem.yaml"
 RAYSERVICE = ROOT / "deploy" / "kuberay" / "rayservice.yaml"
 DOCKERFILE = ROOT / "deploy" / "Dockerfile"
+GRAFANA = ROOT / "deploy" / "grafana"
 LAUNCHER_KEYS = {
     "cluster_name", "provider", "auth", "file_mounts", "setup_commands",
     "head_start_ray_commands", "worker_start_ray_commands",
@@ -112,6 +119,18 @@ def test_a_pools_queue_bound_defaults_to_its_capacity_and_reaches_its_deployment
     assert _deployment_options("decode", cfg.decode)["max_queued_requests"] == 48
 
 
+def test_a_pools_resources_pin_its_replicas_and_every_tp_rank() -> None:
+    from cluster.app import _deployment_options
+
+    cfg = AppConfig.model_validate(llama_args())
+    pinned = cfg.prefill.model_copy(update={"resources": {"pd_prefill_node": 1.0}})
+    options = _deployment_options("prefill", pinned)
+    assert options["ray_actor_options"]["resources"] == {"pd_prefill_node": 1.0}
+    tp = _deployment_options("prefill", pinned.model_copy(update={"tensor_parallel_size": 2}))
+    assert all(b["pd_prefill_node"] == 1.0 for b in tp["placement_group_bundles"])
+    assert "resources" not in _deployment_options("decode", cfg.decode)["ray_actor_options"]
+
+
 def test_rayservice_embeds_the_llama_config() -> None:
     assert rayservice_serve_config() == load(ROOT / "configs" / "llama.yaml")
 
@@ -152,6 +171,9 @@ def test_launcher_config_passes_the_checks_ray_up_runs(path: Path) -> None:
     assert not LAUNCHER_KEYS - set(config), LAUNCHER_KEYS - set(config)
     assert "." in config["file_mounts"].values()  # the repo itself reaches every node
     assert any("pdserve[gpu,cu12]" in cmd for cmd in config["setup_commands"])  # cu128 image
+    # every node starts Ray with the env file's secrets and Ray token (deploy/README.md)
+    starts = config["head_start_ray_commands"] + config["worker_start_ray_commands"]
+    assert all(". ~/pdserve.env" in cmd for cmd in starts if "ray start" in cmd)
     validate_config(prepare_config(config))
 
 
@@ -205,6 +227,7 @@ def test_rayservice_takes_its_secrets_from_kubernetes_secrets() -> None:
     text = RAYSERVICE.read_text()
     assert not re.search(r"hf_[A-Za-z0-9]{20,}", text)  # no token pasted in
     cluster = load(RAYSERVICE)["spec"]["rayClusterConfig"]
+    assert cluster["authOptions"] == {"mode": "token"}  # Ray's token, made by the operator
     env: dict[str, Any] = {}
     for group in cluster["workerGroupSpecs"]:
         spec = group["template"]["spec"]
@@ -223,3 +246,53 @@ def test_image_and_ray_version_agree_everywhere() -> None:
     images = {c["image"] for pod in pods for c in pod["template"]["spec"]["containers"]}
     images |= {load(path)["docker"]["image"] for path in LAUNCHERS}
     assert len(images) == 1, images
+
+
+def exported_metrics() -> dict[str, set[str]]:
+    """Sample name -> its label names, as an app's /metrics renders them with both pools up."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    fields = EngineStats.model_fields.items()
+    idle = EngineStats(**{name: 0 for name, field in fields if field.is_required()})
+    metrics = Metrics("m", cache_info={"block_size": "16"})
+    text = metrics.render([RoleStats(role, idle) for role in ("prefill", "decode")]).decode()
+    labels: dict[str, set[str]] = defaultdict(set)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels[sample.name] |= set(sample.labels)
+    return labels
+
+
+def dashboard_queries() -> list[str]:
+    doc = json.loads((GRAFANA / "pdserve.json").read_text())
+    panels = [p for p in doc["panels"] if p["type"] != "row"]
+    assert len({p["id"] for p in doc["panels"]}) == len(doc["panels"])
+    assert all(p["datasource"]["uid"] == "${datasource}" for p in panels)  # any Prometheus
+    variables = [v["query"]["query"] for v in doc["templating"]["list"] if v["type"] == "query"]
+    return [t["expr"] for p in panels for t in p["targets"]] + variables
+
+
+def test_grafana_queries_name_only_exported_metrics_and_their_labels() -> None:
+    exported = exported_metrics()
+    used: set[str] = set()
+    for query in dashboard_queries():
+        names = re.findall(r"pdserve:[A-Za-z0-9_:]+", query)
+        assert names and all(n in exported for n in names), query
+        common = set.intersection(*(exported[n] for n in names))
+        for group in re.findall(r"\bby \(([^)]*)\)", query):
+            assert {label.strip() for label in group.split(",")} <= common, query
+        used.update(names)
+    # TTFT, TPOT, queues, KV use, prefix-cache hits, NIXL bytes and time
+    wanted = ["time_to_first_token_seconds_bucket", "time_per_output_token_seconds_bucket",
+              "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_hits_total",
+              "nixl_bytes_transferred_total", "nixl_xfer_time_seconds_sum"]  # fmt: skip
+    assert {f"pdserve:{name}" for name in wanted} <= used
+
+
+def test_grafana_provisioning_loads_the_dashboard_folder() -> None:
+    [provider] = load(GRAFANA / "provisioning" / "dashboards.yaml")["providers"]
+    assert provider["type"] == "file"
+    [source] = load(GRAFANA / "provisioning" / "datasources.yaml")["datasources"]
+    assert source["type"] == "prometheus"
+    [job] = load(GRAFANA / "prometheus.yaml")["scrape_configs"]
+    assert job["metrics_path"] == "/metrics"

@@ -15,7 +15,7 @@ import pytest
 import ray
 import torch.distributed as dist
 
-from tests.conftest import RAY_CPUS, make_random_checkpoint
+from tests.conftest import RAY_CPUS, WORKER_NODES, make_random_checkpoint
 from tests.waiting import wait_until
 from workers import LLM, SamplingParams
 from workers.engine.tp_runner import TPDriverRunner
@@ -169,7 +169,7 @@ def test_more_ranks_than_the_cluster_holds_are_refused(
     ray_cluster, tmp_path: Path, smollm2_dir: Path
 ) -> None:
     ranks = 32  # heads and features divide by it: only the cluster's CPUs are short
-    assert ranks - 1 > RAY_CPUS
+    assert ranks - 1 > RAY_CPUS + sum(WORKER_NODES.values())
     wide = make_random_checkpoint(
         tmp_path, smollm2_dir, "LlamaForCausalLM", num_attention_heads=ranks,
         num_key_value_heads=ranks,
