@@ -130,13 +130,14 @@ def _request_routers(cfg: AppConfig) -> tuple[dict[str, Any] | None, dict[str, A
     `decode_prefix_aware`, for the pages its replicas cache."""
     r: RouterConfig = cfg.router
     page_size = cfg.engine.page_size
+    kv_events_period_s = kv_events_period(cfg)
     prefix = {
         "request_router_class": "router.routing.serve_routers:PrefillRouter",
         "request_router_kwargs": {
             "page_size": page_size,
             "load_weight": r.prefix_load_weight,
-            "imbalance_threshold": r.prefix_imbalance_threshold,
             "pages_per_replica": r.prefix_index_pages,
+            "kv_events_period_s": kv_events_period_s,
         },
         "request_routing_stats_period_s": r.routing_stats_period_s,
     }
@@ -152,6 +153,12 @@ def _request_routers(cfg: AppConfig) -> tuple[dict[str, Any] | None, dict[str, A
     return prefill_router, prefix if r.decode_prefix_aware else decode_router
 
 
+def kv_events_period(cfg: AppConfig) -> float:
+    """How often replicas publish KV events and routers read them; 0 = no KV events."""
+    on = cfg.router.kv_events and cfg.engine.enable_prefix_caching
+    return cfg.router.kv_events_period_s if on else 0.0
+
+
 def build_app(args: dict[str, Any] | AppConfig) -> Application:
     """Validate the config file's `args` and bind the router and both pools."""
     cfg = AppConfig.model_validate(args)
@@ -159,12 +166,12 @@ def build_app(args: dict[str, Any] | AppConfig) -> Application:
     prefill_router, decode_router = _request_routers(cfg)
     decode = serve.deployment(**_deployment_options("decode", cfg.decode, decode_router))(
         DecodeWorker
-    ).bind(cfg.decode.engine(cfg.engine).model_dump(), transfer)
+    ).bind(cfg.decode.engine(cfg.engine).model_dump(), transfer, kv_events_period(cfg))
     prefill = None
     if cfg.mode == "disaggregated":
         prefill = serve.deployment(**_deployment_options("prefill", cfg.prefill, prefill_router))(
             PrefillWorker
-        ).bind(cfg.prefill.engine(cfg.engine).model_dump(), transfer)
+        ).bind(cfg.prefill.engine(cfg.engine).model_dump(), transfer, kv_events_period(cfg))
     router = serve.deployment(
         name="router",
         num_replicas=cfg.router.num_replicas,

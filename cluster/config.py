@@ -101,11 +101,21 @@ class RouterConfig(Strict):
     prefix_load_weight: float = Field(
         1.0, ge=0, description="cost of a pending prefill token against an uncached one"
     )
-    prefix_imbalance_threshold: int = Field(
-        8, ge=0, description="request-count spread above which the least-loaded replica wins"
-    )
     prefix_index_pages: int = Field(
-        1 << 16, ge=1, description="prefix pages remembered per replica (about its KV pool)"
+        1 << 16,
+        ge=1,
+        description="without kv_events: prefix pages the router's guess remembers per replica "
+        "(about its KV pool)",
+    )
+    # KV events: replicas publish their prefix caches' pages; routers route on them
+    kv_events: bool = Field(
+        True,
+        description="replicas publish the pages their prefix caches store and evict, and the "
+        "prefix-aware routers route on that exact index (else on a guess from what they sent)",
+    )
+    kv_events_period_s: float = Field(
+        0.05, gt=0, description="how often a replica publishes its cache changes and a router "
+        "reads them (the index's delay)",
     )
     decode_prefill_max_tokens: int = Field(
         0,
