@@ -24,6 +24,7 @@ from router.metrics_board import MetricsBoard
 from router.openai_api import build_openai_app
 from router.params import generation_defaults
 from router.pd_backend import DisaggregatedBackend
+from router.routing.disagg import DecodeCacheView
 from router.tools.parsers import default_parser
 from workers.model.loader import load_model_config, load_tokenizer, resolve_model
 from workers.serve.decode import DecodeWorker
@@ -42,9 +43,15 @@ class OpenAIIngress:
         app_name = ctx.app_name
         r = self.config.router
         failover = FailoverPolicy(r.failover_attempts, r.failover_deadline_s, r.replica_timeout_s)
-        self.backend: GenerationBackend = DisaggregatedBackend(
+        backend = DisaggregatedBackend(
             prefill, decode, app_name, r.decode_prefill_max_tokens, failover
         )
+        backend.prefill_queue_max_requests = r.prefill_queue_max_requests
+        events_period_s = kv_events_period(self.config)
+        if prefill is not None and events_period_s > 0 and r.decode_prefill_max_tokens > 0:
+            page_size = self.config.engine.page_size
+            backend.decode_cache = DecodeCacheView(app_name, page_size, events_period_s)
+        self.backend: GenerationBackend = backend
         # Several router replicas: each scrape reaches one, so they share request metrics.
         self.board = MetricsBoard(app_name, str(ctx.replica_id.unique_id))
         pools = ["decode"] if prefill is None else ["prefill", "decode"]

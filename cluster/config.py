@@ -120,8 +120,17 @@ class RouterConfig(Strict):
     decode_prefill_max_tokens: int = Field(
         0,
         ge=0,
-        description="disaggregated mode: prompts of at most this many tokens skip the prefill "
-        "pool and are prefilled by their decode replica (no KV transfer); 0 = never",
+        description="disaggregated mode: prompts with at most this many tokens to compute skip "
+        "the prefill pool and are prefilled by their decode replica (no KV transfer); tokens to "
+        "compute are those the best-placed decode replica does not cache (from its KV events; "
+        "the whole prompt without kv_events); 0 = never",
+    )
+    prefill_queue_max_requests: int = Field(
+        0,
+        ge=0,
+        description="disaggregated mode: while this many of a router replica's prompts wait on "
+        "the prefill pool, its further prompts are prefilled by their decode replica; 0 = no "
+        "bound",
     )
     decode_load_aware: bool = Field(
         True, description="send decodes to the fewest running requests, then most free pages"

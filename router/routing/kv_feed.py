@@ -34,6 +34,7 @@ class KVEventFeed:
         self._lock = threading.Lock()
         self.index_pages: dict[str, int] = {}  # pool -> entries its index holds (metrics)
         self._subscribed = 0  # subscriptions so far; a read for fewer must be a snapshot
+        self.reads = 0  # reads answered by the hub (how far behind a router can be: one period)
         self._thread = threading.Thread(target=self._run, name="kv-event-feed", daemon=True)
         self._thread.start()
 
@@ -61,9 +62,11 @@ class KVEventFeed:
             try:
                 read = read_kv_events(self.app, epoch if synced == subscribed else "", cursor, 30)
             except Exception:  # noqa: BLE001 - the hub restarts; the next read resyncs
-                logger.exception("reading KV events failed")
+                if synced != -1:  # once per outage
+                    logger.exception("reading KV events failed")
                 read, synced = None, -1
             if read is not None:
+                self.reads += 1
                 epoch, cursor = read.epoch, read.cursor
                 synced = subscribed if read.snapshot else synced
                 with self._lock:
@@ -71,6 +74,11 @@ class KVEventFeed:
                         for q in self._queues.get(pool, ()):
                             q.put(batch)
             threading.Event().wait(self.period_s)
+
+
+def feed_of(app: str) -> KVEventFeed | None:
+    """This process's feed of `app`, if a router started one."""
+    return _feeds.get(app)
 
 
 def index_pages() -> dict[str, int]:

@@ -18,6 +18,7 @@ from typing import Generic, TypeVar
 R = TypeVar("R", bound=Hashable)  # a replica key (Serve's ReplicaID)
 
 RING_WALK = 64  # ring steps before `pick_least` settles for the heap's least-loaded replica
+POINTS = 64  # ring points per replica: with one, a replica's share of new prefixes is uneven
 
 
 def ring_position(replica: Hashable) -> int:
@@ -29,7 +30,7 @@ class LoadBoard(Generic[R]):
     def __init__(self) -> None:
         self._load: dict[R, int] = {}
         self._heap: list[tuple[int, int, R]] = []  # (load, ring position, replica), some stale
-        self._ring: list[tuple[int, R]] = []
+        self._ring: list[tuple[int, R]] = []  # (position, replica), POINTS a replica
         self._pos: dict[R, int] = {}
 
     def __contains__(self, replica: object) -> bool:
@@ -51,8 +52,9 @@ class LoadBoard(Generic[R]):
         for r in keep - set(self._load):
             self._pos[r] = ring_position(r)
             self.set(r, 0)
-        if gone or len(self._ring) != len(keep):
-            self._ring = sorted((p, r) for r, p in self._pos.items())
+        if gone or len(self._ring) != POINTS * len(keep):
+            points = ((ring_position((r, k)), r) for r in self._load for k in range(POINTS))
+            self._ring = sorted(points, key=lambda point: point[0])
             self._rebuild()
         return gone
 
@@ -83,7 +85,7 @@ class LoadBoard(Generic[R]):
         if least is None:
             return None
         n = len(self._ring)
-        start = bisect.bisect_left(self._ring, (salt % (1 << 64),))
+        start = bisect.bisect_left(self._ring, ring_position(salt), key=lambda p: p[0])
         for step in range(min(n, RING_WALK)):
             r = self._ring[(start + step) % n][1]
             if self._load[r] == least[0]:

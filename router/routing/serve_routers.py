@@ -134,7 +134,7 @@ class PrefillRouter(_PolicyRouter):
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self._gone.add(replica_id.unique_id)
-        self.policy.forget(replica_id.unique_id)
+        self.policy.retain(rid.unique_id for rid in self._replicas)  # forgets the dead one
         logger.info("prefix router: forgot dead replica %s", replica_id)
 
 

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from router.routing import PrefixAwarePolicy, PrefixIndex
+from router.routing.disagg import DecodeCacheView, prefill_remotely
 from workers.api import KVEventBatch, page_hashes
 from workers.kvcache.allocator import PageAllocator
 from workers.kvcache.kv_events import KVEventLog
@@ -139,3 +140,14 @@ def test_hub_serves_batches_since_a_cursor_and_a_snapshot_otherwise() -> None:
     for i in itertools.islice(itertools.count(), LOG_BATCHES + 1):
         hub.publish("prefill", KVEventBatch("r0", "a", stored=[i]))
     assert hub.read(again.epoch, again.cursor).snapshot  # fell behind the log
+
+
+def test_disaggregation_follows_what_the_decode_side_lacks_and_the_prefill_queue() -> None:
+    view = DecodeCacheView("unit-test-app", PS, period_s=60.0)
+    prompt = list(range(100))  # 25 pages
+    assert view.uncached_tokens(prompt) == 100
+    view._events.put(KVEventBatch("d0", "i", stored=page_hashes(prompt[:80], PS)))
+    assert view.uncached_tokens(prompt) == 20
+    assert not prefill_remotely(20, 0, max_local_tokens=32, max_waiting=0)  # decode prefills
+    assert prefill_remotely(100, 3, max_local_tokens=32, max_waiting=4)
+    assert not prefill_remotely(100, 4, max_local_tokens=32, max_waiting=4)  # pool backed up
