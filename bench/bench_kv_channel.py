@@ -19,12 +19,13 @@ import pickle
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import ray
 
 from bench.results_io import add_out_argument, write_result
 from workers.kvcache.kv_events import KVEventBatch
-from workers.serve.kv_event_hub import KVEventHub
+from workers.serve.kv_event_hub import KVEventHub, KVEventRead
 from workers.transfer.peers import ray_internal_kv
 
 
@@ -51,12 +52,12 @@ def main() -> None:
     args = ap.parse_args()
     ray.init(num_cpus=2, include_dashboard=False)
     batch = KVEventBatch("replica-0", "i", list(range(args.pages)), [])
-    hub = ray.remote(KVEventHub).options(num_cpus=0).remote()
+    hub: Any = ray.remote(KVEventHub).options(num_cpus=0).remote()
     ray.get(hub.publish.remote("prefill", batch))
     rows = [
         row("hub", "publish", timed(lambda: ray.get(hub.publish.remote("p", batch)), args.batches))
     ]
-    cursor = [ray.get(hub.read.remote("", 0))]
+    cursor: list[KVEventRead] = [ray.get(hub.read.remote("", 0))]
 
     def hub_read() -> None:
         for _ in range(args.per_read):
@@ -99,7 +100,13 @@ def main() -> None:
     print("| channel | operation | p50 us | p99 us |\n| --- | --- | --- | --- |")
     for r in rows:
         print(f"| {r['channel']} | {r['op']} | {r['p50_us']} | {r['p99_us']} |")
-    write_result(args.out, "kv-channel", rows, model=f"batches of {args.pages} page names")
+    write_result(
+        args.out,
+        "kv-channel",
+        rows,
+        model=f"batches of {args.pages} page names",
+        title="KV-event channels: a Ray actor hub against Ray's internal KV",
+    )
     ray.shutdown()
 
 

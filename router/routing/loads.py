@@ -58,6 +58,10 @@ class LoadBoard(Generic[R]):
             self._rebuild()
         return gone
 
+    def position(self, replica: R) -> int:
+        """`replica`'s stable tie-break rank (its ring position)."""
+        return self._pos.get(replica, 0)
+
     def get(self, replica: R) -> int:
         return self._load.get(replica, 0)
 

@@ -32,7 +32,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import TypeVar
 
-from router.routing.loads import LoadBoard, ring_position
+from router.routing.loads import LoadBoard
 from router.routing.prefix_index import PrefixIndex
 from workers.api import KVEventBatch, page_hashes
 
@@ -130,20 +130,25 @@ class PrefixAwarePolicy:
         least = self.loads.pick_least(self._salt(prompt))
         if least is None:
             return []
-        names, n, w = self._page_names(prompt), len(prompt), self.load_weight
+        names, n, w, ps = self._page_names(prompt), len(prompt), self.load_weight, self.page_size
         least_load, pick = least
         best = n + w * least_load  # `pick`'s cost at most
         cost: dict[Hashable, float] = {}
+        owners, loads, below = self.index.owners, self.loads, 0
         for i in range(len(names) - 1, -1, -1):
-            uncached = self.uncached_tokens(n, i + 1)
+            uncached = n - min((i + 1) * ps, n - 1)  # uncached_tokens(n, i + 1), inlined
             if uncached + w * least_load > best:
                 break  # no replica matching only pages 0..i can win
-            for r in self.index.owners(names[i]):
-                if r not in cost and r in self.loads:
-                    cost[r] = uncached + w * self.loads.get(r)
-                    best = min(best, cost[r])
+            holders = owners(names[i])
+            if len(holders) == below:
+                continue  # a holder of page i+1 holds page i: the same set, all costed
+            below = len(holders)
+            for r in holders:
+                if r not in cost and r in loads:
+                    cost[r] = c = uncached + w * loads.get(r)
+                    best = min(best, c)
         cost.setdefault(pick, n + w * least_load)
-        return sorted(cost, key=lambda r: (cost[r], r != pick, ring_position(r)))
+        return sorted(cost, key=lambda r: (cost[r], r != pick, loads.position(r)))
 
     def uncached_tokens(self, prompt_len: int, matched_pages: int) -> int:
         """Tokens to compute when `matched_pages` pages are cached (one token always is)."""

@@ -79,7 +79,8 @@ class PrefixIndex:
         deadline = None if self._clock is None else self._clock() + self.confirm_s
         for name in reversed(names):
             if name in lru:
-                lru.move_to_end(name)
+                if not self.exact:
+                    lru.move_to_end(name)  # LRU order matters only to the bounded guess
                 continue
             self._add(replica, lru, name)
             if self.exact and deadline is not None:

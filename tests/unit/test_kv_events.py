@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -151,3 +152,44 @@ def test_disaggregation_follows_what_the_decode_side_lacks_and_the_prefill_queue
     assert not prefill_remotely(20, 0, max_local_tokens=32, max_waiting=0)  # decode prefills
     assert prefill_remotely(100, 3, max_local_tokens=32, max_waiting=4)
     assert not prefill_remotely(100, 4, max_local_tokens=32, max_waiting=4)  # pool backed up
+
+
+def test_kv_event_metrics_per_role_and_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    from router.backend import RoleStats
+    from router.metrics import Metrics
+    from router.routing import kv_feed
+    from workers.protocol import EngineStats
+
+    monkeypatch.setattr(kv_feed, "index_pages", lambda: {"prefill": 120, "decode": 7})
+    metrics = Metrics("m")
+    zero = {k: 0 for k, field in EngineStats.model_fields.items() if field.is_required()}
+    prefill = EngineStats.model_validate(zero | {"kv_events_published": 42})
+    metrics.engines.update([RoleStats("prefill", prefill)])
+    text = metrics.render().decode()
+    assert 'pdserve:kv_events_published_total{model_name="m",role="prefill"} 42.0' in text
+    assert 'pdserve:router_index_pages{model_name="m",pool="prefill"} 120.0' in text
+    assert 'pdserve:router_index_pages{model_name="m",pool="decode"} 7.0' in text
+
+
+def test_a_publisher_batches_the_cache_changes_and_resends_all_on_a_new_hub() -> None:
+    from workers.serve.kv_publisher import KVEventPublisher
+
+    radix = RadixCache(PS, PageAllocator(16))
+    publisher = KVEventPublisher("app", "prefill", "r0", radix, period_s=60.0)
+    try:
+        a, b = list(range(8)), list(range(100, 112))
+        cached(a, radix)
+        publisher.collect()
+        cached(b, radix)
+        radix.evict(1)  # the oldest leaf's last page: a's second
+        publisher.collect()
+        batch = publisher._next_batch()
+        assert (batch.replica, batch.incarnation) == ("r0", publisher.incarnation)
+        assert set(batch.stored) == set(page_hashes(a, PS)[:1] + page_hashes(b, PS))
+        assert batch.removed == page_hashes(a, PS)[1:] and not batch.snapshot
+        publisher._want_snapshot.set()  # as when the hub answers a new epoch
+        publisher.collect()
+        snapshot = publisher._next_batch()
+        assert snapshot.snapshot and set(snapshot.stored) == set(radix.page_names())
+    finally:
+        publisher.close()
