@@ -1,7 +1,7 @@
 """Prefix-aware decode routing in real Ray Serve (`router.decode_prefix_aware`): a
-conversation's next turn goes to the decode replica that holds its earlier turn, which then
-reads only the new pages over NIXL. Two decode replicas; the load-aware router alone would
-send the second turn to the other one (it has more free pages)."""
+conversation's next turn goes to the decode replica that holds its earlier turn (known from the
+replicas' KV events), which then reads only the new pages over NIXL. Two decode replicas; the
+load-aware router alone would send the second turn to the other one (it has more free pages)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ pytestmark = pytest.mark.e2e
 
 PAGE = 4
 TURN_1 = [1] + [300 + 7 * i for i in range(6 * PAGE - 1)]  # 6 whole pages
-COUNTERS = [("decode", "kv_pages_read"), ("decode", "kv_pages_reused")]
+COUNTERS = [("decode", "kv_pages_read"), ("decode", "kv_pages_reused"),
+            ("decode", "kv_events_published")]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -49,3 +50,4 @@ def test_the_next_turn_reads_only_its_new_pages(base_url: str) -> None:
     after = settled_counters(base_url, COUNTERS)
     assert after["decode kv_pages_reused"] - before["decode kv_pages_reused"] == 6
     assert after["decode kv_pages_read"] - before["decode kv_pages_read"] == 2
+    assert after["decode kv_events_published"] > 0  # the router knew the pages from the events

@@ -108,6 +108,11 @@ def hub_holds(req: GenerateRequest) -> bool:
     return any(last in batch.stored for _, batch in read.batches)
 
 
+def running_replicas() -> int:
+    states = serve.status().applications[APP].deployments["prefill"].replica_states
+    return int(states.get("RUNNING", 0))
+
+
 def catch_up(forwarder: Any) -> None:
     """Wait until the forwarder's router has read the hub twice more (all published so far)."""
     start = forwarder.feed_reads.remote().result(timeout_s=30)
@@ -144,6 +149,8 @@ def test_a_router_routes_on_what_another_router_sent_and_never_on_a_dead_cache(
     routers: tuple[Any, Any],
 ) -> None:
     pool, forwarder = routers
+    wait_until(lambda: running_replicas() == 3, 60, interval_s=0.2,
+               what="the replica killed by the test before to be replaced")  # fmt: skip
     send(forwarder, request("warm-up", (600_000, 1)))  # its router starts reading the events
     shared = (900_000, 1)
     # The pool's router sends a long prompt that shares the first page of the prefix S below:

@@ -30,6 +30,9 @@ HEARTBEAT_S = 5.0
 FORGET_AFTER_S = 12 * HEARTBEAT_S
 
 
+_readers: dict[str, Any] = {}  # app -> its hub's handle, for this process's reads
+
+
 def hub_name(app: str) -> str:
     return f"kv-events/{app}"
 
@@ -120,8 +123,13 @@ def read_kv_events(app: str, epoch: str, cursor: int, timeout_s: float) -> KVEve
     while there is no hub."""
     import ray
 
-    handle = hub(app, create=False)
+    handle = _readers.get(app) or hub(app, create=False)
     if handle is None:
         return None
-    result: KVEventRead = ray.get(handle.read.remote(epoch, cursor), timeout=timeout_s)
+    try:
+        result: KVEventRead = ray.get(handle.read.remote(epoch, cursor), timeout=timeout_s)
+    except Exception:
+        _readers.pop(app, None)  # look the hub up again next time
+        raise
+    _readers[app] = handle
     return result
