@@ -15,7 +15,16 @@ its own system prompt; a request starts a new conversation (system prompt + ques
 probability --followup, continues one of its tenant's earlier ones (+ answer + new question).
 
 Policies: round-robin, random, power of two choices on queue length (Ray Serve's default), and
-`PrefixAwarePolicy` (router/routing/policy.py, what the Serve router runs).
+`PrefixAwarePolicy` (router/routing/policy.py, what the Serve router runs) on two indexes: one
+guessed from what the router sent (LRU bounded by a replica's KV pages; the index before KV
+events), and one fed by the replicas' KV events (their radix caches' stores and evictions,
+delivered `--event-delay-ms` after they happen). The oracle is the KV-event policy with no delay:
+perfect knowledge of every cache at each decision; "of oracle" is a policy's cached tokens as a
+share of the oracle's.
+
+Decision time: `PrefixAwarePolicy.rank` + `routed` + `completed` per request on pools of 64 and
+1000 replicas whose caches hold many prefixes, against scoring every replica (what the policy did
+before the index walk: linear in the pool).
 """
 
 from __future__ import annotations
@@ -32,10 +41,14 @@ from typing import Protocol
 
 from bench.results_io import add_out_argument, write_result
 from router.routing.policy import PrefixAwarePolicy
+from workers.api import KVEventBatch, page_hashes
 from workers.kvcache.allocator import PageAllocator
+from workers.kvcache.kv_events import KVEventLog
 from workers.kvcache.manager import KVManager
 from workers.protocol import SamplingParams
 from workers.sequence import Sequence as EngineSequence
+
+clock = time.thread_time  # decision time: CPU time of the routing thread
 
 SCENARIOS = {  # KV tokens per replica: less than the tenants' prompts, or all of them and more
     "scarce": 48_000,
@@ -49,6 +62,44 @@ class Policy(Protocol):
     ) -> list[str]: ...
     def routed(self, replica: str, request: str, prompt: Sequence[int]) -> None: ...
     def completed(self, replica: str, request: str) -> None: ...
+
+
+class OnIndex:
+    """`PrefixAwarePolicy` in the simulation: on a guessed index, or on KV events that the
+    replicas' caches emit and that reach it `delay_s` later (`observe`)."""
+
+    def __init__(self, args: argparse.Namespace, kv_tokens: int, delay_s: float | None) -> None:
+        self.now = 0.0
+        guess = None if delay_s is not None else kv_tokens // args.page_size
+        self.policy = PrefixAwarePolicy(
+            args.page_size, pages_per_replica=guess, clock=lambda: self.now
+        )
+        self.delay_s = delay_s
+        self.inbox: deque[tuple[float, KVEventBatch]] = deque()
+        self.members: Sequence[str] = ()
+
+    def observe(self, now: float, batches: list[KVEventBatch]) -> None:
+        """The caches' events of this moment; apply those due by now."""
+        self.now = now
+        if self.delay_s is None:
+            return
+        self.inbox.extend((now + self.delay_s, batch) for batch in batches)
+        while self.inbox and self.inbox[0][0] <= now:
+            self.policy.apply(self.inbox.popleft()[1])
+
+    def rank(
+        self, replicas: Sequence[str], prompt: Sequence[int], queue_lens: Mapping[str, int]
+    ) -> list[str]:
+        if self.members is not replicas:
+            self.members = replicas
+            self.policy.retain(replicas)
+        return [str(r) for r in self.policy.rank(prompt)]
+
+    def routed(self, replica: str, request: str, prompt: Sequence[int]) -> None:
+        self.policy.routed(replica, request, prompt)
+
+    def completed(self, replica: str, request: str) -> None:
+        self.policy.completed(replica, request)
 
 
 class Blind:
@@ -81,6 +132,7 @@ class Job:
     prompt: list[int]
     arrival: float
     seq: EngineSequence
+    router: Policy
     admitted: bool = False
     remaining: int = 0
 
@@ -100,18 +152,22 @@ class Result:
     cached_tokens: int = 0
     ttfts: list[float] = field(default_factory=list)
     per_replica: list[int] = field(default_factory=list)
-    route_s: float = 0.0
 
 
 class Sim:
-    def __init__(self, args: argparse.Namespace, kv_tokens: int, policy: Policy) -> None:
-        self.args, self.policy = args, policy
+    def __init__(self, args: argparse.Namespace, kv_tokens: int, routers: list[Policy]) -> None:
+        """`routers`: one policy per router replica; requests take turns among them."""
+        self.args, self.routers = args, routers
         pages = kv_tokens // args.page_size
         self.replicas = [
             Replica(f"r{i}", KVManager(PageAllocator(pages + 1), args.page_size, True))
             for i in range(args.replicas)
         ]
+        for r in self.replicas:
+            assert r.kv.radix is not None
+            r.kv.radix.events = KVEventLog()
         self.by_name = {r.name: r for r in self.replicas}
+        self.names = [r.name for r in self.replicas]
         self.events: list[tuple[float, int, str, object]] = []
         self.order = 0
         self.result = Result()
@@ -122,7 +178,7 @@ class Sim:
 
     def run(self, requests: list[tuple[float, list[int]]]) -> Result:
         for i, (t, prompt) in enumerate(requests):
-            self.push(t, "arrive", (f"q{i}", prompt))
+            self.push(t, "arrive", (i, prompt))
         while self.events:
             now, _, kind, payload = heapq.heappop(self.events)
             if kind == "arrive":
@@ -132,16 +188,23 @@ class Sim:
         self.result.per_replica = [r.computed for r in self.replicas]
         return self.result
 
-    def arrive(self, now: float, rid: str, prompt: list[int]) -> None:
-        names = [r.name for r in self.replicas]
+    def arrive(self, now: float, i: int, prompt: list[int]) -> None:
+        rid, router = f"q{i}", self.routers[i % len(self.routers)]
         queue_lens = {r.name: len(r.queue) for r in self.replicas}
-        t0 = time.perf_counter()
-        name = self.policy.rank(names, prompt, queue_lens)[0]
-        self.policy.routed(name, rid, prompt)
-        self.result.route_s += time.perf_counter() - t0
+        batches = []
+        for r in self.replicas:
+            assert r.kv.radix is not None and r.kv.radix.events is not None
+            stored, removed = r.kv.radix.events.drain()
+            if stored or removed:
+                batches.append(KVEventBatch(r.name, "0", stored, removed))
+        for other in self.routers:
+            if isinstance(other, OnIndex):
+                other.observe(now, batches)
+        name = router.rank(self.names, prompt, queue_lens)[0]
+        router.routed(name, rid, prompt)
         seq = EngineSequence(rid, list(prompt), len(prompt), SamplingParams(), None)
         replica = self.by_name[name]
-        replica.queue.append(Job(rid, prompt, now, seq))
+        replica.queue.append(Job(rid, prompt, now, seq, router))
         if not replica.busy:
             self.start_step(now, replica)
 
@@ -177,7 +240,7 @@ class Sim:
             if job.remaining == 0:
                 replica.kv.release(job.seq, cache=True)
                 replica.queue.remove(job)
-                self.policy.completed(replica.name, job.rid)
+                job.router.completed(replica.name, job.rid)
                 self.result.ttfts.append(now - job.arrival)
         self.start_step(now, replica)
 
@@ -209,12 +272,19 @@ def workload(args: argparse.Namespace) -> list[tuple[float, list[int]]]:
     return out
 
 
-def policies(args: argparse.Namespace) -> dict[str, Policy]:
+ORACLE = "oracle (KV events, no delay)"
+
+
+def policies(args: argparse.Namespace, kv_tokens: int) -> dict[str, list[Policy]]:
+    """Label -> one policy per router replica."""
+    n, delay = range(args.routers), args.event_delay_ms / 1e3
     return {
-        "round-robin": Blind("round-robin", args.seed),
-        "random": Blind("random", args.seed),
-        "pow-2 (Serve default)": Blind("pow2", args.seed),
-        "prefix-aware": PrefixAwarePolicy(args.page_size),
+        "round-robin": [Blind("round-robin", args.seed + i) for i in n],
+        "random": [Blind("random", args.seed + i) for i in n],
+        "pow-2 (Serve default)": [Blind("pow2", args.seed + i) for i in n],
+        "prefix-aware, guessed index": [OnIndex(args, kv_tokens, None) for _ in n],
+        "prefix-aware, KV events": [OnIndex(args, kv_tokens, delay) for _ in n],
+        ORACLE: [OnIndex(args, kv_tokens, 0.0) for _ in n],
     }
 
 
@@ -228,30 +298,35 @@ def report(name: str, kv_tokens: int, args: argparse.Namespace) -> list[dict[str
     rows: list[dict[str, object]] = []
     total = sum(len(p) for _, p in requests)
     print(
-        f"\n## {name}: {args.replicas} replicas x {kv_tokens} KV tokens; {args.requests} requests "
+        f"\n## {name}: {args.replicas} replicas x {kv_tokens} KV tokens, {args.routers} routers; "
+        f"{args.requests} requests "
         f"at {args.rate}/s from {args.tenants} tenants (Zipf {args.zipf}), "
         f"{total / len(requests):.0f} prompt tokens each on average\n"
     )
-    print("| policy | cache hit rate | prefill tokens computed | vs round-robin "
+    print("| policy | cache hit rate | of oracle | prefill tokens computed | vs round-robin "
           "| TTFT p50 ms | TTFT p99 ms | busiest / idlest replica |")  # fmt: skip
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    base: Result | None = None
-    for label, policy in policies(args).items():
-        res = Sim(args, kv_tokens, policy).run(requests)
-        base = base or res
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    results = {
+        label: Sim(args, kv_tokens, p).run(requests)
+        for label, p in policies(args, kv_tokens).items()
+    }
+    base, oracle = results["round-robin"], results[ORACLE]
+    for label, res in results.items():
         computed = res.prompt_tokens - res.cached_tokens
         ratio = computed / (base.prompt_tokens - base.cached_tokens)
         spread = max(res.per_replica) / max(1, min(res.per_replica))
+        of_oracle = res.cached_tokens / oracle.cached_tokens
         print(
-            f"| {label} | {res.cached_tokens / res.prompt_tokens:.1%} | {computed:,} "
-            f"| {ratio:.2f}x | {1e3 * pct(res.ttfts, 50):.0f} | {1e3 * pct(res.ttfts, 99):.0f} "
-            f"| {spread:.2f} |"
+            f"| {label} | {res.cached_tokens / res.prompt_tokens:.1%} | {of_oracle:.2%} "
+            f"| {computed:,} | {ratio:.2f}x | {1e3 * pct(res.ttfts, 50):.0f} "
+            f"| {1e3 * pct(res.ttfts, 99):.0f} | {spread:.2f} |"
         )
         rows.append(
             dict(
                 kv_tokens_per_replica=kv_tokens,
                 policy=label,
                 cache_hit_pct=round(100 * res.cached_tokens / res.prompt_tokens, 1),
+                hit_tokens_of_oracle_pct=round(100 * of_oracle, 2),
                 prefill_tokens_computed=computed,
                 x_round_robin=round(ratio, 2),
                 ttft_p50_ms=round(1e3 * pct(res.ttfts, 50)),
@@ -259,10 +334,52 @@ def report(name: str, kv_tokens: int, args: argparse.Namespace) -> list[dict[str
                 busiest_x_idlest=round(spread, 2),
             )
         )
-        if label == "prefix-aware":
-            us = 1e6 * res.route_s / len(requests)
-            print(f"\nprefix-aware routing took {us:.0f} us a request (this host, Python)")
     return rows
+
+
+def scan_cost(policy: PrefixAwarePolicy, prompt: list[int], names: list[int], r: str) -> float:
+    matched = policy.index.depth(names, r)
+    return policy.uncached_tokens(len(prompt), matched) + policy.load_weight * policy.loads.get(r)
+
+
+def decision_time(num_replicas: int, args: argparse.Namespace) -> dict[str, object]:
+    """Per-request routing CPU time (this thread's: other processes on the host do not count)
+    on a pool of `num_replicas` whose caches hold 8 prefixes of
+    64 pages each (from the KV events), with up to 32 requests in flight."""
+    rng = random.Random(args.seed)
+    ps, tenants = args.page_size, 4 * num_replicas
+    systems = [[t] * ps + [rng.randrange(1 << 30) for _ in range(63 * ps)] for t in range(tenants)]
+    policy = PrefixAwarePolicy(ps)
+    replicas = [f"r{i}" for i in range(num_replicas)]
+    policy.retain(replicas)
+    for i, r in enumerate(replicas):
+        held = [page_hashes(systems[(i * 8 + k) % tenants], ps) for k in range(8)]
+        policy.apply(KVEventBatch(r, "0", [n for names in held for n in names]))
+    prompts = [systems[rng.randrange(tenants)] + [rng.randrange(1 << 30) for _ in range(200)]
+               for _ in range(args.decisions)]  # fmt: skip
+    in_flight: deque[tuple[str, str]] = deque()
+    walk, scan = [], []
+    for i, prompt in enumerate(prompts):
+        t0 = clock()
+        best = str(policy.rank(prompt)[0])
+        policy.routed(best, f"q{i}", prompt)
+        walk.append(clock() - t0)
+        in_flight.append((best, f"q{i}"))
+        if len(in_flight) > 32:
+            policy.completed(*in_flight.popleft())
+        t0 = clock()
+        names = page_hashes(prompt, ps)  # scoring every replica, as before the index walk
+        min(replicas, key=lambda r: scan_cost(policy, prompt, names, r))
+        scan.append(clock() - t0)
+    row: dict[str, object] = dict(
+        replicas=num_replicas,
+        decision_p50_us=round(1e6 * pct(walk, 50)),
+        decision_p99_us=round(1e6 * pct(walk, 99)),
+        score_every_replica_p50_us=round(1e6 * pct(scan, 50)),
+        score_every_replica_p99_us=round(1e6 * pct(scan, 99)),
+    )
+    print(" | ".join(["", *map(str, row.values()), ""]).strip())
+    return row
 
 
 def main() -> None:
@@ -285,15 +402,40 @@ def main() -> None:
     ap.add_argument("--tok-s", type=float, default=8192 / 0.215, help="prefill tokens/s")
     ap.add_argument("--step-ms", type=float, default=5.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--routers", type=int, default=2, help="router replicas, taking turns")
+    ap.add_argument("--event-delay-ms", type=float, default=50.0, help="KV events' delay")
+    ap.add_argument("--pool-sizes", type=int, nargs="+", default=[64, 1000])
+    ap.add_argument("--decisions", type=int, default=3000, help="requests timed per pool size")
     add_out_argument(ap)
     args = ap.parse_args()
     names = list(SCENARIOS) if args.scenario == "both" else [args.scenario]
     rows = [row for name in names for row in report(name, SCENARIOS[name], args)]
+    print("\n## decision time (this host, Python), CPU us a request\n")
+    print("| replicas | index walk p50 | index walk p99 | every replica scored p50 | p99 |")
+    print("| --- | --- | --- | --- | --- |")
+    decisions = [decision_time(n, args) for n in args.pool_sizes]
     model = (
-        f"simulated pool: {args.replicas} prefill replicas, {args.requests} requests at "
+        f"simulated pool: {args.replicas} prefill replicas, {args.routers} routers, "
+        f"{args.requests} requests at "
         f"{args.rate}/s from {args.tenants} tenants (Zipf {args.zipf})"
     )
-    write_result(args.out, "routing", rows, model=model)
+    notes = (
+        f"{args.routers} router replicas take turns; the replicas' KV events reach the routers "
+        f"{args.event_delay_ms:g} ms late. The oracle is the KV-event policy with no delay: "
+        "every cache known exactly at each decision; 'hit tokens of oracle' is a policy's cached "
+        "tokens as a share of the oracle's. The guessed index learns only from what its own "
+        "router sent (the index before KV events). TTFT is the simulated one."
+    )
+    write_result(
+        args.out, "routing", rows, model=model, title="Prefill routing policies", notes=notes
+    )
+    write_result(
+        args.out,
+        "routing-decision",
+        decisions,
+        model="PrefixAwarePolicy on KV events; each replica caches 8 prefixes of 64 pages",
+        title="Router decision time (CPU) against the pool's size",
+    )
 
 
 if __name__ == "__main__":

@@ -49,6 +49,8 @@ ORDER = (
     "kv-staged",
     "prefix-cache",
     "routing",
+    "routing-decision",
+    "kv-channel",
 )
 # Column-name pieces and how a header spells them.
 WORDS = {

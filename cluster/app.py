@@ -26,6 +26,7 @@ from router.metrics_board import MetricsBoard
 from router.openai_api import build_openai_app
 from router.params import generation_defaults
 from router.pd_backend import DisaggregatedBackend
+from router.routing.disagg import DecodeCacheView
 from router.tools.parsers import default_parser
 from workers.model.loader import load_model_config, load_tokenizer, resolve_model
 from workers.serve.decode import DecodeWorker
@@ -44,9 +45,15 @@ class OpenAIIngress:
         app_name = ctx.app_name
         r = self.config.router
         failover = FailoverPolicy(r.failover_attempts, r.failover_deadline_s, r.replica_timeout_s)
-        self.backend: GenerationBackend = DisaggregatedBackend(
+        backend = DisaggregatedBackend(
             prefill, decode, app_name, r.decode_prefill_max_tokens, failover
         )
+        backend.prefill_queue_max_requests = r.prefill_queue_max_requests
+        events_period_s = kv_events_period(self.config)
+        if prefill is not None and events_period_s > 0 and r.decode_prefill_max_tokens > 0:
+            page_size = self.config.engine.page_size
+            backend.decode_cache = DecodeCacheView(app_name, page_size, events_period_s)
+        self.backend: GenerationBackend = backend
         # Several router replicas: each scrape reaches one, so they share request metrics.
         self.board = MetricsBoard(app_name, str(ctx.replica_id.unique_id))
         pools = ["decode"] if prefill is None else ["prefill", "decode"]
@@ -147,13 +154,14 @@ def _request_routers(cfg: AppConfig) -> tuple[dict[str, Any] | None, dict[str, A
     `decode_prefix_aware`, for the pages its replicas cache."""
     r: RouterConfig = cfg.router
     page_size = cfg.engine.page_size
+    kv_events_period_s = kv_events_period(cfg)
     prefix = {
         "request_router_class": "router.routing.serve_routers:PrefillRouter",
         "request_router_kwargs": {
             "page_size": page_size,
             "load_weight": r.prefix_load_weight,
-            "imbalance_threshold": r.prefix_imbalance_threshold,
             "pages_per_replica": r.prefix_index_pages,
+            "kv_events_period_s": kv_events_period_s,
         },
         "request_routing_stats_period_s": r.routing_stats_period_s,
     }
@@ -169,6 +177,12 @@ def _request_routers(cfg: AppConfig) -> tuple[dict[str, Any] | None, dict[str, A
     return prefill_router, prefix if r.decode_prefix_aware else decode_router
 
 
+def kv_events_period(cfg: AppConfig) -> float:
+    """How often replicas publish KV events and routers read them; 0 = no KV events."""
+    on = cfg.router.kv_events and cfg.engine.enable_prefix_caching
+    return cfg.router.kv_events_period_s if on else 0.0
+
+
 def build_app(args: dict[str, Any] | AppConfig) -> Application:
     """Validate the config file's `args` and bind the router and both pools."""
     cfg = AppConfig.model_validate(args)
@@ -176,12 +190,12 @@ def build_app(args: dict[str, Any] | AppConfig) -> Application:
     prefill_router, decode_router = _request_routers(cfg)
     decode = serve.deployment(**_deployment_options("decode", cfg.decode, decode_router))(
         DecodeWorker
-    ).bind(cfg.decode.engine(cfg.engine).model_dump(), transfer)
+    ).bind(cfg.decode.engine(cfg.engine).model_dump(), transfer, kv_events_period(cfg))
     prefill = None
     if cfg.mode == "disaggregated":
         prefill = serve.deployment(**_deployment_options("prefill", cfg.prefill, prefill_router))(
             PrefillWorker
-        ).bind(cfg.prefill.engine(cfg.engine).model_dump(), transfer)
+        ).bind(cfg.prefill.engine(cfg.engine).model_dump(), transfer, kv_events_period(cfg))
     router = serve.deployment(
         name="router",
         num_replicas=cfg.router.num_replicas,

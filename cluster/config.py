@@ -156,17 +156,36 @@ class RouterConfig(Strict):
     prefix_load_weight: float = Field(
         1.0, ge=0, description="cost of a pending prefill token against an uncached one"
     )
-    prefix_imbalance_threshold: int = Field(
-        8, ge=0, description="request-count spread above which the least-loaded replica wins"
-    )
     prefix_index_pages: int = Field(
-        1 << 16, ge=1, description="prefix pages remembered per replica (about its KV pool)"
+        1 << 16,
+        ge=1,
+        description="without kv_events: prefix pages the router's guess remembers per replica "
+        "(about its KV pool)",
+    )
+    # KV events: replicas publish their prefix caches' pages; routers route on them
+    kv_events: bool = Field(
+        True,
+        description="replicas publish the pages their prefix caches store and evict, and the "
+        "prefix-aware routers route on that exact index (else on a guess from what they sent)",
+    )
+    kv_events_period_s: float = Field(
+        0.05, gt=0, description="how often a replica publishes its cache changes and a router "
+        "reads them (the index's delay)",
     )
     decode_prefill_max_tokens: int = Field(
         0,
         ge=0,
-        description="disaggregated mode: prompts of at most this many tokens skip the prefill "
-        "pool and are prefilled by their decode replica (no KV transfer); 0 = never",
+        description="disaggregated mode: prompts with at most this many tokens to compute skip "
+        "the prefill pool and are prefilled by their decode replica (no KV transfer); tokens to "
+        "compute are those the best-placed decode replica does not cache (from its KV events; "
+        "the whole prompt without kv_events); 0 = never",
+    )
+    prefill_queue_max_requests: int = Field(
+        0,
+        ge=0,
+        description="disaggregated mode: while this many of a router replica's prompts wait on "
+        "the prefill pool, its further prompts are prefilled by their decode replica; 0 = no "
+        "bound",
     )
     decode_load_aware: bool = Field(
         True, description="send decodes to the fewest running requests, then most free pages"

@@ -43,6 +43,10 @@ ENGINE_COUNTERS = {
         "kv_transfer_recomputed",
         "Hand-offs whose KV read failed or was stale, prefilled again on the decode replica",
     ),
+    "kv_events_published": (
+        "kv_events_published",
+        "KV page stores and evictions the replicas published to the routers",
+    ),
 }
 # speculative decoding's counters, rendered where some replica speculates
 SPEC_COUNTERS = {

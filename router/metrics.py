@@ -42,6 +42,7 @@ from router.request_stats import (
     RequestStats,
     RequestStatsCollector,
 )
+from router.routing.kv_feed import IndexPagesCollector
 
 DEFAULT_MAX_MODEL_LEN = 8192  # the token-count buckets' top when the app does not say
 # kind -> what ended the request; `error_kind` maps the HTTP status the client got
@@ -87,6 +88,7 @@ class Metrics:
                                               self.buckets)
         self.registry.register(self.engines)
         self.registry.register(self.requests)
+        self.registry.register(IndexPagesCollector(model_name, naming))
         # Recorded here, rendered by `self.requests` (summed with the peers): not registered.
         names = list(self.labels)
         self.histograms = {

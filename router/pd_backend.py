@@ -7,10 +7,14 @@
 If the client goes away between the two, the prefill replica is told to unpin the prompt's pages
 at once instead of waiting for the lease to expire.
 
-A prompt of at most `decode_prefill_max_tokens` tokens skips step 1: its decode replica prefills
-it in its own steps (as in colocated mode). The running batch's next step waits for that short
-prefill; the request is spared a second replica's queue, the hop and the KV transfer. Which
-weighs more depends on the hardware (docs/notes/serving.md: no gain on CPU).
+A prompt with at most `decode_prefill_max_tokens` tokens to compute skips step 1: its decode
+replica prefills it in its own steps (as in colocated mode); so does any prompt while
+`prefill_queue_max_requests` of this router's prompts wait on the prefill pool
+(`router.routing.disagg`). Tokens to compute are those the best-placed decode replica does not
+cache, from the decode pool's KV events (`decode_cache`), else the whole prompt. The running
+batch's next step waits for that short prefill; the request is spared a second replica's queue,
+the hop and the KV transfer. Which weighs more depends on the hardware (docs/notes/serving.md:
+no gain on CPU).
 
 Failover (`router.failover`; docs/architecture.md, "Failure handling"): a prefill whose replica
 fails is sent once more to the pool, then prefilled by the decode replica. A decode replica that
@@ -34,6 +38,7 @@ from ray.serve import context as serve_context
 
 from router.backend import RoleStats
 from router.failover import FailoverPolicy, Progress, Retries, is_replica_failure
+from router.routing.disagg import DecodeCacheView, prefill_remotely
 from workers.api import GenerateRequest, RequestOutput, read_pool
 
 logger = logging.getLogger(__name__)
@@ -56,13 +61,30 @@ class DisaggregatedBackend:
         self.failover = failover or FailoverPolicy()
         self.decode = decode.options(stream=True)
         self.decode_stats = decode
+        # conditional disaggregation (router.routing.disagg); set by the app
+        self.decode_cache: DecodeCacheView | None = None
+        self.prefill_queue_max_requests = 0
+        self.prefills_waiting = 0
+
+    def _prefill_remotely(self, req: GenerateRequest) -> bool:
+        if self.prefill is None:
+            return False
+        prompt = req.prompt_token_ids
+        cache = self.decode_cache
+        uncached = len(prompt) if cache is None else cache.uncached_tokens(prompt)
+        return prefill_remotely(uncached, self.prefills_waiting, self.decode_prefill_max_tokens,
+                                self.prefill_queue_max_requests)  # fmt: skip
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
         retries = Retries(self.failover)
         sent = Progress(req.request_id)
         first = None
-        if self.prefill is not None and len(req.prompt_token_ids) > self.decode_prefill_max_tokens:
-            first = await self._prefill(req, retries)
+        if self._prefill_remotely(req):
+            self.prefills_waiting += 1
+            try:
+                first = await self._prefill(req, retries)
+            finally:
+                self.prefills_waiting -= 1
         if first is not None:
             out = first.model_copy(update={"kv": None})
             sent.add(out, decoded=False)

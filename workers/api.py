@@ -1,13 +1,14 @@
 """The workers' door: everything the router (and the app that wires it) may use of the workers.
 
 Types that cross between the router and the engines (requests, sampling parameters, output
-chunks, engine stats) and the stats board's readers, through which the router sees every
-replica's counters. The router imports nothing else from `workers`; `tests/unit/test_layout.py`
-holds it to that.
+chunks, engine stats, KV events and the page names they carry) and the stats board's readers,
+through which the router sees every replica's counters. The router imports nothing else from
+`workers`; `tests/unit/test_layout.py` holds it to that.
 """
 
 from __future__ import annotations
 
+from workers.kvcache.kv_events import KVEventBatch, page_hashes
 from workers.protocol import (
     ITERATION_TOKENS_BUCKETS,
     MAX_LOGPROBS,
@@ -21,6 +22,7 @@ from workers.protocol import (
     TokenLogprob,
 )
 from workers.sampling.grammar import check_structured_outputs
+from workers.serve.kv_event_hub import KVEventRead, read_kv_events
 from workers.serve.stats_board import (
     POST_INTERVAL_S,
     Posted,
@@ -36,6 +38,8 @@ __all__ = [
     "EngineStats",
     "FinishReason",
     "GenerateRequest",
+    "KVEventBatch",
+    "KVEventRead",
     "KVHandle",
     "Posted",
     "RequestOutput",
@@ -44,6 +48,8 @@ __all__ = [
     "StructuredOutputs",
     "TokenLogprob",
     "check_structured_outputs",
+    "page_hashes",
+    "read_kv_events",
     "read_pool",
     "read_role",
 ]

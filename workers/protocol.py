@@ -274,3 +274,5 @@ class EngineStats(BaseModel):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = []
+    # KV events: page stores and evictions this replica published to the routers
+    kv_events_published: int = 0

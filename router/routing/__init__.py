@@ -1,7 +1,7 @@
-"""Choosing replicas: pure policies (`policy`, `prefix_index`) and the Ray Serve request routers
-that apply them (`serve_routers`, imported only by the Serve handles that use it)."""
+"""Choosing replicas: pure policies (`policy`, `prefix_index`, `loads`) and the Ray Serve request
+routers that apply them (`serve_routers`, imported only by the Serve handles that use it)."""
 
 from router.routing.policy import DecodeLoadPolicy, PrefixAwarePolicy
-from router.routing.prefix_index import PrefixIndex, page_hashes
+from router.routing.prefix_index import PrefixIndex
 
-__all__ = ["DecodeLoadPolicy", "PrefixAwarePolicy", "PrefixIndex", "page_hashes"]
+__all__ = ["DecodeLoadPolicy", "PrefixAwarePolicy", "PrefixIndex"]

@@ -2,19 +2,20 @@
 
 Prefill (`PrefixAwarePolicy`): a prompt costs, on replica r,
     cost(r) = uncached_tokens(r) + load_weight * pending_tokens(r)
-where uncached_tokens(r) is the prompt minus the prefix `PrefixIndex` believes r caches, and
-pending_tokens(r) the uncached tokens of the prompts this router sent to r that have not come
-back yet: both are tokens to compute, so cost(r) estimates the time to the first token on r
-(NVIDIA Dynamo's KV router weighs prefill blocks against active blocks the same way): a prefill
-engine computes queued prompts first come first served under a per-step token budget, so a new
-prompt waits for the pending tokens ahead of it. Lowest cost ranks first. (Not counting pending
-work below one step's budget was tried, and routed worse under load in bench/bench_routing.py.)
+where uncached_tokens(r) is the prompt minus the prefix `PrefixIndex` says r caches (from the
+replicas' KV events, or guessed from what this router sent), and pending_tokens(r) the uncached
+tokens of the prompts this router sent to r that have not come back yet: both are tokens to
+compute, so cost(r) estimates the time to the first token on r (NVIDIA Dynamo's KV router weighs
+prefill blocks against active blocks the same way): a prefill engine computes queued prompts
+first come first served under a per-step token budget, so a new prompt waits for the pending
+tokens ahead of it. Lowest cost ranks first.
 
-If the request counts of the replicas differ by more than `imbalance_threshold`, affinity is off
-for that request and the least-loaded replica ranks first (the fallback of Ray's
-PrefixCacheAffinityRouter and SGLang's cache_aware policy). Equal costs, as for a prompt no
-replica has seen while all are idle, go by rendezvous hashing of the prompt's first page, so
-several routers (one per ingress replica) send a new prefix to the same replica.
+The decision does not visit every replica: it walks the prompt's pages from the last one back,
+costing only the replicas that hold a page (the index maps a page name to its holders), and stops
+at the depth where even the least-loaded replica's load (`LoadBoard`, a heap) could no longer
+beat the best cost found; the least-loaded replica itself is the candidate for an uncached
+prompt. Among equally loaded idle replicas the hash ring of `LoadBoard.pick_least` decides by the
+prompt's first page, so several routers send a new prefix to the same replica.
 
 Decode (`DecodeLoadPolicy`): fewest requests running first, then most free KV pages; a replica
 whose last reported free pages cannot hold the request ranks after all that can.
@@ -25,13 +26,17 @@ string unique among requests in flight (Serve's internal request id).
 
 from __future__ import annotations
 
-import hashlib
 import random
+import time
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import TypeVar
 
-from router.routing.prefix_index import PrefixIndex, page_hashes
+from router.routing.loads import LoadBoard
+from router.routing.prefix_index import PrefixIndex
+from workers.api import KVEventBatch, page_hashes
+
+R = TypeVar("R", bound=Hashable)  # a replica key (Serve's ReplicaID)
 
 
 class InFlight:
@@ -96,57 +101,54 @@ class InFlight:
         return set(self._count)
 
 
-def rendezvous(salt: int, replica: Hashable) -> int:
-    """A stable pseudo-random rank of `replica` for `salt`: the same in every process."""
-    digest = hashlib.blake2b(f"{salt}:{replica}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little")
-
-
-R = TypeVar("R", bound=Hashable)  # a replica key (Serve's ReplicaID)
-
-
 class PrefixAwarePolicy:
     def __init__(
         self,
         page_size: int,
         *,
         load_weight: float = 1.0,
-        imbalance_threshold: int = 8,
-        pages_per_replica: int = 1 << 16,
+        pages_per_replica: int | None = None,
+        confirm_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`pages_per_replica`: None for an index fed by the replicas' KV events (`apply()`),
+        else the bound of an index that guesses from what this router sent."""
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.page_size = page_size
         self.load_weight = load_weight
-        self.imbalance_threshold = imbalance_threshold
-        self.index = PrefixIndex(pages_per_replica)
+        self.index = PrefixIndex(pages_per_replica, confirm_s, clock)
         self.in_flight = InFlight()
+        self.loads: LoadBoard[Hashable] = LoadBoard()
         self._named: tuple[Sequence[int], list[int]] = ((), [])  # the last prompt hashed
 
-    def rank(
-        self,
-        replicas: Sequence[R],
-        prompt: Sequence[int],
-        queue_lens: Mapping[R, int] | None = None,
-    ) -> list[R]:
-        """`replicas` best first. `queue_lens`: requests each replica reported running or
-        queued (Serve's cache of them, which counts other routers' requests too)."""
-        if not replicas:
+    def rank(self, prompt: Sequence[int]) -> list[Hashable]:
+        """The candidate replicas for `prompt`, best first: those holding a prefix that could
+        beat the least-loaded replica, and that one. The first has the least cost over the
+        whole pool (ties: the least-loaded replica the ring gives, then ring order)."""
+        self.index.expire()
+        least = self.loads.pick_least(self._salt(prompt))
+        if least is None:
             return []
-        names = self._page_names(prompt)
-        queued = {r: max(self.in_flight.count(r), (queue_lens or {}).get(r, 0)) for r in replicas}
-        salt = names[0] if names else 0
-        if max(queued.values()) - min(queued.values()) > self.imbalance_threshold:
-            return sorted(
-                replicas, key=lambda r: (queued[r], self.in_flight.work(r), rendezvous(salt, r))
-            )
-        matched = self.index.match(names, replicas)
-        cost = {
-            r: self.uncached_tokens(len(prompt), matched[r])
-            + self.load_weight * self.in_flight.work(r)
-            for r in replicas
-        }
-        return sorted(replicas, key=lambda r: (cost[r], rendezvous(salt, r)))
+        names, n, w, ps = self._page_names(prompt), len(prompt), self.load_weight, self.page_size
+        least_load, pick = least
+        best = n + w * least_load  # `pick`'s cost at most
+        cost: dict[Hashable, float] = {}
+        owners, loads, below = self.index.owners, self.loads, 0
+        for i in range(len(names) - 1, -1, -1):
+            uncached = n - min((i + 1) * ps, n - 1)  # uncached_tokens(n, i + 1), inlined
+            if uncached + w * least_load > best:
+                break  # no replica matching only pages 0..i can win
+            holders = owners(names[i])
+            if len(holders) == below:
+                continue  # a holder of page i+1 holds page i: the same set, all costed
+            below = len(holders)
+            for r in holders:
+                if r not in cost and r in loads:
+                    cost[r] = c = uncached + w * loads.get(r)
+                    best = min(best, c)
+        cost.setdefault(pick, n + w * least_load)
+        return sorted(cost, key=lambda r: (cost[r], r != pick, loads.position(r)))
 
     def uncached_tokens(self, prompt_len: int, matched_pages: int) -> int:
         """Tokens to compute when `matched_pages` pages are cached (one token always is)."""
@@ -155,12 +157,18 @@ class PrefixAwarePolicy:
     def routed(self, replica: Hashable, request: str, prompt: Sequence[int]) -> None:
         """`replica` accepted the request: it will cache the prompt's pages and is busier."""
         names = self._page_names(prompt)
-        matched = self.index.match(names, [replica])[replica]
-        self.in_flight.add(replica, request, self.uncached_tokens(len(prompt), matched))
-        self.index.insert(replica, names)
+        work = self.uncached_tokens(len(prompt), self.index.depth(names, replica))
+        self.in_flight.add(replica, request, work)
+        self.loads.set(replica, self.in_flight.work(replica))
+        self.index.guess(replica, names)
 
     def completed(self, replica: Hashable, request: str) -> None:
         self.in_flight.remove(replica, request)
+        self.loads.set(replica, self.in_flight.work(replica))
+
+    def apply(self, batch: KVEventBatch) -> None:
+        """A replica's KV events (an exact index only)."""
+        self.index.apply(batch)
 
     def _page_names(self, prompt: Sequence[int]) -> list[int]:
         """`page_hashes(prompt)`, once for the rank and the routed of the same prompt object."""
@@ -168,14 +176,18 @@ class PrefixAwarePolicy:
             self._named = (prompt, page_hashes(prompt, self.page_size))
         return self._named[1]
 
+    def _salt(self, prompt: Sequence[int]) -> int:
+        names = self._page_names(prompt)
+        return names[0] if names else 0
+
     def forget(self, replica: Hashable) -> None:
         self.index.forget(replica)
         self.in_flight.forget(replica)
+        self.loads.set(replica, 0)
 
     def retain(self, replicas: Iterable[Hashable]) -> None:
-        """Forget every replica not in `replicas` (the pool's current members)."""
-        keep = set(replicas)
-        for r in (self.index.replicas | self.in_flight.replicas) - keep:
+        """Make `replicas` the pool (forgetting every replica not in it)."""
+        for r in self.loads.retain(replicas) | (self.in_flight.replicas - self.loads.members):
             self.forget(r)
 
 

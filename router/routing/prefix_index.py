@@ -1,52 +1,56 @@
-"""The router's guess of which replica caches which prompt prefix: chained page hashes, LRU.
+"""Which replica caches which prompt prefix: page name -> the replicas that hold it.
 
-A prompt is cut into whole pages of `page_size` tokens (the engine's radix cache holds only whole
-pages). Page i is named by `hash((name of page i-1, its tokens))`, so one name stands for the whole
-prefix that ends with that page (nano-vllm's chained block hashes). Names are plain Python hashes
-of int tuples: the same in every process, whatever PYTHONHASHSEED says.
+Pages are named by `page_hashes` (workers' KV events: the engine's radix cache names its pages
+with the same function), so one name stands for the whole prefix that ends with that page.
 
-Invariants of `PrefixIndex`:
-- `_pages[r]` is replica r's LRU of page names, oldest first, at most `pages_per_replica` long;
-  `_owners[name]` is the set of replicas whose LRU holds `name`. The two always agree, and no
-  owner set is empty.
-- `insert()` touches a prompt's pages last page first, so a prefix is always at least as recent
-  as any page that extends it, and eviction takes the deepest pages of the oldest prompts first,
-  as the radix cache's leaf-first LRU does.
-- `match()` counts a replica's leading pages only: a page whose parent was evicted never counts.
-It is an approximation: it learns from what this router sent, not from the replicas' caches. It
-misses what other routers (other ingress replicas) sent, and its per-replica bound only guesses a
-replica's KV pool, so it may believe a prefix cached that the replica evicted, or the reverse.
+Two ways to feed it:
+- exact (`pages_per_replica=None`): `apply()` each replica's published `KVEventBatch`es. The
+  index then holds what each replica's cache holds, up to the publishing delay; a batch with a
+  new incarnation (a restarted replica) drops what was known of the old one first. A router's
+  own sends are `guess()`ed at once (a burst of one prefix must not wait for the events) and
+  dropped again if no event confirms them within `confirm_s`.
+- approximate (`pages_per_replica=n`): only `guess()`, with an LRU of n pages per replica:
+  what this router sent, blind to other routers, evictions and restarts.
+
+Invariants: `_pages[r]` (replica r's pages, LRU order, oldest first) and `_owners[name]` always
+agree, and no owner set is empty. A cache holds whole prefixes (the radix tree evicts leaves
+first; `guess()` touches a prompt's pages last page first, so a prefix is never older than its
+extensions), so a replica holding page i holds pages 0..i and the deepest page a replica holds
+is its match: `depth()` walks back from the last page.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
 
-_ROOT = 0x5EED
+from workers.api import KVEventBatch
 
-
-def page_hashes(token_ids: Sequence[int], page_size: int) -> list[int]:
-    """Chained names of the whole pages of `token_ids`."""
-    n = len(token_ids) // page_size
-    names, prev = [], _ROOT
-    for i in range(0, n * page_size, page_size):
-        prev = hash((prev, *token_ids[i : i + page_size]))
-        names.append(prev)
-    return names
+_NONE: frozenset[Any] = frozenset()
 
 
 class PrefixIndex:
-    def __init__(self, pages_per_replica: int) -> None:
-        if pages_per_replica < 1:
+    def __init__(
+        self,
+        pages_per_replica: int | None = None,
+        confirm_s: float = 5.0,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        if pages_per_replica is not None and pages_per_replica < 1:
             raise ValueError(f"pages_per_replica must be >= 1, got {pages_per_replica}")
         self.pages_per_replica = pages_per_replica
+        self.confirm_s = confirm_s
+        self._clock = clock
         self._pages: dict[Hashable, OrderedDict[int, None]] = {}
         self._owners: dict[int, set[Hashable]] = {}
+        self._incarnation: dict[Hashable, str] = {}
+        self._unconfirmed: OrderedDict[tuple[Hashable, int], float] = OrderedDict()
+        self.num_entries = 0  # (page, replica) entries held, over all replicas
 
-    def __len__(self) -> int:
-        """(page, replica) entries held, over all replicas."""
-        return sum(len(lru) for lru in self._pages.values())
+    @property
+    def exact(self) -> bool:
+        return self.pages_per_replica is None
 
     def num_pages(self, replica: Hashable) -> int:
         lru = self._pages.get(replica)
@@ -56,44 +60,90 @@ class PrefixIndex:
     def replicas(self) -> set[Hashable]:
         return set(self._pages)
 
-    def match(self, names: Sequence[int], replicas: Iterable[Hashable]) -> dict[Hashable, int]:
-        """Leading pages of `names` that each of `replicas` holds (0 for unknown replicas)."""
-        matched = dict.fromkeys(replicas, 0)
-        alive = {r for r in matched if r in self._pages}
-        for i, name in enumerate(names):
-            alive &= self._owners.get(name, set())
-            if not alive:
-                break
-            for r in alive:
-                matched[r] = i + 1
-        return matched
+    def owners(self, name: int) -> set[Hashable] | frozenset[Any]:
+        return self._owners.get(name, _NONE)
 
-    def insert(self, replica: Hashable, names: Sequence[int]) -> None:
-        """Record that `replica` now caches the prefix ending at each of `names`."""
+    def depth(self, names: Sequence[int], replica: Hashable) -> int:
+        """Leading pages of `names` that `replica` holds."""
+        lru = self._pages.get(replica)
+        if lru is None:
+            return 0
+        for i in range(len(names) - 1, -1, -1):
+            if names[i] in lru:
+                return i + 1
+        return 0
+
+    def guess(self, replica: Hashable, names: Sequence[int]) -> None:
+        """`replica` was sent a prompt of these page names: it will soon cache them."""
         lru = self._pages.setdefault(replica, OrderedDict())
+        deadline = None if self._clock is None else self._clock() + self.confirm_s
         for name in reversed(names):
             if name in lru:
-                lru.move_to_end(name)
-            else:
-                lru[name] = None
-                self._owners.setdefault(name, set()).add(replica)
-        while len(lru) > self.pages_per_replica:
-            name, _ = lru.popitem(last=False)
-            self._disown(name, replica)
+                if not self.exact:
+                    lru.move_to_end(name)  # LRU order matters only to the bounded guess
+                continue
+            self._add(replica, lru, name)
+            if self.exact and deadline is not None:
+                self._unconfirmed[(replica, name)] = deadline
+        while self.pages_per_replica is not None and len(lru) > self.pages_per_replica:
+            self._remove(replica, lru, next(iter(lru)))
+
+    def apply(self, batch: KVEventBatch) -> None:
+        """One replica's published cache changes."""
+        replica = batch.replica
+        if batch.snapshot or self._incarnation.get(replica, batch.incarnation) != batch.incarnation:
+            self.forget(replica)
+        self._incarnation[replica] = batch.incarnation
+        lru = self._pages.setdefault(replica, OrderedDict())
+        for name in batch.stored:
+            self._unconfirmed.pop((replica, name), None)
+            if name not in lru:
+                self._add(replica, lru, name)
+        for name in batch.removed:
+            if name in lru:
+                self._remove(replica, lru, name)
+
+    def expire(self) -> None:
+        """Drop guesses no event confirmed in time (the prompt never got cached there)."""
+        now = None if self._clock is None else self._clock()
+        while self._unconfirmed and now is not None:
+            (replica, name), deadline = next(iter(self._unconfirmed.items()))
+            if deadline > now:
+                return
+            del self._unconfirmed[(replica, name)]
+            lru = self._pages.get(replica)
+            if lru is not None and name in lru:
+                self._remove(replica, lru, name)
 
     def forget(self, replica: Hashable) -> None:
-        """Drop everything known about `replica` (it died or left the pool)."""
+        """Drop everything known about `replica` (it died, left the pool or restarted)."""
         for name in self._pages.pop(replica, ()):
             self._disown(name, replica)
+        self._incarnation.pop(replica, None)
+        stale = [key for key in self._unconfirmed if key[0] == replica]
+        for key in stale:
+            del self._unconfirmed[key]
+
+    def _add(self, replica: Hashable, lru: OrderedDict[int, None], name: int) -> None:
+        lru[name] = None
+        self._owners.setdefault(name, set()).add(replica)
+        self.num_entries += 1
+
+    def _remove(self, replica: Hashable, lru: OrderedDict[int, None], name: int) -> None:
+        del lru[name]
+        self._disown(name, replica)
 
     def _disown(self, name: int, replica: Hashable) -> None:
         owners = self._owners[name]
         owners.discard(replica)
+        self.num_entries -= 1
         if not owners:
             del self._owners[name]
 
     def check_invariants(self) -> None:
         pairs = {(n, r) for r, lru in self._pages.items() for n in lru}
         assert pairs == {(n, r) for n, rs in self._owners.items() for r in rs}
+        assert len(pairs) == self.num_entries
         assert all(self._owners.values()), "empty owner set"
-        assert all(len(lru) <= self.pages_per_replica for lru in self._pages.values())
+        if self.pages_per_replica is not None:
+            assert all(len(lru) <= self.pages_per_replica for lru in self._pages.values())

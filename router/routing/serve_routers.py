@@ -29,6 +29,7 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from router.routing.kv_feed import KVEventFeed
 from router.routing.policy import DecodeLoadPolicy, PrefixAwarePolicy
 
 logger = logging.getLogger(__name__)
@@ -59,27 +60,24 @@ class _PolicyRouter(RequestRouter):
         req = _request_of(pending_request)
         if req is None:
             return [candidate_replicas]
-        by_id = {r.replica_id: r for r in candidate_replicas}
-        cache = self.replica_queue_len_cache
-        queue_lens = {rid: cache.get(rid) or 0 for rid in by_id}
-        return [[by_id[rid]] for rid in self.rank(req, by_id, queue_lens)]
+        return self.rank(req, candidate_replicas)
 
-    def rank(
-        self, req: Any, replicas: dict[ReplicaID, RunningReplica], queue_lens: dict[ReplicaID, int]
-    ) -> list[ReplicaID]:
-        """`replicas`' ids, best first, for the request `req`."""
+    def rank(self, req: Any, candidates: list[RunningReplica]) -> list[list[RunningReplica]]:
+        """Serve's ranks of `candidates` for the request `req`, best first."""
         raise NotImplementedError
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        self.policy.completed(replica_id, internal_request_id)
+        self.policy.completed(replica_id.unique_id, internal_request_id)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
-        self.policy.retain(r.replica_id for r in replicas)
+        self.policy.retain(r.replica_id.unique_id for r in replicas)
 
 
 class PrefillRouter(_PolicyRouter):
-    """Prefill pool: longest cached prefix weighed against pending prefill work."""
+    """Longest cached prefix weighed against pending prefill work (`PrefixAwarePolicy`), on an
+    index fed by the pool's KV events (`kv_events_period_s` > 0) or guessed from what it sent.
+    Replicas are keyed by `ReplicaID.unique_id`, the name they publish their events under."""
 
     policy: PrefixAwarePolicy
 
@@ -87,20 +85,38 @@ class PrefillRouter(_PolicyRouter):
         self,
         page_size: int = 16,
         load_weight: float = 1.0,
-        imbalance_threshold: int = 8,
         pages_per_replica: int = 1 << 16,
+        kv_events_period_s: float = 0.0,
     ) -> None:
+        exact = kv_events_period_s > 0
         self.policy = PrefixAwarePolicy(
             page_size,
             load_weight=load_weight,
-            imbalance_threshold=imbalance_threshold,
-            pages_per_replica=pages_per_replica,
+            pages_per_replica=None if exact else pages_per_replica,
         )
+        self._pool = self._deployment_id.name
+        self._feed = (
+            KVEventFeed.of(self._deployment_id.app_name, kv_events_period_s) if exact else None
+        )
+        self._events = None if self._feed is None else self._feed.subscribe(self._pool)
+        self._gone: set[str] = set()  # replicas dead or removed: their late events are dropped
 
-    def rank(
-        self, req: Any, replicas: dict[ReplicaID, RunningReplica], queue_lens: dict[ReplicaID, int]
-    ) -> list[ReplicaID]:
-        return self.policy.rank(list(replicas), req.prompt_token_ids, queue_lens)
+    def rank(self, req: Any, candidates: list[RunningReplica]) -> list[list[RunningReplica]]:
+        self._apply_events()
+        by_id = {r.replica_id.unique_id: r for r in candidates}
+        best = [by_id[k] for k in self.policy.rank(req.prompt_token_ids) if k in by_id]
+        chosen = {r.replica_id for r in best}
+        rest = [r for r in candidates if r.replica_id not in chosen]
+        return [[r] for r in best] + ([rest] if rest else [])
+
+    def _apply_events(self) -> None:
+        if self._events is None or self._feed is None:
+            return
+        while not self._events.empty():
+            batch = self._events.get_nowait()
+            if batch.replica not in self._gone:
+                self.policy.apply(batch)
+        self._feed.index_pages[self._pool] = self.policy.index.num_entries
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
@@ -108,11 +124,17 @@ class PrefillRouter(_PolicyRouter):
         req = _request_of(pending_request)
         if req is not None:
             request = pending_request.metadata.internal_request_id
-            self.policy.routed(replica_id, request, req.prompt_token_ids)
+            self.policy.routed(replica_id.unique_id, request, req.prompt_token_ids)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        gone = set(self._replicas) - {r.replica_id for r in replicas}
+        self._gone |= {rid.unique_id for rid in gone}
+        super().update_replicas(replicas)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
-        self.policy.forget(replica_id)
+        self._gone.add(replica_id.unique_id)
+        self.policy.retain(rid.unique_id for rid in self._replicas)  # forgets the dead one
         logger.info("prefix router: forgot dead replica %s", replica_id)
 
 
@@ -124,19 +146,20 @@ class DecodeRouter(_PolicyRouter):
     def initialize_state(self, page_size: int = 16) -> None:  # type: ignore[override]
         self.policy = DecodeLoadPolicy(page_size)
 
-    def rank(
-        self, req: Any, replicas: dict[ReplicaID, RunningReplica], queue_lens: dict[ReplicaID, int]
-    ) -> list[ReplicaID]:
-        stats = {rid: r.routing_stats or {} for rid, r in replicas.items()}
+    def rank(self, req: Any, candidates: list[RunningReplica]) -> list[list[RunningReplica]]:
+        by_id = {r.replica_id.unique_id: r for r in candidates}
+        cache = self.replica_queue_len_cache
+        queue_lens = {r.replica_id.unique_id: cache.get(r.replica_id) or 0 for r in candidates}
+        stats = {k: r.routing_stats or {} for k, r in by_id.items()}
         num_tokens = len(req.prompt_token_ids) + req.params.max_tokens
-        return self.policy.rank(list(replicas), num_tokens, stats, queue_lens)
+        return [[by_id[k]] for k in self.policy.rank(list(by_id), num_tokens, stats, queue_lens)]
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
     ) -> None:
         if _request_of(pending_request) is not None:
-            self.policy.routed(replica_id, pending_request.metadata.internal_request_id)
+            self.policy.routed(replica_id.unique_id, pending_request.metadata.internal_request_id)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
-        self.policy.retain(self._replicas)
+        self.policy.retain(rid.unique_id for rid in self._replicas)

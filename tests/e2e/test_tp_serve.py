@@ -7,8 +7,9 @@ a handle:
   tokens skip the prefill pool (`router.decode_prefill_max_tokens`): the TP-2 decode group
   prefills them itself;
 - prefix-aware decode routing (`router.decode_prefix_aware`): a conversation's next turn goes to
-  the decode replica that holds its earlier turn, which then reads only the new pages over NIXL
-  (the load-aware router alone would send it to the other one: it has more free pages).
+  the decode replica that holds its earlier turn (known from the replicas' KV events), which then
+  reads only the new pages over NIXL (the load-aware router alone would send it to the other one:
+  it has more free pages).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ ENGINE = {"num_kv_pages": 64, "page_size": PAGE}
 PROMPT = [1, 450, 7483, 310, 3444, 338, 3681, 29892, 1]
 TURN_1 = [1] + [300 + 7 * i for i in range(6 * PAGE - 1)]  # 6 whole pages
 COUNTERS = [("decode", "prompt_tokens"), ("prefill", "prompt_tokens"), ("decode", "kv_pages_read"),
-            ("decode", "kv_pages_reused")]  # fmt: skip
+            ("decode", "kv_pages_reused"), ("decode", "kv_events_published")]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -126,3 +127,4 @@ def test_the_next_turn_reads_only_its_new_pages(base_url: str) -> None:
     after = settled_counters(base_url, COUNTERS)
     assert after["decode kv_pages_reused"] - first["decode kv_pages_reused"] == 6
     assert after["decode kv_pages_read"] - first["decode kv_pages_read"] == 2
+    assert after["decode kv_events_published"] > 0  # the router knew the pages from the events

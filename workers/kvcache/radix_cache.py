@@ -20,6 +20,9 @@ Invariants:
   a parent's stamp is >= its children's. `evict()` takes unlocked leaves oldest stamp first from
   a heap holding stale entries, which it skips: an entry is live only if its node is still an
   attached, unlocked leaf with the same stamp. A node that becomes an unlocked leaf is pushed.
+- Names: `node.names[i]` is `page_hashes` of the prefix ending with the node's page i (chained
+  from its parent's last name), so the tree and the router name pages alike. With `events` set,
+  every page the tree adopts is reported stored and every page it frees evicted.
 """
 
 from __future__ import annotations
@@ -29,16 +32,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from workers.kvcache.allocator import PageAllocator
+from workers.kvcache.kv_events import ROOT, KVEventLog, page_hashes
 
 
 class RadixNode:
-    __slots__ = ("parent", "children", "tokens", "pages", "ref", "last_access")
+    __slots__ = ("parent", "children", "tokens", "pages", "names", "ref", "last_access")
 
-    def __init__(self, parent: RadixNode | None, tokens: list[int], pages: list[int]) -> None:
+    def __init__(
+        self, parent: RadixNode | None, tokens: list[int], pages: list[int], names: list[int]
+    ) -> None:
         self.parent = parent
         self.children: dict[tuple[int, ...], RadixNode] = {}
         self.tokens = tokens
         self.pages = pages
+        self.names = names
         self.ref = 0
         self.last_access = 0
 
@@ -63,7 +70,8 @@ class RadixCache:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.page_size = page_size
         self.allocator = allocator
-        self.root = RadixNode(None, [], [])
+        self.root = RadixNode(None, [], [], [])
+        self.events: KVEventLog | None = None  # set by a replica that publishes KV events
         self._clock = 0
         self._heap: list[tuple[int, int, RadixNode]] = []  # (last_access, push order, leaf)
         self._pushes = 0
@@ -82,6 +90,15 @@ class RadixCache:
     @property
     def num_evictable_pages(self) -> int:
         return self._num_cached - self._num_locked
+
+    def page_names(self) -> list[int]:
+        """The names of every cached page (a replica's snapshot for a new reader)."""
+        names, stack = list[int](), [self.root]
+        while stack:
+            node = stack.pop()
+            names += node.names
+            stack.extend(node.children.values())
+        return names
 
     def match_prefix(self, token_ids: Sequence[int], max_tokens: int | None = None) -> PrefixMatch:
         """Longest cached prefix of `token_ids` in whole pages, at most `max_tokens` tokens."""
@@ -174,6 +191,7 @@ class RadixCache:
                 assert child.parent is node
                 assert child.tokens and len(child.tokens) % ps == 0, "edge not whole pages"
                 assert len(child.pages) == len(child.tokens) // ps
+                assert child.names == page_hashes(child.tokens, ps, _last_name(node))
                 assert key == tuple(child.tokens[:ps]), "child key is not its first page"
                 assert child.ref >= 0 and (node is self.root or child.ref <= node.ref)
                 assert child.last_access <= node.last_access or node is self.root
@@ -205,16 +223,20 @@ class RadixCache:
         cut = num_pages * self.page_size
         parent = node.parent
         assert parent is not None and 0 < num_pages < len(node.pages)
-        mid = RadixNode(parent, node.tokens[:cut], node.pages[:num_pages])
+        mid = RadixNode(parent, node.tokens[:cut], node.pages[:num_pages], node.names[:num_pages])
         mid.ref, mid.last_access = node.ref, node.last_access
         parent.children[tuple(mid.tokens[: self.page_size])] = mid
         node.tokens, node.pages, node.parent = node.tokens[cut:], node.pages[num_pages:], mid
+        node.names = node.names[num_pages:]
         mid.children[tuple(node.tokens[: self.page_size])] = node
         self._num_nodes += 1
         return mid
 
     def _add_leaf(self, parent: RadixNode, tokens: list[int], pages: list[int]) -> RadixNode:
-        leaf = RadixNode(parent, tokens, pages)
+        names = page_hashes(tokens, self.page_size, _last_name(parent))
+        leaf = RadixNode(parent, tokens, pages, names)
+        if self.events is not None:
+            self.events.stored(names)
         parent.children[tuple(tokens[: self.page_size])] = leaf
         self._num_nodes += 1
         self._num_cached += len(pages)
@@ -226,6 +248,8 @@ class RadixCache:
         del parent.children[tuple(leaf.tokens[: self.page_size])]
         leaf.parent = None
         self.allocator.free(leaf.pages)
+        if self.events is not None:
+            self.events.removed(leaf.names)
         self._num_nodes -= 1
         self._num_cached -= len(leaf.pages)
         if parent is not self.root and not parent.children and parent.ref == 0:
@@ -233,6 +257,9 @@ class RadixCache:
 
     def _truncate(self, leaf: RadixNode, keep_pages: int) -> None:
         self.allocator.free(leaf.pages[keep_pages:])
+        if self.events is not None:
+            self.events.removed(leaf.names[keep_pages:])
+        leaf.names = leaf.names[:keep_pages]
         self._num_cached -= len(leaf.pages) - keep_pages
         leaf.pages = leaf.pages[:keep_pages]
         leaf.tokens = leaf.tokens[: keep_pages * self.page_size]
@@ -267,3 +294,8 @@ class RadixCache:
     def _check_attached(self, node: RadixNode) -> None:
         if node is not self.root and node.parent is None:
             raise ValueError("radix node was evicted")
+
+
+def _last_name(node: RadixNode) -> int:
+    """The name of the last page of the prefix that ends at `node`."""
+    return node.names[-1] if node.names else ROOT

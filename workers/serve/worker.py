@@ -11,6 +11,7 @@ from workers.config import EngineConfig, KVTransferConfig
 from workers.disagg.handoff import HandoffEngine
 from workers.engine.async_engine import AsyncEngine
 from workers.protocol import EngineStats
+from workers.serve.kv_publisher import KVEventPublisher
 from workers.serve.load_meter import LoadMeter
 from workers.serve.stats_board import StatsPoster
 
@@ -28,17 +29,34 @@ def replica_context() -> Any:
 class EngineWorker:
     engine_class: ClassVar[type[HandoffEngine]]
 
-    def __init__(self, engine: dict[str, Any], kv_transfer: dict[str, Any]) -> None:
+    def __init__(
+        self, engine: dict[str, Any], kv_transfer: dict[str, Any], kv_events_period_s: float = 0
+    ) -> None:
+        """`kv_events_period_s`: publish the prefix cache's changes that often (0: never)."""
         ctx = replica_context()
         tag = None if ctx is None else str(ctx.replica_id.unique_id)
         self.engine = self.engine_class(
             EngineConfig.model_validate(engine), KVTransferConfig.model_validate(kv_transfer), tag
         )
-        poster = None
+        self.poster: StatsPoster | None = None
+        self.kv_events: KVEventPublisher | None = None
         if ctx is not None and tag is not None:
-            poster = StatsPoster(ctx.app_name, self.engine.role, tag)
-        self.loop = AsyncEngine(self.engine, poster)
+            self.poster = StatsPoster(ctx.app_name, self.engine.role, tag)
+            radix = self.engine.kv.radix
+            if kv_events_period_s > 0 and radix is not None:
+                self.kv_events = KVEventPublisher(
+                    ctx.app_name, ctx.deployment, tag, radix, kv_events_period_s
+                )
+        self.loop = AsyncEngine(self.engine, self._on_stats)
         self.meter = LoadMeter()  # its signals for SLA autoscaling
+
+    def _on_stats(self, stats: EngineStats) -> None:
+        """On the engine loop thread after each step: KV events out, stats to the board."""
+        if self.kv_events is not None:
+            self.kv_events.collect()
+            stats.kv_events_published = self.kv_events.num_published
+        if self.poster is not None:
+            self.poster(stats)
 
     async def stats(self) -> EngineStats:
         return self.loop.stats()

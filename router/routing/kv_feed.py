@@ -1,0 +1,107 @@
+"""A router process's reader of the KV events: one thread per application polls the hub and
+queues the batches for every policy that subscribed to a pool.
+
+Serve builds one request router per pool in each process that holds a handle (the ingress
+replicas); each subscribes here, and applies its queue on its own loop before each decision
+(`drain`), so the index is touched by one thread only. `index_pages()` is what
+`pdserve:router_index_pages` reports: the (page, replica) entries each pool's index holds.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import defaultdict
+from collections.abc import Iterable
+
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from router.metric_names import Naming
+from workers.api import KVEventBatch, read_kv_events
+
+logger = logging.getLogger(__name__)
+
+_feeds: dict[str, KVEventFeed] = {}
+_feeds_lock = threading.Lock()
+
+
+class KVEventFeed:
+    def __init__(self, app: str, period_s: float) -> None:
+        self.app, self.period_s = app, period_s
+        self._queues: dict[str, list[queue.SimpleQueue[KVEventBatch]]] = defaultdict(list)
+        self._lock = threading.Lock()
+        self.index_pages: dict[str, int] = {}  # pool -> entries its index holds (metrics)
+        self._subscribed = 0  # subscriptions so far; a read for fewer must be a snapshot
+        self.reads = 0  # reads answered by the hub (how far behind a router can be: one period)
+        self._thread = threading.Thread(target=self._run, name="kv-event-feed", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def of(cls, app: str, period_s: float) -> KVEventFeed:
+        """This process's feed of `app` (started on first use)."""
+        with _feeds_lock:
+            if app not in _feeds:
+                _feeds[app] = cls(app, period_s)
+            return _feeds[app]
+
+    def subscribe(self, pool: str) -> queue.SimpleQueue[KVEventBatch]:
+        """A queue of `pool`'s batches from now on (a snapshot of every replica first)."""
+        q: queue.SimpleQueue[KVEventBatch] = queue.SimpleQueue()
+        with self._lock:
+            self._queues[pool].append(q)
+            self._subscribed += 1
+        return q
+
+    def _run(self) -> None:
+        epoch, cursor, synced = "", 0, -1  # `synced`: subscriptions the last snapshot served
+        while True:
+            with self._lock:
+                subscribed = self._subscribed
+            try:
+                read = read_kv_events(self.app, epoch if synced == subscribed else "", cursor, 30)
+            except Exception:  # noqa: BLE001 - the hub restarts; the next read resyncs
+                if synced != -1:  # once per outage
+                    logger.exception("reading KV events failed")
+                read, synced = None, -1
+            if read is not None:
+                self.reads += 1
+                epoch, cursor = read.epoch, read.cursor
+                synced = subscribed if read.snapshot else synced
+                with self._lock:
+                    for pool, batch in read.batches:
+                        for q in self._queues.get(pool, ()):
+                            q.put(batch)
+            threading.Event().wait(self.period_s)
+
+
+def feed_of(app: str) -> KVEventFeed | None:
+    """This process's feed of `app`, if a router started one."""
+    return _feeds.get(app)
+
+
+def index_pages() -> dict[str, int]:
+    """Pool -> (page, replica) entries its router's index holds, over this process's feeds."""
+    totals: dict[str, int] = defaultdict(int)
+    for feed in list(_feeds.values()):
+        for pool, pages in feed.index_pages.items():
+            totals[pool] += pages
+    return dict(totals)
+
+
+class IndexPagesCollector(Collector):
+    """`router_index_pages{pool}`: the (page, replica) entries this router's index holds."""
+
+    def __init__(self, model_name: str, naming: Naming) -> None:
+        self.model_name, self.naming = model_name, naming
+
+    def collect(self) -> Iterable[Metric]:
+        family = GaugeMetricFamily(
+            self.naming("router_index_pages"),
+            "(page, replica) entries of the router's KV index, from the replicas' KV events",
+            labels=["model_name", "pool"],
+        )
+        for pool, pages in sorted(index_pages().items()):
+            family.add_metric([self.model_name, pool], pages)
+        yield family

@@ -1,0 +1,68 @@
+"""KV events: the names of the pages a replica's prefix cache stores and evicts.
+
+A page is named by `page_hashes`: page i of a token sequence by `hash((name of page i-1, its
+tokens))`, so one name stands for the whole prefix that ends with that page (nano-vllm's chained
+block hashes). Names are plain Python hashes of int tuples: the same in every process, whatever
+PYTHONHASHSEED says. The radix cache names its pages with this function and the router names a
+prompt's pages with it too (through `workers.api`), so both sides agree by construction.
+
+`KVEventLog` collects the net change since the last `drain()`: a page stored then evicted
+within one batch is reported evicted (the reader holds sets, so only the last word matters).
+`KVEventBatch` is what a replica publishes: its changes with its incarnation id, so a reader
+drops what it knew of a replica whose incarnation changed (a restart with an empty cache).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+ROOT = 0x5EED  # the name "before" the first page
+
+
+def page_hashes(token_ids: Sequence[int], page_size: int, parent: int = ROOT) -> list[int]:
+    """Chained names of the whole pages of `token_ids`, following the page named `parent`."""
+    n = len(token_ids) // page_size
+    names, prev = [], parent
+    for i in range(0, n * page_size, page_size):
+        prev = hash((prev, *token_ids[i : i + page_size]))
+        names.append(prev)
+    return names
+
+
+@dataclass
+class KVEventBatch:
+    """One replica's cache changes. `snapshot`: `stored` is its whole cache, drop the rest."""
+
+    replica: str
+    incarnation: str
+    stored: list[int] = field(default_factory=list)
+    removed: list[int] = field(default_factory=list)
+    snapshot: bool = False
+
+    def __len__(self) -> int:
+        return len(self.stored) + len(self.removed)
+
+
+class KVEventLog:
+    """Net page changes of one cache since the last `drain()` (touched by one thread)."""
+
+    def __init__(self) -> None:
+        self._net: dict[int, bool] = {}  # name -> stored (True) or evicted (False)
+        self.num_events = 0  # changes recorded, ever
+
+    def stored(self, names: Iterable[int]) -> None:
+        for name in names:
+            self._net[name] = True
+            self.num_events += 1
+
+    def removed(self, names: Iterable[int]) -> None:
+        for name in names:
+            self._net[name] = False
+            self.num_events += 1
+
+    def drain(self) -> tuple[list[int], list[int]]:
+        """(stored, removed) since the last drain."""
+        net, self._net = self._net, {}
+        stored = [n for n, s in net.items() if s]
+        return stored, [n for n, s in net.items() if not s]
