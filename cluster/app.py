@@ -155,14 +155,15 @@ def _request_routers(cfg: AppConfig) -> tuple[dict[str, Any] | None, dict[str, A
     r: RouterConfig = cfg.router
     page_size = cfg.engine.page_size
     kv_events_period_s = kv_events_period(cfg)
+    prefix_kwargs = {
+        "page_size": page_size,
+        "load_weight": r.prefix_load_weight,
+        "pages_per_replica": r.prefix_index_pages,
+        "kv_events_period_s": kv_events_period_s,
+    }
     prefix = {
         "request_router_class": "router.routing.serve_routers:PrefillRouter",
-        "request_router_kwargs": {
-            "page_size": page_size,
-            "load_weight": r.prefix_load_weight,
-            "pages_per_replica": r.prefix_index_pages,
-            "kv_events_period_s": kv_events_period_s,
-        },
+        "request_router_kwargs": prefix_kwargs,
         "request_routing_stats_period_s": r.routing_stats_period_s,
     }
     load = {
@@ -174,7 +175,12 @@ def _request_routers(cfg: AppConfig) -> tuple[dict[str, Any] | None, dict[str, A
     decode_router = load if r.decode_load_aware else None
     if cfg.mode == "colocated":
         return None, prefill_router or decode_router
-    return prefill_router, prefix if r.decode_prefix_aware else decode_router
+    decode_prefix = {
+        **prefix,
+        "request_router_class": "router.routing.serve_routers:DecodePrefixRouter",
+        "request_router_kwargs": {**prefix_kwargs, "max_running_gap": r.decode_max_running_gap},
+    }
+    return prefill_router, decode_prefix if r.decode_prefix_aware else decode_router
 
 
 def kv_events_period(cfg: AppConfig) -> float:

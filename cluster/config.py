@@ -196,6 +196,12 @@ class RouterConfig(Strict):
         "replica holds, weighed against its load), so a conversation's next turn reads only its "
         "new pages; overrides decode_load_aware",
     )
+    decode_max_running_gap: int = Field(
+        8,
+        ge=0,
+        description="decode_prefix_aware: a decode replica running more than this many requests "
+        "above the least busy one loses the preference its cached pages give it",
+    )
     routing_stats_period_s: float = Field(
         2.0, gt=0, description="how often Serve polls replicas' record_routing_stats()"
     )

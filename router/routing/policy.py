@@ -227,3 +227,18 @@ class DecodeLoadPolicy:
     def retain(self, replicas: Iterable[Hashable]) -> None:
         for r in self.in_flight.replicas - set(replicas):
             self.in_flight.forget(r)
+
+
+def decode_load_order(
+    ranked: Sequence[R],
+    running: Mapping[R, float],
+    fits: Mapping[R, bool],
+    max_running_gap: int,
+) -> list[R]:
+    """Decode replicas `ranked` by the pages they hold (best first), reordered by their load:
+    those whose free KV cannot hold the request (`fits` False) go last, and among the rest one
+    running more than `max_running_gap` requests above the least busy loses its place to the
+    others; the prefix order holds within each group."""
+    least = min((running.get(r, 0) for r in ranked), default=0)
+    return sorted(ranked, key=lambda r: (not fits.get(r, True),
+                                         running.get(r, 0) > least + max_running_gap))  # fmt: skip

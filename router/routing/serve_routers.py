@@ -30,7 +30,7 @@ from typing import Any
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from router.routing.kv_feed import KVEventFeed
-from router.routing.policy import DecodeLoadPolicy, PrefixAwarePolicy
+from router.routing.policy import DecodeLoadPolicy, PrefixAwarePolicy, decode_load_order
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +136,32 @@ class PrefillRouter(_PolicyRouter):
         self._gone.add(replica_id.unique_id)
         self.policy.retain(rid.unique_id for rid in self._replicas)  # forgets the dead one
         logger.info("prefix router: forgot dead replica %s", replica_id)
+
+
+class DecodePrefixRouter(PrefillRouter):
+    """Decode pool with `decode_prefix_aware`: the prefix policy's order (the pages each replica
+    holds, from its KV events, against pending work), then each replica's own load from its
+    routing stats (`decode_load_order`): running requests and free KV pages."""
+
+    def initialize_state(  # type: ignore[override]  # Serve passes request_router_kwargs
+        self, max_running_gap: int = 8, **prefix: Any
+    ) -> None:
+        super().initialize_state(**prefix)
+        self._max_running_gap = max_running_gap
+        self._page_size = self.policy.page_size
+
+    def rank(self, req: Any, candidates: list[RunningReplica]) -> list[list[RunningReplica]]:
+        ordered = [r for rank in super().rank(req, candidates) for r in rank]
+        cache = self.replica_queue_len_cache
+        running, fits = {}, {}
+        pages = -(-(len(req.prompt_token_ids) + req.params.max_tokens) // self._page_size)
+        for r in ordered:
+            stats = r.routing_stats or {}
+            key = r.replica_id.unique_id
+            running[r] = max(self.policy.in_flight.count(key), cache.get(r.replica_id) or 0,
+                             stats.get("num_running", 0))  # fmt: skip
+            fits[r] = stats.get("kv_free_pages", float("inf")) >= pages
+        return [[r] for r in decode_load_order(ordered, running, fits, self._max_running_gap)]
 
 
 class DecodeRouter(_PolicyRouter):

@@ -262,3 +262,41 @@ def test_serve_prefill_router_learns_from_routed_requests_and_forgets_dead_repli
         assert router.policy.index.num_pages(home.unique_id) == 0
 
     asyncio.run(run())
+
+
+def test_decode_load_order_keeps_the_prefix_order_unless_a_replica_is_full_or_far_busier() -> None:
+    from router.routing.policy import decode_load_order
+
+    ranked = ["a", "b", "c"]  # by the pages each holds
+    idle = {"a": 0, "b": 0, "c": 0}
+    assert decode_load_order(ranked, idle, {}, max_running_gap=8) == ranked
+    assert decode_load_order(ranked, idle, {"a": False}, max_running_gap=8) == ["b", "c", "a"]
+    busy = {"a": 12, "b": 3, "c": 9}  # a runs more than 8 above the least busy; c does not
+    assert decode_load_order(ranked, busy, {}, max_running_gap=8) == ["b", "c", "a"]
+    assert decode_load_order(ranked, busy, {"b": False}, max_running_gap=8) == ["c", "a", "b"]
+
+
+def test_decode_prefix_router_puts_a_full_replica_last() -> None:
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+
+    from router.routing.serve_routers import DecodePrefixRouter
+    from workers.api import SamplingParams
+
+    async def run() -> None:
+        router = DecodePrefixRouter(
+            deployment_id=DeploymentID(name="decode", app_name="test"),
+            handle_source=DeploymentHandleSource.UNKNOWN,
+        )
+        router.initialize_state(page_size=PS, max_running_gap=8)
+        replicas = [FakeReplica(FakeID(r), routing_stats={"num_running": 0, "kv_free_pages": 64})
+                    for r in REPLICAS]  # fmt: skip
+        router.update_replicas(replicas)  # type: ignore[arg-type]
+        prompt = tuple(system_prompt(0) + question(0))
+        params = SamplingParams(max_tokens=16)
+        pending = FakePending([FakeRequest(prompt, params)], FakeMetadata("a"))
+        first = (await router.choose_replicas(replicas, pending))[0][0]
+        first.routing_stats["kv_free_pages"] = 0  # cannot hold the request any more
+        ranks = await router.choose_replicas(replicas, pending)
+        assert all(len(rank) == 1 for rank in ranks) and ranks[-1][0] is first
+
+    asyncio.run(run())
