@@ -14,7 +14,7 @@ import queue
 from collections.abc import Sequence
 
 from router.routing.kv_feed import KVEventFeed
-from router.routing.prefix_index import PrefixIndex
+from router.routing.prefix_index import PrefixIndex, uncached_tokens
 from workers.api import KVEventBatch, page_hashes
 
 
@@ -44,5 +44,5 @@ class DecodeCacheView:
         names = page_hashes(prompt, self.page_size)
         for i in range(len(names) - 1, -1, -1):
             if self.index.owners(names[i]):
-                return len(prompt) - min((i + 1) * self.page_size, len(prompt) - 1)
+                return uncached_tokens(len(prompt), i + 1, self.page_size)
         return len(prompt)

@@ -33,7 +33,7 @@ from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import TypeVar
 
 from router.routing.loads import LoadBoard
-from router.routing.prefix_index import PrefixIndex
+from router.routing.prefix_index import PrefixIndex, uncached_tokens
 from workers.api import KVEventBatch, page_hashes
 
 R = TypeVar("R", bound=Hashable)  # a replica key (Serve's ReplicaID)
@@ -152,7 +152,7 @@ class PrefixAwarePolicy:
 
     def uncached_tokens(self, prompt_len: int, matched_pages: int) -> int:
         """Tokens to compute when `matched_pages` pages are cached (one token always is)."""
-        return prompt_len - min(matched_pages * self.page_size, prompt_len - 1)
+        return uncached_tokens(prompt_len, matched_pages, self.page_size)
 
     def routed(self, replica: Hashable, request: str, prompt: Sequence[int]) -> None:
         """`replica` accepted the request: it will cache the prompt's pages and is busier."""
@@ -210,11 +210,9 @@ class DecodeLoadPolicy:
 
         def key(r: R) -> tuple[bool, float, float, float]:
             s = stats.get(r, {})
-            running = max(
-                self.in_flight.count(r), (queue_lens or {}).get(r, 0), s.get("num_running", 0)
-            )
-            free = s.get("kv_free_pages", float("inf"))
-            return (free < pages, running, -free, self._rng.random())
+            pending = max(self.in_flight.count(r), (queue_lens or {}).get(r, 0))
+            running, fits = decode_load(s, pending, pages)
+            return (not fits, running, -s.get("kv_free_pages", float("inf")), self._rng.random())
 
         return sorted(replicas, key=key)
 
@@ -227,6 +225,14 @@ class DecodeLoadPolicy:
     def retain(self, replicas: Iterable[Hashable]) -> None:
         for r in self.in_flight.replicas - set(replicas):
             self.in_flight.forget(r)
+
+
+def decode_load(stats: Mapping[str, float], pending: int, pages: int) -> tuple[float, bool]:
+    """A decode replica's running requests (the most of `pending`, what the router counts there,
+    and the replica's own `record_routing_stats()` report) and whether its last reported free
+    KV pages hold `pages`."""
+    running = max(pending, stats.get("num_running", 0))
+    return running, stats.get("kv_free_pages", float("inf")) >= pages
 
 
 def decode_load_order(

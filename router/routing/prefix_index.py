@@ -30,6 +30,12 @@ from workers.api import KVEventBatch
 _NONE: frozenset[Any] = frozenset()
 
 
+def uncached_tokens(prompt_len: int, matched_pages: int, page_size: int) -> int:
+    """Tokens of a prompt to compute when its first `matched_pages` pages are cached (one token
+    always is: it gives the first output token's logits)."""
+    return prompt_len - min(matched_pages * page_size, prompt_len - 1)
+
+
 class PrefixIndex:
     def __init__(
         self,

@@ -30,7 +30,12 @@ from typing import Any
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from router.routing.kv_feed import KVEventFeed
-from router.routing.policy import DecodeLoadPolicy, PrefixAwarePolicy, decode_load_order
+from router.routing.policy import (
+    DecodeLoadPolicy,
+    PrefixAwarePolicy,
+    decode_load,
+    decode_load_order,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +46,11 @@ def _request_of(pending: PendingRequest | None) -> Any | None:
         return None
     req = pending.args[0]
     return req if hasattr(req, "prompt_token_ids") else None
+
+
+def kv_tokens(req: Any) -> int:
+    """The KV tokens a decode of `req` holds at most: its prompt and every token it may add."""
+    return len(req.prompt_token_ids) + req.params.max_tokens
 
 
 class _PolicyRouter(RequestRouter):
@@ -154,13 +164,11 @@ class DecodePrefixRouter(PrefillRouter):
         ordered = [r for rank in super().rank(req, candidates) for r in rank]
         cache = self.replica_queue_len_cache
         running, fits = {}, {}
-        pages = -(-(len(req.prompt_token_ids) + req.params.max_tokens) // self._page_size)
+        pages = -(-kv_tokens(req) // self._page_size)
         for r in ordered:
-            stats = r.routing_stats or {}
-            key = r.replica_id.unique_id
-            running[r] = max(self.policy.in_flight.count(key), cache.get(r.replica_id) or 0,
-                             stats.get("num_running", 0))  # fmt: skip
-            fits[r] = stats.get("kv_free_pages", float("inf")) >= pages
+            pending = max(self.policy.in_flight.count(r.replica_id.unique_id),
+                          cache.get(r.replica_id) or 0)  # fmt: skip
+            running[r], fits[r] = decode_load(r.routing_stats or {}, pending, pages)
         return [[r] for r in decode_load_order(ordered, running, fits, self._max_running_gap)]
 
 
@@ -177,8 +185,8 @@ class DecodeRouter(_PolicyRouter):
         cache = self.replica_queue_len_cache
         queue_lens = {r.replica_id.unique_id: cache.get(r.replica_id) or 0 for r in candidates}
         stats = {k: r.routing_stats or {} for k, r in by_id.items()}
-        num_tokens = len(req.prompt_token_ids) + req.params.max_tokens
-        return [[by_id[k]] for k in self.policy.rank(list(by_id), num_tokens, stats, queue_lens)]
+        ranked = self.policy.rank(list(by_id), kv_tokens(req), stats, queue_lens)
+        return [[by_id[k]] for k in ranked]
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
