@@ -60,15 +60,13 @@ def test_two_ranks_give_the_single_rank_tokens(
 ) -> None:
     if overlap:
         llm = request.getfixturevalue("shared_tp2")
-    else:  # before the shared engine starts
+    else:  # its own, closed before the shared engine starts (one TP group a process)
         llm = LLM(tiny_llama, tensor_parallel_size=2, overlap_scheduling=False, **TINY)
         request.addfinalizer(llm.close)
     assert llm.engine.overlap is overlap
     assert llm.engine.runner.tp.size == 2
     outs = llm.generate(PROMPTS, PARAMS)
     stats = llm.engine.stats()
-    if not overlap:
-        llm.close()
     assert [o.token_ids for o in outs] == [o.token_ids for o in single_rank]
     assert [len(o.token_ids) for o in outs] == [24, 16, 20, 1]
     assert stats.kv_pages_pinned == 0 and stats.num_running == 0
