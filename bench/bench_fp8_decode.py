@@ -48,6 +48,7 @@ from bench.gpu_common import (
 )
 from bench.results_io import write_result
 from workers.engine.model_runner import ModelRunner
+from workers.kernels.tuning import FP8DecodeLaunch
 
 CASES = [(1, 4096), (16, 4096), (64, 4096), (256, 2048), (256, 4096)]
 FP8_ONLY = {(256, 4096)}
@@ -55,7 +56,7 @@ CPU_CASES = [(1, 64), (4, 128)]  # --device cpu: the tiny shape, a smoke test of
 KV_DTYPES = ("auto", "fp8_e4m3")
 ROW = "FP8ROW "  # a worker's result line
 Q_HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16  # --attention: Llama-3-8B's heads
-SWEEP = dict(tile=(64, 128), num_warps=(4,), stages=(3, 4), splits=(1, 2, 4, 8, 16, 32))
+SWEEP = dict(tile=(64, 128), num_warps=(1, 4), stages=(3,), splits=(1, 2, 4, 8, 16, 32))
 
 
 def fill_random(runner: ModelRunner, pages_at_once: int = 1024) -> None:
@@ -143,11 +144,14 @@ def attention_graph(
     return graph.replay, layers
 
 
-def kernel_run(batch: int, **launch: int) -> Callable[..., object]:
+def kernel_run(
+    batch: int, launch: FP8DecodeLaunch | None = None, splits: int | None = None
+) -> Callable[..., object]:
+    """The kernel with `launch` and `splits` (by default as the GPU's table has them)."""
     from workers.kernels.fp8_decode import FP8Decode
 
     kernel = FP8Decode(batch, Q_HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5, torch.device("cuda"),
-                       **launch)  # fmt: skip
+                       launch, splits)  # fmt: skip
     device_meta: list[torch.Tensor] = []
 
     def run(q: torch.Tensor, kv: torch.Tensor, *meta: torch.Tensor) -> object:
@@ -202,9 +206,11 @@ def attention(args: argparse.Namespace, cases: list[tuple[int, int]]) -> None:
         if args.sweep:
             timed = {}
             for values in itertools.product(*SWEEP.values()):
-                launch = dict(zip(SWEEP, values))
-                timed[values] = layer_us(batch, context, kernel_run(batch, **launch))
-                print(f"SWEEP {batch}x{context} {launch}: {timed[values]:.2f} us", flush=True)
+                tile, num_warps, stages, splits = values
+                launch = FP8DecodeLaunch(tile=tile, num_warps=num_warps, stages=stages)
+                timed[values] = layer_us(batch, context, kernel_run(batch, launch, splits))
+                print(f"SWEEP {batch}x{context} {launch} splits={splits}: {timed[values]:.2f} us",
+                      flush=True)  # fmt: skip
             best = min(timed, key=timed.__getitem__)
             row["best_us"] = round(timed[best], 2)
             row["best_launch"] = ",".join(f"{k}={v}" for k, v in zip(SWEEP, best))
