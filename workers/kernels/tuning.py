@@ -105,10 +105,37 @@ def fp8_decode_launches(gpu_name: str) -> dict[int, FP8DecodeLaunch]:
     """A GPU model's table (`tables/fp8_decode_<name>.json`, "launches": the smallest batch
     size a launch is for -> its fields), read once; empty where none was measured."""
     path = table_path(gpu_name, "fp8_decode")
-    if not path.is_file():
-        return {}
-    launches = json.loads(path.read_text())["launches"]
-    return {int(batch): FP8DecodeLaunch(**fields) for batch, fields in launches.items()}
+    return parse_fp8_decode(json.loads(path.read_text())) if path.is_file() else {}
+
+
+def fp8_decode_table(
+    winners: dict[tuple[int, int], tuple[FP8DecodeLaunch, int]], num_kv_heads: int
+) -> dict[int, FP8DecodeLaunch]:
+    """A launch table from a sweep's fastest (launch, splits) per (batch, context) case: per
+    batch size its longest context's winner, `programs` set so that `num_splits` gives the
+    winning splits, and an entry only where the launch differs from the one below it."""
+    table: dict[int, FP8DecodeLaunch] = {}
+    below = None
+    for batch, context in sorted(winners):
+        if (batch, context) != max(case for case in winners if case[0] == batch):
+            continue
+        launch, splits = winners[batch, context]
+        launch = dataclasses.replace(launch, programs=batch * num_kv_heads * splits)
+        if launch != below:
+            table[batch] = below = launch
+    return table
+
+
+def parse_fp8_decode(data: dict[str, Any]) -> dict[int, FP8DecodeLaunch]:
+    return {int(batch): FP8DecodeLaunch(**fields) for batch, fields in data["launches"].items()}
+
+
+def dumps_fp8_decode(launches: dict[int, FP8DecodeLaunch], gpu_name: str) -> str:
+    """The JSON text of an FP8 decode launch table, a batch size a line."""
+    lines = [f'    "{batch}": {json.dumps(dataclasses.asdict(launches[batch]))}'
+             for batch in sorted(launches)]  # fmt: skip
+    body = ",\n".join(lines)
+    return f'{{\n  "gpu": {json.dumps(gpu_name)},\n  "launches": {{\n{body}\n  }}\n}}\n'
 
 
 def fp8_decode_launch(batch_size: int, gpu_name: str) -> FP8DecodeLaunch:
