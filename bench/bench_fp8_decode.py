@@ -16,10 +16,11 @@ CUDA graph over enough layers that L2 holds none of it): the Triton kernel again
 FP8 decode (tensor cores, as the engine plans it), each against the floor of reading the FP8
 K/V once at the read rate measured in the same run; the data behind
 `fp8_decode.FLASHINFER_FASTER`. `--sweep` adds the kernel's launch choices (tile, warps,
-stages, splits of each sequence) and reports the fastest per case.
+stages, splits of each sequence) and reports the fastest per case; `--write-table` writes them
+as this GPU's launch table (`workers/kernels/tables/fp8_decode_<GPU>.json`, `tuning.py`).
 
     python -m bench.bench_fp8_decode --tokenizer-dir DIR [--out DIR] [--cases 1x4096,64x4096]
-    python -m bench.bench_fp8_decode --tokenizer-dir DIR --attention [--sweep] [--out DIR]
+    python -m bench.bench_fp8_decode --tokenizer-dir DIR --attention [--sweep [--write-table]]
     python -m bench.bench_fp8_decode --tokenizer-dir DIR --device cpu   # smoke test: tiny shape
 """
 
@@ -48,6 +49,12 @@ from bench.gpu_common import (
 )
 from bench.results_io import write_result
 from workers.engine.model_runner import ModelRunner
+from workers.kernels.tuning import (
+    FP8DecodeLaunch,
+    dumps_fp8_decode,
+    fp8_decode_table,
+    table_path,
+)
 
 CASES = [(1, 4096), (16, 4096), (64, 4096), (256, 2048), (256, 4096)]
 FP8_ONLY = {(256, 4096)}
@@ -55,7 +62,7 @@ CPU_CASES = [(1, 64), (4, 128)]  # --device cpu: the tiny shape, a smoke test of
 KV_DTYPES = ("auto", "fp8_e4m3")
 ROW = "FP8ROW "  # a worker's result line
 Q_HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16  # --attention: Llama-3-8B's heads
-SWEEP = dict(tile=(64, 128), num_warps=(4,), stages=(3, 4), splits=(1, 2, 4, 8, 16, 32))
+SWEEP = dict(tile=(64, 128), num_warps=(1, 4), stages=(3,), splits=(1, 2, 4, 8, 16, 32))
 
 
 def fill_random(runner: ModelRunner, pages_at_once: int = 1024) -> None:
@@ -143,11 +150,14 @@ def attention_graph(
     return graph.replay, layers
 
 
-def kernel_run(batch: int, **launch: int) -> Callable[..., object]:
+def kernel_run(
+    batch: int, launch: FP8DecodeLaunch | None = None, splits: int | None = None
+) -> Callable[..., object]:
+    """The kernel with `launch` and `splits` (by default as the GPU's table has them)."""
     from workers.kernels.fp8_decode import FP8Decode
 
     kernel = FP8Decode(batch, Q_HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5, torch.device("cuda"),
-                       **launch)  # fmt: skip
+                       launch, splits)  # fmt: skip
     device_meta: list[torch.Tensor] = []
 
     def run(q: torch.Tensor, kv: torch.Tensor, *meta: torch.Tensor) -> object:
@@ -194,6 +204,7 @@ def attention(args: argparse.Namespace, cases: list[tuple[int, int]]) -> None:
 
     read_gbps = read_bandwidth_gbps()
     rows = []
+    winners: dict[tuple[int, int], tuple[FP8DecodeLaunch, int]] = {}
     for batch, context in cases:
         floor_us = batch * context * 2 * KV_HEADS * HEAD_DIM / read_gbps / 1e3
         row: dict[str, Any] = dict(batch=batch, context=context, floor_us=round(floor_us, 2))
@@ -202,10 +213,13 @@ def attention(args: argparse.Namespace, cases: list[tuple[int, int]]) -> None:
         if args.sweep:
             timed = {}
             for values in itertools.product(*SWEEP.values()):
-                launch = dict(zip(SWEEP, values))
-                timed[values] = layer_us(batch, context, kernel_run(batch, **launch))
-                print(f"SWEEP {batch}x{context} {launch}: {timed[values]:.2f} us", flush=True)
+                tile, num_warps, stages, splits = values
+                launch = FP8DecodeLaunch(tile=tile, num_warps=num_warps, stages=stages)
+                timed[values] = layer_us(batch, context, kernel_run(batch, launch, splits))
+                print(f"SWEEP {batch}x{context} {launch} splits={splits}: {timed[values]:.2f} us",
+                      flush=True)  # fmt: skip
             best = min(timed, key=timed.__getitem__)
+            winners[batch, context] = (FP8DecodeLaunch(*best[:3]), best[3])
             row["best_us"] = round(timed[best], 2)
             row["best_launch"] = ",".join(f"{k}={v}" for k, v in zip(SWEEP, best))
         row["x_floor"] = round(row["kernel_us"] / floor_us, 3)
@@ -213,6 +227,11 @@ def attention(args: argparse.Namespace, cases: list[tuple[int, int]]) -> None:
         row["kernel_used"] = fp8_decode.used_at(batch)
         print("FP8-ATTENTION", row, flush=True)
         rows.append(row)
+    if args.write_table:
+        gpu = torch.cuda.get_device_name()
+        text = dumps_fp8_decode(fp8_decode_table(winners, KV_HEADS), gpu)
+        table_path(gpu, "fp8_decode").write_text(text)
+        print(f"launch table {table_path(gpu, 'fp8_decode')}:\n{text}", flush=True)
     model = "Llama-3-8B attention heads (32/8, d128), page 16, FP8 KV, one layer's time"
     write_result(args.out, "decode-fp8-attention", rows, model=model,
                  measured=dict(read_gbps=round(read_gbps)))  # fmt: skip
@@ -225,6 +244,8 @@ def main() -> None:
     ap.add_argument("--worker", choices=KV_DTYPES, help=argparse.SUPPRESS)
     ap.add_argument("--attention", action="store_true", help="the attention alone, per layer")
     ap.add_argument("--sweep", action="store_true", help="--attention: the kernel's launches")
+    ap.add_argument("--write-table", action="store_true",
+                    help="--sweep: write the fastest launches as this GPU's table")  # fmt: skip
     args = ap.parse_args()
     if args.device == "cpu":
         args.shape = "tiny-llama"

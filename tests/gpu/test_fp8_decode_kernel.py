@@ -16,6 +16,7 @@ from tests.gpu.test_fp8_kv_gpu import FP8_TOLERANCE, SCALES, fp8_pool
 from workers.attention.torch_ref import TorchAttention
 from workers.config import EngineConfig
 from workers.engine.model_runner import ModelRunner
+from workers.kernels.tuning import FP8DecodeLaunch
 
 pytestmark = pytest.mark.gpu
 
@@ -32,6 +33,28 @@ def test_fp8_decode_kernel_matches_reference(
     slice where all programs fit at once: batch 1 on an H200; else the last to arrive all),
     or the last to arrive merges all, or one split writes the output directly. Twice: the
     merge counters are reused."""
+    check_kernel(heads, page_size, batch, merge)
+
+
+# Launches the H200's table does not pick at some batch size (`tuning.FP8DecodeLaunch()`: 4
+# warps, tiles of 128), so every GPU tests each of them.
+LAUNCHES = {"4-warps-128": {}, "1-warp-64": dict(tile=64, num_warps=1),
+            "1-warp-32": dict(tile=32, num_warps=1, stages=4)}  # fmt: skip
+
+
+@pytest.mark.parametrize("heads", sorted(HEADS))
+@pytest.mark.parametrize("launch", sorted(LAUNCHES))
+def test_fp8_decode_launches_match_reference(heads: str, launch: str) -> None:
+    """Each launch, whatever this GPU's table picks, at 16 sequences on pages of 16."""
+    from workers.kernels.tuning import FP8DecodeLaunch
+
+    check_kernel(heads, 16, 16, "chosen", FP8DecodeLaunch(**LAUNCHES[launch]))
+
+
+def check_kernel(
+    heads: str, page_size: int, batch: int, merge: str, launch: FP8DecodeLaunch | None = None
+) -> None:
+    """The kernel (`launch`, else the table's) against the torch reference, three layers."""
     from workers.attention.flashinfer import paged_metadata
     from workers.kernels.fp8_decode import FP8Decode
 
@@ -43,7 +66,7 @@ def test_fp8_decode_kernel_matches_reference(
     bf16, batch_ = random_batch("decode", page_size, hkv, d, seed, kv_lens=lens)
     pool = fp8_pool(bf16)
     meta = paged_metadata(batch_, page_size)
-    kernel = FP8Decode(batch, hq, hkv, d, d**-0.5, pool.pages.device,
+    kernel = FP8Decode(batch, hq, hkv, d, d**-0.5, pool.pages.device, launch,
                        splits=1 if merge == "none" else None)  # fmt: skip
     if merge == "last":
         kernel.parts.all_merge = False

@@ -57,13 +57,14 @@ def paged_batch() -> tuple[KVPool, AttentionBatch, list[torch.Tensor]]:
 def check(splits: int) -> None:
     """The kernel against the reference with `splits` splits; run with TRITON_INTERPRET=1."""
     from workers.kernels.fp8_decode import FP8Decode
+    from workers.kernels.tuning import FP8DecodeLaunch
 
     pool, batch, csr = paged_batch()
     q = torch.randn(len(LENS), HQ, D, generator=torch.Generator().manual_seed(1)).bfloat16()
     reference = TorchAttention(pool, HQ, D**-0.5)
     reference.plan(batch)
-    kernel = FP8Decode(len(LENS), HQ, HKV, D, D**-0.5, torch.device("cpu"), tile=16, stages=1,
-                       splits=splits)  # fmt: skip
+    kernel = FP8Decode(len(LENS), HQ, HKV, D, D**-0.5, torch.device("cpu"),
+                       FP8DecodeLaunch(tile=16, stages=1), splits)  # fmt: skip
     for layer in (0, 1):
         ref = reference._attend(layer, q.float(), reference._groups[0])  # the pool as it is
         out = kernel.forward(q, pool.layer(layer), *csr, SCALES.k[layer], SCALES.v[layer])

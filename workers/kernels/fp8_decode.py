@@ -5,8 +5,8 @@ in the kernel) read them on an H200 at ~2 TB/s, well under the copy rate: a Llam
 64 x 4096 took 1.58x its floor with FP8 KV against 1.10x with bf16 KV (docs/notes/fp8-kv.md).
 Here:
 - programs are (sequence, KV head, split of the sequence's tokens), the splits from batch x KV
-  heads (`split_kv_common.num_splits`, for ~8 programs a multiprocessor); the KV head's GQA
-  group of query heads are the rows of a tensor-core product (padded to 16);
+  heads (`split_kv_common.num_splits`, for the launch table's number of programs); the KV
+  head's GQA group of query heads are the rows of a tensor-core product (padded to 16);
 - each tile of tokens is loaded as FP8 and cast to fp16 in registers (exact: every e4m3 value
   is an fp16 one; the probabilities keep 3 more bits than bf16's), the loads software-pipelined
   over `STAGES` tiles;
@@ -36,19 +36,18 @@ from workers.kernels.split_kv_common import (
     sequence_pages,
     tile_kv,
 )
+from workers.kernels.tuning import FP8DecodeLaunch, fp8_decode_launch
 
-# Launch choices, the fastest of `bench/bench_fp8_decode.py --attention --sweep` on an H200
-# (Llama-3-8B heads, page 16; docs/notes/fp8-kv.md): 128 tokens a tile, 3 in flight, and
-# splits for ~1024 programs (8 a multiprocessor: one program's tile arithmetic overlaps the
-# others' loads), one split from 1024 (sequence, KV head) pairs up.
-TILE = 128
-NUM_WARPS = 4
-STAGES = 3  # tiles in flight (Triton's software pipelining of the loop's loads)
-TARGET_PROGRAMS = 1024
+# Launch choices per batch size and GPU model: data (`tuning.fp8_decode_launch`,
+# tables/fp8_decode_<GPU>.json), the fastest of `bench/bench_fp8_decode.py --attention
+# --sweep` (docs/notes/fp8-kv.md). On an H200: 128 tokens a tile and 4 warps at batch 1;
+# from 16 sequences up 64 tokens a tile and ONE warp a program (no cross-warp reductions or
+# layout exchanges through shared memory per tile, and 12 KiB of it a program, so many
+# programs a multiprocessor hide each other's arithmetic): 0.76-0.90x the 4-warp time.
 _FP8 = (torch.float8_e4m3fn,)  # the pools' FP8 (`kvcache/kv_dtype.py`)
 # Decode-graph batch sizes at which FlashInfer's FP8 decode was measured the faster (the
 # attention alone, `--attention` as above): those graphs keep it. Empty: at 1, 16, 64 and 256
-# sequences this kernel took 0.57, 0.92, 0.86 and 0.81-0.85x FlashInfer's time.
+# sequences this kernel took 0.56, 0.78, 0.85 and 0.83-0.86x FlashInfer's time.
 FLASHINFER_FASTER: frozenset[int] = frozenset()
 
 
@@ -100,18 +99,20 @@ class FP8Decode:
 
     def __init__(
         self, batch_size: int, num_q_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-        device: torch.device, tile: int = TILE, num_warps: int = NUM_WARPS, stages: int = STAGES,
-        splits: int | None = None,
+        device: torch.device, launch: FP8DecodeLaunch | None = None, splits: int | None = None,
     ) -> None:  # fmt: skip
-        """`tile`, `num_warps`, `stages`, `splits`: launch choices other than the defaults (a
-        sweep's, a test's); `splits` by default from `num_splits`."""
+        """`launch`, `splits`: choices other than the GPU's table (a sweep's, a test's); the
+        splits by default for about `launch.programs` programs (`num_splits`)."""
         self.batch_size = batch_size
         self.group = num_q_heads // num_kv_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
-        self.launch = dict(TILE=tile, STAGES=stages, num_warps=num_warps)
-        splits = splits or num_splits(batch_size, num_kv_heads, TARGET_PROGRAMS)
+        if launch is None:
+            gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+            launch = fp8_decode_launch(batch_size, gpu)
+        self.launch = dict(TILE=launch.tile, STAGES=launch.stages, num_warps=launch.num_warps)
+        splits = splits or num_splits(batch_size, num_kv_heads, launch.programs)
         self.parts = SplitParts(batch_size, num_kv_heads, self.group, head_dim, splits, device)
 
     def forward(

@@ -1,4 +1,5 @@
-"""The skinny GEMM's launch configs per GPU model: data files under `tables/`, one per GPU.
+"""Triton kernels' launch configs per GPU model: data files under `tables/`, one per kernel and
+GPU. The skinny GEMM's first, then the FP8 decode attention's (`FP8DecodeLaunch`).
 
 Each file (`bench/sweep_skinny_gemm.py` writes one for the GPU it runs on) maps a cell,
 "N,K,M bucket" (M rounded up to a power of two), to the `Config` that ran fastest there, and
@@ -46,9 +47,9 @@ EMPTY = SkinnyGemmTable({}, frozenset())
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(Config)}
 
 
-def table_path(gpu_name: str) -> Path:
-    """`tables/skinny_gemm_<name>.json`, the name as torch.cuda.get_device_name gives it."""
-    return TABLES / f"skinny_gemm_{re.sub(r'[^A-Za-z0-9]+', '_', gpu_name).strip('_')}.json"
+def table_path(gpu_name: str, kernel: str = "skinny_gemm") -> Path:
+    """`tables/<kernel>_<name>.json`, the name as torch.cuda.get_device_name gives it."""
+    return TABLES / f"{kernel}_{re.sub(r'[^A-Za-z0-9]+', '_', gpu_name).strip('_')}.json"
 
 
 def _cell(key: str) -> Cell:
@@ -85,3 +86,61 @@ def skinny_gemm_table(gpu_name: str) -> SkinnyGemmTable:
         logger.info("no skinny GEMM launch table for %s (%s): F.linear throughout", gpu_name, path)
         return EMPTY
     return parse(json.loads(path.read_text()))
+
+
+@dataclass(frozen=True)
+class FP8DecodeLaunch:
+    """How `kernels/fp8_decode.py` launches: tokens a tile, warps a program, tiles in flight,
+    and each sequence's splits for about `programs` programs (`split_kv_common.num_splits`).
+    The defaults: the first launch measured on an H200, kept for GPUs without a table."""
+
+    tile: int = 128
+    num_warps: int = 4
+    stages: int = 3
+    programs: int = 1024
+
+
+@functools.cache
+def fp8_decode_launches(gpu_name: str) -> dict[int, FP8DecodeLaunch]:
+    """A GPU model's table (`tables/fp8_decode_<name>.json`, "launches": the smallest batch
+    size a launch is for -> its fields), read once; empty where none was measured."""
+    path = table_path(gpu_name, "fp8_decode")
+    return parse_fp8_decode(json.loads(path.read_text())) if path.is_file() else {}
+
+
+def fp8_decode_table(
+    winners: dict[tuple[int, int], tuple[FP8DecodeLaunch, int]], num_kv_heads: int
+) -> dict[int, FP8DecodeLaunch]:
+    """A launch table from a sweep's fastest (launch, splits) per (batch, context) case: per
+    batch size its longest context's winner, `programs` set so that `num_splits` gives the
+    winning splits, and an entry only where the launch differs from the one below it."""
+    table: dict[int, FP8DecodeLaunch] = {}
+    below = None
+    for batch, context in sorted(winners):
+        if (batch, context) != max(case for case in winners if case[0] == batch):
+            continue
+        launch, splits = winners[batch, context]
+        launch = dataclasses.replace(launch, programs=batch * num_kv_heads * splits)
+        if launch != below:
+            table[batch] = below = launch
+    return table
+
+
+def parse_fp8_decode(data: dict[str, Any]) -> dict[int, FP8DecodeLaunch]:
+    return {int(batch): FP8DecodeLaunch(**fields) for batch, fields in data["launches"].items()}
+
+
+def dumps_fp8_decode(launches: dict[int, FP8DecodeLaunch], gpu_name: str) -> str:
+    """The JSON text of an FP8 decode launch table, a batch size a line."""
+    lines = [f'    "{batch}": {json.dumps(dataclasses.asdict(launches[batch]))}'
+             for batch in sorted(launches)]  # fmt: skip
+    body = ",\n".join(lines)
+    return f'{{\n  "gpu": {json.dumps(gpu_name)},\n  "launches": {{\n{body}\n  }}\n}}\n'
+
+
+def fp8_decode_launch(batch_size: int, gpu_name: str) -> FP8DecodeLaunch:
+    """The launch for decode steps of `batch_size` sequences: the table's entry of the largest
+    batch size not above it, else the defaults."""
+    table = fp8_decode_launches(gpu_name)
+    below = [batch for batch in table if batch <= batch_size]
+    return table[max(below)] if below else FP8DecodeLaunch()
