@@ -27,6 +27,7 @@ from tests.waiting import wait_until
 from workers.parallel.rendezvous import free_port
 
 MODES = ("disaggregated", "colocated")
+VLLM_MAX_QUEUED = 4  # the vLLM-named application's router admits this many requests at a time
 HEALTHY_DEADLINE_S = 120  # a replica killed by an earlier module is replaced within this
 
 
@@ -99,3 +100,14 @@ def local_apps(_local_apps: dict[str, str]) -> dict[str, str]:
     for base in _local_apps.values():
         wait_healthy(base)
     return _local_apps
+
+
+@pytest.fixture(scope="session")
+def vllm_app(serve_url: str) -> Iterator[str]:
+    """Base URL of a disaggregated configs/local.yaml application under vLLM's metric names (and
+    its default of no prompt_tokens_details) whose router admits `VLLM_MAX_QUEUED` requests at
+    a time: one application for the modules that need either (an application is ~30 s)."""
+    args = local_args("disaggregated", metric_prefix="vllm", enable_prompt_tokens_details=False,
+                      max_queued_requests=VLLM_MAX_QUEUED)
+    with deployed(serve_url, "vllm", args) as base:
+        yield base

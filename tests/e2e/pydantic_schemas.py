@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field
 
-Short = Annotated[str, Field(max_length=24)]
+Short = Annotated[str, Field(max_length=16)]
 
 
 class Color(str, Enum):

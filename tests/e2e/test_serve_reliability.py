@@ -1,12 +1,13 @@
 """Reliability through real Ray Serve, SmolLM2 on CPU: the shared configs/local.yaml application
-of each mode (`tests/e2e/conftest.py`), and applications of their own for the admission bounds:
+of each mode (`tests/e2e/conftest.py`), and for the router's admission bound the shared
+vLLM-named one (its router admits few requests; a pool's bound: `test_cli_serve.py`):
 - fan-out: `n` > 1 and prompt lists, streaming and not, in both modes. Each choice is its own
   engine request; the choices of one HTTP request go through the same Serve handles at the same
   moment, with the same prompt (n) or not (lists);
 - the ingress: a 16 MB body is 413 at once while /health answers in milliseconds; 10x
   `max_queued_requests` at once: some 429 with Retry-After, no 5xx, every accepted one served,
   and a probe sent during the overload gets its first token within a bound set by the
-  configuration; a pool at its own bound of queued calls is a clean 429 too.
+  configuration.
 - metrics after a fault: a killed replica's gauges leave /metrics within the stats board's
   bound, and no counter goes down while Serve replaces it.
 """
@@ -18,7 +19,6 @@ import json
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -26,7 +26,7 @@ import pytest
 import ray
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.e2e.conftest import MODES, deployed, local_args
+from tests.e2e.conftest import MODES, VLLM_MAX_QUEUED
 from tests.waiting import wait_until
 from workers.serve.stats_board import STALE_AFTER_S
 
@@ -35,7 +35,7 @@ pytestmark = pytest.mark.e2e
 MODEL = "smollm2-135m-instruct"
 TIMEOUT_S = 60  # a hang shows as a timeout, not as a test that never ends
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
-MAX_QUEUED = 4
+MAX_QUEUED = VLLM_MAX_QUEUED
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +61,13 @@ def stream(base: str, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
     chunks = [json.loads(e) for e in events[:-1]]
     assert not any("error" in c for c in chunks), chunks
     return chunks
+
+
+def counter(base: str, name: str, **labels: str) -> float:
+    """The sum of a /metrics sample's values over those carrying `labels` (0 if none)."""
+    text = httpx.get(f"{base}/metrics", timeout=TIMEOUT_S).text
+    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
+               if s.name == name and labels.items() <= s.labels.items())
 
 
 def streamed_choices(chunks: list[dict[str, Any]], chat: bool) -> dict[int, tuple[str, str]]:
@@ -177,21 +184,16 @@ PREFILL_S = 1.5
 PROBE_TTFT_BOUND_S = (MAX_QUEUED + 1) * PREFILL_S
 
 
-@pytest.fixture
-def queue_bounded(serve_url: str) -> Iterator[str]:
-    """A disaggregated application whose router admits `MAX_QUEUED` requests at a time."""
-    args = local_args("disaggregated", max_queued_requests=MAX_QUEUED)
-    with deployed(serve_url, "queue-bounded", args) as base:
-        yield base
-
-
 def test_10x_the_queue_bound_gets_429s_and_accepted_requests_keep_a_bounded_ttft(
-    queue_bounded: str,
+    vllm_app: str,
 ) -> None:
     """10x `max_queued_requests` clients at once, each retrying after the Retry-After it is
     given until it is served, which holds the overload; meanwhile a probe asks (every 50 ms, so
     it gets in while the overload lasts) and its time to first token is measured."""
-    base = queue_bounded
+    base = vllm_app  # its router admits MAX_QUEUED at a time
+    rejected = "vllm:request_rejected_total"
+    queue_full = {"model_name": MODEL, "reason": "queue_full"}
+    before = counter(base, rejected, **queue_full)
     body = {"model": MODEL, "prompt": "Count to ten:", "max_tokens": 4, "temperature": 0}
     probe = {"model": MODEL, "prompt": "Hi", "max_tokens": 1, "temperature": 0, "stream": True}
     refusals: list[tuple[dict[str, str], dict[str, Any]]] = []
@@ -250,49 +252,7 @@ def test_10x_the_queue_bound_gets_429s_and_accepted_requests_keep_a_bounded_ttft
     assert unserved > MAX_QUEUED, "the probe was served after the overload: nothing measured"
     print(f"probe TTFT {ttft:.2f} s with {unserved} clients unserved")
     assert ttft < PROBE_TTFT_BOUND_S, (ttft, unserved)
-    metrics = httpx.get(f"{base}/metrics", timeout=TIMEOUT_S).text
-    rejected = f'pdserve:request_rejected_total{{model_name="{MODEL}",reason="queue_full"}}'
-    assert f"{rejected} {float(len(refusals) + probe_refusals)}" in metrics
-
-
-@pytest.fixture
-def tight(serve_url: str) -> Iterator[str]:
-    """A colocated application whose one decode replica takes 1 call and whose router queues 1
-    more for it; the router's own bound is far."""
-    args = local_args("colocated", max_queued_requests=64)
-    args["engine"]["kv_cache_memory_gb"] = 0.25
-    args["decode"].update(max_ongoing_requests=1, max_queued_requests=1)
-    with deployed(serve_url, "tight", args) as base:
-        yield base
-
-
-def test_a_full_pool_is_429_with_retry_after_and_counted(tight: str) -> None:
-    """A burst beyond the pool's bound is refused by the pool, cleanly."""
-    base = tight
-    body = {"model": MODEL, "prompt": "Count to ten:", "max_tokens": 16, "temperature": 0}
-
-    async def burst() -> list[httpx.Response]:
-        async with httpx.AsyncClient(timeout=TIMEOUT_S) as c:
-            return await asyncio.gather(
-                *(c.post(f"{base}/v1/completions", json=body) for _ in range(8))
-            )
-
-    replies = asyncio.run(burst())
-    codes = [r.status_code for r in replies]
-    assert set(codes) <= {200, 429} and 200 in codes and 429 in codes, codes
-    for r in replies:
-        if r.status_code == 429:
-            error = r.json()["error"]
-            assert r.headers["retry-after"] == "1" and error["type"] == "RateLimitError"
-            assert "queued" in error["message"] and "BackPressure" not in error["message"]
-        else:
-            assert r.json()["choices"][0]["finish_reason"] in ("stop", "length"), r.text
-    metrics = httpx.get(f"{base}/metrics", timeout=TIMEOUT_S).text
-    rejected = 'pdserve:request_rejected_total{model_name="%s",reason="%s"}'
-    assert f"{rejected % (MODEL, 'pool_full')} {float(codes.count(429))}" in metrics
-    assert f"{rejected % (MODEL, 'queue_full')} 0.0" in metrics
-    # The refused calls left nothing behind: the pool serves again.
-    assert httpx.post(f"{base}/v1/completions", json=body, timeout=TIMEOUT_S).is_success
+    assert counter(base, rejected, **queue_full) - before == len(refusals) + probe_refusals
 
 
 def colocated_sample(base: str) -> dict[str, float]:

@@ -1,7 +1,8 @@
 """Conformance with vLLM's OpenAI server, through real Ray Serve and HTTP, in both serving modes
 (the shared configs/local.yaml apps of both modes, SmolLM2 on CPU), and, for what depends on
-vLLM's metric names and defaults, a disaggregated app under those names (`metric_prefix: vllm`,
-no `prompt_tokens_details`): it serves both pools, so every metric family is on its /metrics.
+vLLM's metric names and defaults, the shared disaggregated app under those names (`vllm_app`:
+`metric_prefix: vllm`, no `prompt_tokens_details`): it serves both pools, so every metric family
+is on its /metrics.
 
 Each test pins a behaviour that vLLM's clients, harnesses and dashboards rely on, in the shapes of
 vLLM's protocol: /metrics under `vllm:` names, label names and buckets (gauges back at 0 after an
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -23,7 +23,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.metric_names import ITL_BUCKETS, LATENCY_BUCKETS, TTFT_BUCKETS
-from tests.e2e.conftest import MODES, deployed, local_args
+from tests.e2e.conftest import MODES
 from tests.e2e.test_serve_reliability import MODEL, TIMEOUT_S
 from tests.waiting import wait_until
 
@@ -38,15 +38,6 @@ MAX_MODEL_LEN = 512  # local_args'
 def apps(local_apps: dict[str, str]) -> dict[str, str]:
     """Base URL of each mode's shared configs/local.yaml application."""
     return local_apps
-
-
-@pytest.fixture(scope="module")
-def vllm_app(serve_url: str) -> Iterator[str]:
-    """Base URL of a disaggregated configs/local.yaml application with vLLM's metric names (and
-    its default of no prompt_tokens_details)."""
-    args = local_args("disaggregated", metric_prefix="vllm", enable_prompt_tokens_details=False)
-    with deployed(serve_url, "vllm", args) as base:
-        yield base
 
 
 def call(base: str, path: str, body: dict[str, Any], status: int = 200) -> dict[str, Any]:

@@ -43,6 +43,15 @@ def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
         LLM(str(tmp_path))
 
 
+def test_a_config_without_a_needed_field_names_it(tmp_path: Path, smollm2_dir: Path) -> None:
+    config = json.loads((smollm2_dir / "config.json").read_text())
+    del config["hidden_size"], config["max_position_embeddings"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(UnsupportedModelError, match="lacks hidden_size, max_position_embeddings"):
+        LLM(str(tmp_path))
+
+
 def test_empty_prompt_is_rejected() -> None:
     llm = LLM()
     with pytest.raises(ValueError, match="empty"):

@@ -13,6 +13,8 @@ An FP8 pool (`kv_dtype.py`) stores K and V scaled by `scales` and computes in `c
 from __future__ import annotations
 
 import logging
+import math
+import mmap
 
 import torch
 
@@ -20,6 +22,16 @@ from workers.kvcache.kv_dtype import KVScales, is_fp8
 from workers.protocol import KVLayout
 
 logger = logging.getLogger(__name__)
+
+
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed tensor; on the CPU an anonymous memory map, whose pages the kernel zeroes when
+    first touched, so a CPU engine's pool (1 GiB by default) costs nothing at start
+    (`torch.zeros` writes every byte: ~0.5 s a GiB) and only the memory its KV fills."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    mapping = mmap.mmap(-1, math.prod(shape) * dtype.itemsize)
+    return torch.frombuffer(mapping, dtype=dtype).view(shape)
 
 
 class KVPool:
@@ -35,7 +47,7 @@ class KVPool:
             raise ValueError(f"KV pool needs at least 2 pages (one is scratch), got {num_pages}")
         self.layout = layout
         self.num_pages = num_pages
-        self.pages = torch.zeros(
+        self.pages = zeroed(
             (
                 num_pages,
                 layout.num_layers,
@@ -44,8 +56,8 @@ class KVPool:
                 layout.num_kv_heads,
                 layout.head_dim,
             ),
-            dtype=getattr(torch, layout.dtype),
-            device=device,
+            getattr(torch, layout.dtype),
+            torch.device(device),
         )
         self.compute_dtype = compute_dtype or self.pages.dtype
         self.scales = scales or KVScales.unit(layout.num_layers)

@@ -16,6 +16,9 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# config.json fields pdserve needs and gives no default
+REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                   "num_attention_heads", "max_position_embeddings")
 
 
 class UnsupportedModelError(ValueError):
@@ -60,42 +63,46 @@ class ModelConfig(BaseModel):
         return limit
 
     @classmethod
-    def from_hf(cls, hf: Any) -> ModelConfig:
-        archs = getattr(hf, "architectures", None) or []
+    def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
+        """From a checkpoint's config.json, with the defaults of the families' transformers
+        config classes for the fields a config.json may leave out."""
+        archs = hf.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise UnsupportedModelError(
-                f"unsupported architecture {archs or getattr(hf, 'model_type', '?')}; "
+                f"unsupported architecture {archs or hf.get('model_type', '?')}; "
                 f"pdserve serves {sorted(SUPPORTED_ARCHITECTURES)}"
             )
         family = SUPPORTED_ARCHITECTURES[arch]
-        rope = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
-        rope_theta = rope.pop("rope_theta", None) or getattr(hf, "rope_theta", 10000.0)
+        missing = [k for k in REQUIRED_FIELDS if hf.get(k) is None]
+        if missing:
+            raise UnsupportedModelError(f"config.json lacks {', '.join(missing)}")
+        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        rope_theta = rope.pop("rope_theta", None) or hf.get("rope_theta", 10000.0)
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise UnsupportedModelError(f"rope_type {rope_type!r} is not supported")
-        eos = getattr(hf, "eos_token_id", None)
+        eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        num_heads = hf.num_attention_heads
-        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
+        num_heads = hf["num_attention_heads"]
+        # Qwen's config classes default to no sliding window; Mistral's has no switch
+        windowed = hf.get("use_sliding_window", family not in ("qwen2", "qwen3"))
         return cls(
             architecture=arch,
-            vocab_size=hf.vocab_size,
-            hidden_size=hf.hidden_size,
-            intermediate_size=hf.intermediate_size,
-            num_layers=hf.num_hidden_layers,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
             num_heads=num_heads,
-            num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
-            head_dim=head_dim,
-            rms_norm_eps=hf.rms_norm_eps,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
             rope_scaling={**rope, "rope_type": rope_type} if rope_type != "default" else None,
-            max_position_embeddings=hf.max_position_embeddings,
-            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-            attention_bias=family == "qwen2" or bool(getattr(hf, "attention_bias", False)),
+            max_position_embeddings=hf["max_position_embeddings"],
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=family == "qwen2" or bool(hf.get("attention_bias", False)),
             qk_norm=family == "qwen3",
-            sliding_window=getattr(hf, "sliding_window", None)
-            if getattr(hf, "use_sliding_window", True)
-            else None,
+            sliding_window=hf.get("sliding_window") if windowed else None,
             eos_token_ids=eos_ids,
         )

@@ -114,9 +114,12 @@ def byte_level_decoder(tokenizer: Any) -> None:
     from tokenizers import decoders
 
     backend = tokenizer.backend_tokenizer
-    spec = json.loads(backend.to_str())
-    decoder = spec.get("decoder") or {}
-    if _has_step(spec.get("pre_tokenizer"), "ByteLevel") and decoder.get("type") != "ByteLevel":
+    # each component's own JSON: the whole tokenizer's (vocabulary and merges) costs ~1 s
+    pre = backend.pre_tokenizer
+    spec = json.loads(pre.__getstate__()) if pre is not None else None
+    decoder = backend.decoder
+    kind = json.loads(decoder.__getstate__()).get("type") if decoder is not None else None
+    if _has_step(spec, "ByteLevel") and kind != "ByteLevel":
         backend.decoder = decoders.ByteLevel()
 
 
@@ -153,16 +156,27 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     os.replace(tmp, out)  # config.json appears atomically with everything else
 
 
-def load_model_config(model_dir: Path) -> ModelConfig:
-    from transformers import AutoConfig
+def read_hf_config(model_dir: Path) -> dict[str, Any]:
+    """The checkpoint's config.json. Read as JSON rather than through `AutoConfig`: the families'
+    config classes import transformers' modelling stack (torch.distributed.tensor among it),
+    ~2 s of CPU that every replica and router would pay at start for a dozen fields."""
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise ModelNotFoundError(f"no config.json in {model_dir}")
+    config: dict[str, Any] = json.loads(path.read_text())
+    return config
 
-    return ModelConfig.from_hf(AutoConfig.from_pretrained(model_dir))
+
+def load_model_config(model_dir: Path) -> ModelConfig:
+    return ModelConfig.from_hf(read_hf_config(model_dir))
 
 
 def load_tokenizer(model_dir: Path):  # noqa: ANN201 - a transformers tokenizer
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PretrainedConfig
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    # AutoTokenizer picks the class by the config's model_type; given none it loads AutoConfig
+    config = PretrainedConfig.from_dict({"model_type": read_hf_config(model_dir).get("model_type")})
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, config=config)
     byte_level_decoder(tokenizer)
     return tokenizer
 
