@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import ray
@@ -208,12 +209,23 @@ def test_any_prefill_replica_can_release_another_ones_lease(llm, prefill, short_
     )
 
 
-def test_prefill_killed_before_the_read_recomputes_within_bound(llm, cluster, decode) -> None:
+@pytest.fixture(scope="module")
+def orphaned(llm, cluster) -> dict[str, Any]:  # noqa: ANN001
+    """Two prompts prefilled by a prefill replica killed before any read (their hand-offs name
+    pages nobody can serve), and a decode replica whose failure policy is "fail"."""
+    strict = start(cluster, Decode, failure_policy="fail")
     doomed = start(cluster, Prefill)
-    req = request(llm, "orphan", "Question: what colour is the sky on a clear day?")
-    [expected] = llm.generate([list(req.prompt_token_ids)], GREEDY)
-    first = ray.get(doomed.prefill.remote(req))
+    prompts = {"orphan": "Question: what colour is the sky on a clear day?",
+               "strict": "Question: what is two plus two?"}  # fmt: skip
+    reqs = {rid: request(llm, rid, text) for rid, text in prompts.items()}
+    firsts = {rid: ray.get(doomed.prefill.remote(req)) for rid, req in reqs.items()}
     ray.kill(doomed)
+    return {"requests": reqs, "firsts": firsts, "strict": strict}
+
+
+def test_prefill_killed_before_the_read_recomputes_within_bound(llm, orphaned, decode) -> None:
+    req, first = orphaned["requests"]["orphan"], orphaned["firsts"]["orphan"]
+    [expected] = llm.generate([list(req.prompt_token_ids)], GREEDY)
     t0 = time.monotonic()
     rest = ray.get(decode.run.remote(req, first), timeout=DEADLINE_S)
     assert time.monotonic() - t0 < DEADLINE_S
@@ -222,16 +234,12 @@ def test_prefill_killed_before_the_read_recomputes_within_bound(llm, cluster, de
     assert d.num_recomputed >= 1 and d.kv_pages_pinned == 0 and d.num_handoffs_pending == 0
 
 
-def test_failure_policy_fail_ends_the_request_with_an_error(llm, cluster) -> None:
-    doomed = start(cluster, Prefill)
-    strict = start(cluster, Decode, failure_policy="fail")
-    req = request(llm, "strict", "Question: what is two plus two?")
-    first = ray.get(doomed.prefill.remote(req))
-    ray.kill(doomed)
+def test_failure_policy_fail_ends_the_request_with_an_error(orphaned) -> None:
+    strict = orphaned["strict"]
+    req, first = orphaned["requests"]["strict"], orphaned["firsts"]["strict"]
     rest = ray.get(strict.run.remote(req, first), timeout=DEADLINE_S)
     assert rest[-1].finish_reason == "error" and "KV read" in (rest[-1].error or "")
     assert ray.get(strict.stats.remote()).kv_pages_pinned == 0
-    ray.kill(strict)
 
 
 def test_stale_pages_are_detected_and_never_served(llm, prefill, decode) -> None:
