@@ -6,6 +6,7 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -17,11 +18,18 @@ from workers.model.loader import resolve_model
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # Modules that start Ray through its CLI (and `ray stop` it) run first; modules on the shared
     # cluster (`ray_cluster`) last, so that no other test runs in a process connected to Ray
-    # (code that finds Ray, such as the stats board or the fault hook, uses it). A stable sort
-    # keeps every other order.
-    on_cluster = {item.module for item in items if "ray_cluster" in item.fixturenames}
+    # (code that finds Ray, such as the stats board or the fault hook, uses it). Of those, the
+    # modules on the session's shared Serve applications (tests/e2e/conftest.py) run last, the
+    # vLLM-named one's last of all: an application deployed idles at ~0.1 CPU core (its routers
+    # poll), so each is started for the modules that use it, at the end. A stable sort keeps
+    # every other order.
+    def uses(name: str) -> set[Any]:
+        return {item.module for item in items if name in item.fixturenames}
+
+    on_cluster, shared, vllm = uses("ray_cluster"), uses("_local_apps"), uses("vllm_app")
     items.sort(key=lambda item: 0 if "own_ray" in item.keywords else
-               2 if item.module in on_cluster else 1)  # fmt: skip
+               1 if item.module not in on_cluster else
+               4 if item.module in vllm else 3 if item.module in shared else 2)  # fmt: skip
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
