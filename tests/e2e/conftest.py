@@ -10,7 +10,9 @@ deletes it when it ends.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import inspect
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
@@ -27,6 +29,26 @@ from tests.waiting import wait_until
 from workers.parallel.rendezvous import free_port
 
 MODES = ("disaggregated", "colocated")
+
+
+def in_both_modes(check: Callable[..., None]) -> Callable[..., None]:
+    """The test `check(apps, mode, ...)` run for both modes at once, a thread each: each mode's
+    application computes on a core of its own. A failure names its mode."""
+
+    def test(apps: dict[str, str], *args: Any, **kwargs: Any) -> None:
+        with ThreadPoolExecutor(len(MODES)) as pool:
+            runs = {mode: pool.submit(check, apps, mode, *args, **kwargs) for mode in MODES}
+        for mode, run in runs.items():
+            try:
+                run.result()
+            except AssertionError as e:
+                raise AssertionError(f"{mode}: {e}") from e
+
+    test.__name__, test.__doc__ = check.__name__, check.__doc__
+    test.__dict__.update(check.__dict__)  # marks such as parametrize
+    params = [p for name, p in inspect.signature(check).parameters.items() if name != "mode"]
+    test.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    return test
 VLLM_MAX_QUEUED = 4  # the vLLM-named application's router admits this many requests at a time
 HEALTHY_DEADLINE_S = 120  # a replica killed by an earlier module is replaced within this
 

@@ -26,7 +26,7 @@ import pytest
 import ray
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.e2e.conftest import MODES, VLLM_MAX_QUEUED
+from tests.e2e.conftest import VLLM_MAX_QUEUED, in_both_modes
 from tests.waiting import wait_until
 from workers.serve.stats_board import STALE_AFTER_S
 
@@ -87,7 +87,7 @@ GREEDY = {"max_tokens": 8, "temperature": 0}
 ONCE = {"prompt": "Once upon a time", **GREEDY}
 
 
-@pytest.mark.parametrize("mode", MODES)
+@in_both_modes
 def test_completions_n2_gives_two_greedy_choices_equal_to_one(apps, mode) -> None:
     base = apps[mode]
     one = post(base, "completions", ONCE)["choices"][0]["text"]
@@ -99,7 +99,7 @@ def test_completions_n2_gives_two_greedy_choices_equal_to_one(apps, mode) -> Non
     assert streamed_choices(chunks, chat=False) == {0: (one, "length"), 1: (one, "length")}
 
 
-@pytest.mark.parametrize("mode", MODES)
+@in_both_modes
 def test_chat_n2_streaming_and_not(apps, mode) -> None:
     base = apps[mode]
     body = {"messages": CHAT, "max_tokens": 30, "temperature": 0, "n": 2}
@@ -114,7 +114,7 @@ def test_chat_n2_streaming_and_not(apps, mode) -> None:
     assert streamed_choices(chunks, chat=True) == {i: (answers[0], "stop") for i in (0, 1)}
 
 
-@pytest.mark.parametrize("mode", MODES)
+@in_both_modes
 def test_a_prompt_list_answers_each_prompt(apps, mode) -> None:
     base = apps[mode]
     prompts = ["1, 2, 3,", "a, b, c,"]
@@ -127,7 +127,7 @@ def test_a_prompt_list_answers_each_prompt(apps, mode) -> None:
     assert got == {i: (alone[i // 2], "length") for i in range(4)}
 
 
-@pytest.mark.parametrize("mode", MODES)
+@in_both_modes
 def test_seeded_choices_differ_and_best_of_equal_to_n_is_accepted(apps, mode) -> None:
     body = {**ONCE, "temperature": 1.0, "seed": 7, "n": 3, "best_of": 3, "max_tokens": 12}
     texts = [c["text"] for c in post(apps[mode], "completions", body)["choices"]]

@@ -23,7 +23,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.metric_names import ITL_BUCKETS, LATENCY_BUCKETS, TTFT_BUCKETS
-from tests.e2e.conftest import MODES
+from tests.e2e.conftest import in_both_modes
 from tests.e2e.test_serve_reliability import MODEL, TIMEOUT_S
 from tests.waiting import wait_until
 
@@ -129,8 +129,8 @@ def test_gauges_return_to_zero_after_an_abort(apps, vllm_app, app) -> None:
 
 
 # ---- 2. usage on every chunk ------------------------------------------------------------------
-@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("path", ["chat/completions", "completions"])
+@in_both_modes
 def test_continuous_usage_is_on_every_chunk_including_the_first(apps, mode, path) -> None:
     prompt = {"messages": CHAT} if path.startswith("chat") else {"prompt": "Once upon a time"}
     options = {"include_usage": True, "continuous_usage_stats": True}
@@ -148,7 +148,7 @@ def test_continuous_usage_is_on_every_chunk_including_the_first(apps, mode, path
 
 
 # ---- 3. model "" --------------------------------------------------------------------------------
-@pytest.mark.parametrize("mode", MODES)
+@in_both_modes
 def test_an_empty_model_name_serves_the_model(apps, mode) -> None:
     r = call(apps[mode], "v1/chat/completions", {"model": "", "messages": CHAT, **GREEDY})
     assert r["model"] == MODEL
@@ -157,7 +157,7 @@ def test_an_empty_model_name_serves_the_model(apps, mode) -> None:
 
 
 # ---- 4. validation ------------------------------------------------------------------------------
-@pytest.mark.parametrize("mode", MODES)
+@in_both_modes
 def test_seed_range_and_error_types_are_vllms(apps, mode) -> None:
     base = apps[mode]
     for seed in (2**63 - 1, -(2**63)):
@@ -170,7 +170,7 @@ def test_seed_range_and_error_types_are_vllms(apps, mode) -> None:
 
 
 # ---- 5. logprobs --------------------------------------------------------------------------------
-@pytest.mark.parametrize("mode", MODES)
+@in_both_modes
 def test_completion_top_logprobs_put_the_sampled_token_first(apps, mode) -> None:
     body = {"prompt": "Once upon a time", "logprobs": 3, "max_tokens": 6, "temperature": 1.0,
             "seed": 3}
@@ -182,7 +182,7 @@ def test_completion_top_logprobs_put_the_sampled_token_first(apps, mode) -> None
         assert 3 <= len(top) <= 4 and rest == sorted(rest, reverse=True)
 
 
-@pytest.mark.parametrize("mode", MODES)
+@in_both_modes
 def test_tokens_as_token_ids(apps, mode) -> None:
     base, as_id = apps[mode], re.compile(r"token_id:\d+")
     body = {"prompt": "Once upon a time", "logprobs": 2, "return_tokens_as_token_ids": True,
@@ -198,7 +198,7 @@ def test_tokens_as_token_ids(apps, mode) -> None:
 
 
 # ---- 6. /tokenize -------------------------------------------------------------------------------
-@pytest.mark.parametrize("mode", MODES)
+@in_both_modes
 def test_tokenize_returns_token_strs_when_asked(apps, mode) -> None:
     base = apps[mode]
     plain = call(base, "tokenize", {"prompt": "Hello world"})
@@ -209,7 +209,7 @@ def test_tokenize_returns_token_strs_when_asked(apps, mode) -> None:
 
 
 # ---- 7. endpoints -------------------------------------------------------------------------------
-@pytest.mark.parametrize("mode", MODES)
+@in_both_modes
 def test_version_ping_and_invocations(apps, mode) -> None:
     base = apps[mode]
     version = httpx.get(f"{base}/version", timeout=TIMEOUT_S)
@@ -225,7 +225,7 @@ def test_version_ping_and_invocations(apps, mode) -> None:
 
 
 # ---- 8. chat echo -------------------------------------------------------------------------------
-@pytest.mark.parametrize("mode", MODES)
+@in_both_modes
 def test_chat_echo_continues_an_assistant_turn(apps, mode) -> None:
     base = apps[mode]
     start = "The capital of France is"
