@@ -169,8 +169,9 @@ class RouterConfig(Strict):
         "prefix-aware routers route on that exact index (else on a guess from what they sent)",
     )
     kv_events_period_s: float = Field(
-        0.05, gt=0, description="how often a replica publishes its cache changes and a router "
-        "reads them (the index's delay)",
+        0.05, gt=0, description="how often a replica publishes its cache changes, and how long "
+        "a router waits after reading some before it reads again (it waits for new ones by long "
+        "poll): the index's delay",
     )
     decode_prefill_max_tokens: int = Field(
         0,

@@ -1,5 +1,6 @@
-"""A router process's reader of the KV events: one thread per application polls the hub and
-queues the batches for every policy that subscribed to a pool.
+"""A router process's reader of the KV events: one thread per application reads the hub (a long
+poll: the hub answers when a batch comes, or after `WAIT_S` with none) and queues the batches
+for every policy that subscribed to a pool.
 
 Serve builds one request router per pool in each process that holds a handle (the ingress
 replicas); each subscribes here, and applies its queue on its own loop before each decision
@@ -23,6 +24,7 @@ from workers.api import KVEventBatch, read_kv_events
 
 logger = logging.getLogger(__name__)
 
+WAIT_S = 1.0  # an idle reader's call rate; batches are answered at once either way
 _feeds: dict[str, KVEventFeed] = {}
 _feeds_lock = threading.Lock()
 
@@ -60,7 +62,8 @@ class KVEventFeed:
             with self._lock:
                 subscribed = self._subscribed
             try:
-                read = read_kv_events(self.app, epoch if synced == subscribed else "", cursor, 30)
+                read = read_kv_events(self.app, epoch if synced == subscribed else "", cursor, 30,
+                                      WAIT_S)  # fmt: skip
             except Exception:  # noqa: BLE001 - the hub restarts; the next read resyncs
                 if synced != -1:  # once per outage
                     logger.exception("reading KV events failed")
@@ -73,6 +76,9 @@ class KVEventFeed:
                     for pool, batch in read.batches:
                         for q in self._queues.get(pool, ()):
                             q.put(batch)
+                if not read.batches:  # the wait ran out: read again at once
+                    continue
+            # after batches (or without a hub) a period passes: the next read takes what came
             threading.Event().wait(self.period_s)
 
 

@@ -3,6 +3,7 @@ against a brute-force scorer, and the hub's log (no cluster)."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 
 import pytest
@@ -124,23 +125,50 @@ def test_the_decision_costs_what_a_brute_force_scorer_finds_best(
 
 
 def test_hub_serves_batches_since_a_cursor_and_a_snapshot_otherwise() -> None:
-    hub = KVEventHub()
-    read = hub.read("", 0)
-    assert read.snapshot and read.batches == []
-    hub.publish("prefill", KVEventBatch("r0", "a", stored=[1, 2]))
-    hub.publish("prefill", KVEventBatch("r0", "a", removed=[1]))
-    hub.publish("decode", KVEventBatch("d0", "z", stored=[7]))
-    again = hub.read(read.epoch, read.cursor)
-    assert not again.snapshot and [b.replica for _, b in again.batches] == ["r0", "r0", "d0"]
-    assert hub.read(again.epoch, again.cursor).batches == []
-    snap = hub.read("another epoch", again.cursor)  # the hub restarted, or a new reader
-    assert snap.snapshot and {(p, b.replica, tuple(b.stored)) for p, b in snap.batches} == {
-        ("prefill", "r0", (2,)),
-        ("decode", "d0", (7,)),
-    }
-    for i in itertools.islice(itertools.count(), LOG_BATCHES + 1):
-        hub.publish("prefill", KVEventBatch("r0", "a", stored=[i]))
-    assert hub.read(again.epoch, again.cursor).snapshot  # fell behind the log
+    async def run() -> None:
+        hub = KVEventHub()
+        read = await hub.read("", 0)
+        assert read.snapshot and read.batches == []
+        await hub.publish("prefill", KVEventBatch("r0", "a", stored=[1, 2]))
+        await hub.publish("prefill", KVEventBatch("r0", "a", removed=[1]))
+        await hub.publish("decode", KVEventBatch("d0", "z", stored=[7]))
+        again = await hub.read(read.epoch, read.cursor)
+        assert not again.snapshot and [b.replica for _, b in again.batches] == ["r0", "r0", "d0"]
+        assert (await hub.read(again.epoch, again.cursor)).batches == []
+        snap = await hub.read("another epoch", again.cursor)  # the hub restarted, or a new reader
+        assert snap.snapshot and {(p, b.replica, tuple(b.stored)) for p, b in snap.batches} == {
+            ("prefill", "r0", (2,)),
+            ("decode", "d0", (7,)),
+        }
+        for i in itertools.islice(itertools.count(), LOG_BATCHES + 1):
+            await hub.publish("prefill", KVEventBatch("r0", "a", stored=[i]))
+        assert (await hub.read(again.epoch, again.cursor)).snapshot  # fell behind the log
+
+    asyncio.run(run())
+
+
+def test_a_reader_with_nothing_new_waits_for_the_next_batch() -> None:
+    """A long poll: answered as soon as a batch is logged (not at the end of the wait), and
+    empty once the wait runs out; a heartbeat (an empty batch) answers nobody."""
+
+    async def run() -> None:
+        hub = KVEventHub()
+        start = await hub.read("", 0)
+        loop = asyncio.get_running_loop()
+        waiting = asyncio.create_task(hub.read(start.epoch, start.cursor, wait_s=30))
+        await asyncio.sleep(0.05)
+        await hub.publish("decode", KVEventBatch("d0", "z"))  # a heartbeat
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        t0 = loop.time()
+        await hub.publish("decode", KVEventBatch("d0", "z", stored=[7]))
+        read = await asyncio.wait_for(waiting, 5)
+        assert [b.stored for _, b in read.batches] == [[7]] and loop.time() - t0 < 1
+        t0 = loop.time()
+        assert (await hub.read(read.epoch, read.cursor, wait_s=0.2)).batches == []
+        assert loop.time() - t0 >= 0.2
+
+    asyncio.run(run())
 
 
 def test_disaggregation_follows_what_the_decode_side_lacks_and_the_prefill_queue() -> None:

@@ -9,13 +9,17 @@ value (a delta in between is lost) and reach the routers no faster than their po
 
 The hub keeps a log of the last `LOG_BATCHES` batches, numbered, and each replica's current pages.
 A reader passes the hub's epoch and its cursor; if it is new, fell behind the log, or the hub
-restarted (new epoch), it gets a snapshot of every replica instead. A publisher that sees a new
+restarted (new epoch), it gets a snapshot of every replica instead; a reader with nothing new
+may wait up to `wait_s` for the next batch (a long poll: delivered at once, and an idle reader
+calls once a second, not once a period). A publisher that sees a new
 epoch sends its whole cache again (`KVEventPublisher`). Replicas silent for `FORGET_AFTER_S`
 (publishers send at least an empty batch every `HEARTBEAT_S`) leave the snapshots.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 import uuid
 from collections import deque
@@ -63,8 +67,9 @@ class KVEventHub:
         self._log: deque[tuple[str, KVEventBatch]] = deque(maxlen=LOG_BATCHES)
         self._next = 0  # number of the next batch
         self._replicas: dict[str, _Replica] = {}
+        self._logged = asyncio.Event()  # set, and replaced, when a batch enters the log
 
-    def publish(self, pool: str, batch: KVEventBatch) -> str:
+    async def publish(self, pool: str, batch: KVEventBatch) -> str:
         """Record `batch` of a replica of `pool`; answers the epoch."""
         now = time.monotonic()
         entry = self._replicas.get(batch.replica)
@@ -76,11 +81,18 @@ class KVEventHub:
         if len(batch) or batch.snapshot:
             self._log.append((pool, batch))
             self._next += 1
+            self._logged.set()
+            self._logged = asyncio.Event()
         for name in [n for n, r in self._replicas.items() if now - r.seen > FORGET_AFTER_S]:
             del self._replicas[name]
         return self.epoch
 
-    def read(self, epoch: str, cursor: int) -> KVEventRead:
+    async def read(self, epoch: str, cursor: int, wait_s: float = 0.0) -> KVEventRead:
+        """The batches since `cursor`; when there are none yet, the first to come within
+        `wait_s`."""
+        if wait_s > 0 and epoch == self.epoch and cursor == self._next:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._logged.wait(), wait_s)
         first = self._next - len(self._log)
         if epoch == self.epoch and first <= cursor <= self._next:
             batches = list(self._log)[cursor - first :]
@@ -118,16 +130,18 @@ def hub(app: str, create: bool) -> Any | None:
     )
 
 
-def read_kv_events(app: str, epoch: str, cursor: int, timeout_s: float) -> KVEventRead | None:
-    """The batches of `app`'s replicas since `cursor` (blocking: off the event loop); None
-    while there is no hub."""
+def read_kv_events(
+    app: str, epoch: str, cursor: int, timeout_s: float, wait_s: float = 0.0
+) -> KVEventRead | None:
+    """The batches of `app`'s replicas since `cursor`, waiting up to `wait_s` for one when there
+    are none (blocking: off the event loop); None while there is no hub."""
     import ray
 
     handle = _readers.get(app) or hub(app, create=False)
     if handle is None:
         return None
     try:
-        result: KVEventRead = ray.get(handle.read.remote(epoch, cursor), timeout=timeout_s)
+        result: KVEventRead = ray.get(handle.read.remote(epoch, cursor, wait_s), timeout=timeout_s)
     except Exception:
         _readers.pop(app, None)  # look the hub up again next time
         raise
