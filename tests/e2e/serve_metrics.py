@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.waiting import wait_settled
 
@@ -14,9 +15,14 @@ def pool_counter(base_url: str, name: str, role: str = "decode") -> float:
 
 def pool_gauge(base_url: str, name: str, role: str = "decode") -> float:
     """A pool's `pdserve:<name>`, as /metrics reports it (its replicas summed)."""
-    metrics = httpx.get(f"{base_url}/metrics", timeout=30).text
-    rows = [r for r in metrics.splitlines() if r.startswith(f"pdserve:{name}{{")]
-    return sum(float(r.split()[-1]) for r in rows if f'role="{role}"' in r)
+    return sample_sum(base_url, f"pdserve:{name}", role=role)
+
+
+def sample_sum(base_url: str, name: str, **labels: str) -> float:
+    """The sum of a /metrics sample's values over those carrying `labels` (0 if none)."""
+    text = httpx.get(f"{base_url}/metrics", timeout=30).text
+    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
+               if s.name == name and labels.items() <= s.labels.items())
 
 
 def settled_counters(base_url: str, keys: list[tuple[str, str]]) -> dict[str, float]:

@@ -27,6 +27,7 @@ import ray
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.conftest import VLLM_MAX_QUEUED, in_both_modes
+from tests.e2e.serve_metrics import sample_sum
 from tests.waiting import wait_until
 from workers.serve.stats_board import STALE_AFTER_S
 
@@ -61,13 +62,6 @@ def stream(base: str, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
     chunks = [json.loads(e) for e in events[:-1]]
     assert not any("error" in c for c in chunks), chunks
     return chunks
-
-
-def counter(base: str, name: str, **labels: str) -> float:
-    """The sum of a /metrics sample's values over those carrying `labels` (0 if none)."""
-    text = httpx.get(f"{base}/metrics", timeout=TIMEOUT_S).text
-    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
-               if s.name == name and labels.items() <= s.labels.items())
 
 
 def streamed_choices(chunks: list[dict[str, Any]], chat: bool) -> dict[int, tuple[str, str]]:
@@ -193,7 +187,7 @@ def test_10x_the_queue_bound_gets_429s_and_accepted_requests_keep_a_bounded_ttft
     base = vllm_app  # its router admits MAX_QUEUED at a time
     rejected = "vllm:request_rejected_total"
     queue_full = {"model_name": MODEL, "reason": "queue_full"}
-    before = counter(base, rejected, **queue_full)
+    before = sample_sum(base, rejected, **queue_full)
     body = {"model": MODEL, "prompt": "Count to ten:", "max_tokens": 4, "temperature": 0}
     probe = {"model": MODEL, "prompt": "Hi", "max_tokens": 1, "temperature": 0, "stream": True}
     refusals: list[tuple[dict[str, str], dict[str, Any]]] = []
@@ -252,7 +246,7 @@ def test_10x_the_queue_bound_gets_429s_and_accepted_requests_keep_a_bounded_ttft
     assert unserved > MAX_QUEUED, "the probe was served after the overload: nothing measured"
     print(f"probe TTFT {ttft:.2f} s with {unserved} clients unserved")
     assert ttft < PROBE_TTFT_BOUND_S, (ttft, unserved)
-    assert counter(base, rejected, **queue_full) - before == len(refusals) + probe_refusals
+    assert sample_sum(base, rejected, **queue_full) - before == len(refusals) + probe_refusals
 
 
 def colocated_sample(base: str) -> dict[str, float]:

@@ -46,8 +46,6 @@ LAUNCHES = {"4-warps-128": {}, "1-warp-64": dict(tile=64, num_warps=1),
 @pytest.mark.parametrize("launch", sorted(LAUNCHES))
 def test_fp8_decode_launches_match_reference(heads: str, launch: str) -> None:
     """Each launch, whatever this GPU's table picks, at 16 sequences on pages of 16."""
-    from workers.kernels.tuning import FP8DecodeLaunch
-
     check_kernel(heads, 16, 16, "chosen", FP8DecodeLaunch(**LAUNCHES[launch]))
 
 

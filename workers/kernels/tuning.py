@@ -114,11 +114,10 @@ def fp8_decode_table(
     """A launch table from a sweep's fastest (launch, splits) per (batch, context) case: per
     batch size its longest context's winner, `programs` set so that `num_splits` gives the
     winning splits, and an entry only where the launch differs from the one below it."""
+    longest = dict(sorted(winners))  # batch -> its longest context (sorted: the last wins)
     table: dict[int, FP8DecodeLaunch] = {}
     below = None
-    for batch, context in sorted(winners):
-        if (batch, context) != max(case for case in winners if case[0] == batch):
-            continue
+    for batch, context in longest.items():
         launch, splits = winners[batch, context]
         launch = dataclasses.replace(launch, programs=batch * num_kv_heads * splits)
         if launch != below:

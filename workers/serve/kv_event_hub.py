@@ -11,9 +11,9 @@ The hub keeps a log of the last `LOG_BATCHES` batches, numbered, and each replic
 A reader passes the hub's epoch and its cursor; if it is new, fell behind the log, or the hub
 restarted (new epoch), it gets a snapshot of every replica instead; a reader with nothing new
 may wait up to `wait_s` for the next batch (a long poll: delivered at once, and an idle reader
-calls once a second, not once a period). A publisher that sees a new
-epoch sends its whole cache again (`KVEventPublisher`). Replicas silent for `FORGET_AFTER_S`
-(publishers send at least an empty batch every `HEARTBEAT_S`) leave the snapshots.
+calls once a second, not once a period). A publisher that sees a new epoch sends its whole
+cache again (`KVEventPublisher`). Replicas silent for `FORGET_AFTER_S` (publishers send at
+least an empty batch every `HEARTBEAT_S`) leave the snapshots.
 """
 
 from __future__ import annotations
