@@ -8,18 +8,22 @@ replay, against the floor: the weights once plus the sequences' KV bytes (half w
 copy rate measured in the same process. `fp8_vs_bf16` is the FP8 step over the bf16 step of
 the same case, measured in the same run. 256 x 4096 runs in FP8 only: its bf16 KV (128 GiB)
 and the weights exceed one H200, its FP8 KV (64 GiB) does not. Goal: FP8 at 64 x 4096 within
-1.15x its floor. FP8 decode graphs read the pool with the Triton kernel `kernels/fp8_decode.py`
-(where `fp8_decode.used_at` the batch size; FlashInfer's FP8 decode elsewhere).
+1.15x its floor. FP8 decode graphs read the pool with the kernel the GPU's table picks per batch
+size (the Triton kernel `kernels/fp8_decode.py` or FlashInfer's XQA, `attention/xqa_decode.py`);
+`--fp8-kernels triton,xqa` runs the FP8 engine once per kernel instead.
 
 `--attention`: the attention alone instead, per layer (Llama-3-8B heads, page 16, FP8 KV, a
 CUDA graph over enough layers that L2 holds none of it): the Triton kernel against FlashInfer's
 FP8 decode (tensor cores, as the engine plans it), each against the floor of reading the FP8
 K/V once at the read rate measured in the same run; the data behind
-`fp8_decode.FLASHINFER_FASTER`. `--sweep` adds the kernel's launch choices (tile, warps,
-stages, splits of each sequence) and reports the fastest per case; `--write-table` writes them
-as this GPU's launch table (`workers/kernels/tables/fp8_decode_<GPU>.json`, `tuning.py`).
+`fp8_decode.FLASHINFER_FASTER`. XQA too (`xqa_us`). `--sweep` adds the Triton kernel's launch
+choices (tile, warps, stages, splits of each sequence) and XQA's splits, and reports the fastest
+of each per case; `--write-table` writes them as this GPU's table
+(`workers/kernels/tables/fp8_decode_<GPU>.json`, `tuning.py`): the Triton launches, and XQA
+where it was at least 5% faster.
 
     python -m bench.bench_fp8_decode --tokenizer-dir DIR [--out DIR] [--cases 1x4096,64x4096]
+    python -m bench.bench_fp8_decode --tokenizer-dir DIR --fp8-kernels triton,xqa
     python -m bench.bench_fp8_decode --tokenizer-dir DIR --attention [--sweep [--write-table]]
     python -m bench.bench_fp8_decode --tokenizer-dir DIR --device cpu   # smoke test: tiny shape
 """
@@ -54,6 +58,8 @@ from workers.kernels.tuning import (
     dumps_fp8_decode,
     fp8_decode_table,
     table_path,
+    xqa_programs,
+    xqa_table,
 )
 
 CASES = [(1, 4096), (16, 4096), (64, 4096), (256, 2048), (256, 4096)]
@@ -63,6 +69,10 @@ KV_DTYPES = ("auto", "fp8_e4m3")
 ROW = "FP8ROW "  # a worker's result line
 Q_HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16  # --attention: Llama-3-8B's heads
 SWEEP = dict(tile=(64, 128), num_warps=(1, 4), stages=(3,), splits=(1, 2, 4, 8, 16, 32))
+XQA_SPLITS = (1, 2, 4, 8, 16, 32)
+# XQA's FP8 products cost precision (on random data; not measurably on SmolLM2's decode steps):
+# the table takes it only where it is at least 5% faster than the Triton kernel's best.
+XQA_MARGIN = 0.95
 
 
 def fill_random(runner: ModelRunner, pages_at_once: int = 1024) -> None:
@@ -111,14 +121,23 @@ def worker(args: argparse.Namespace, kv_cache_dtype: str, cases: list[tuple[int,
         print(ROW + json.dumps(row), flush=True)
 
 
-def run_worker(kv_cache_dtype: str, cases: list[tuple[int, int]]) -> list[dict[str, Any]]:
-    """This script again, in a new process, for one KV dtype: its rows."""
+def run_worker(
+    kv_cache_dtype: str, cases: list[tuple[int, int]], kernel: str | None = None
+) -> list[dict[str, Any]]:
+    """This script again, in a new process, for one KV dtype (and FP8 decode kernel): its
+    rows, each naming the kernel ("table": the GPU's table picks)."""
     spec = ",".join(f"{b}x{c}" for b, c in cases)  # the last --cases given is the one used
     cmd = [sys.executable, "-m", "bench.bench_fp8_decode", *sys.argv[1:], "--cases", spec]
     cmd += ["--worker", kv_cache_dtype]
+    if kernel:
+        cmd += ["--set", f"kernels.fp8_decode_kernel={kernel}"]
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True)
     lines = proc.stdout.splitlines()
-    return [json.loads(line[len(ROW) :]) for line in lines if line.startswith(ROW)]
+    rows = [json.loads(line[len(ROW) :]) for line in lines if line.startswith(ROW)]
+    if kv_cache_dtype != "auto":
+        for row in rows:
+            row["fp8_decode_kernel"] = kernel or "table"
+    return rows
 
 
 def attention_graph(
@@ -190,6 +209,31 @@ def flashinfer_run(batch: int) -> Callable[..., object]:
     return run
 
 
+def xqa_run(batch: int, splits: int | None = None) -> Callable[..., object]:
+    """FlashInfer's XQA (`attention/xqa_decode.py`), `splits` of each sequence (by default as
+    the GPU's table has them, else for ~1024 programs)."""
+    from workers.attention.xqa_decode import XQABuffers, XQADecode
+    from workers.kernels.split_kv_common import num_splits
+
+    if splits is None:
+        programs = xqa_programs(batch, torch.cuda.get_device_name()) or 1024
+        splits = num_splits(batch, KV_HEADS, programs)
+    kernel: list[XQADecode] = []
+
+    def run(q: torch.Tensor, kv: torch.Tensor, *meta: torch.Tensor) -> object:
+        if not kernel:
+            indptr, indices, last = meta
+            pages = int(indptr[1] - indptr[0])  # every sequence has as many
+            buffers = XQABuffers(batch, pages, q.device)
+            kernel.append(XQADecode(batch, Q_HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5, PAGE,
+                                    q.dtype, buffers, splits))  # fmt: skip
+            lens = (indptr[1:] - indptr[:-1] - 1) * PAGE + last
+            kernel[0].plan(indices.view(batch, pages).cuda(), lens.to(torch.int32))
+        return kernel[0].forward(q, kv, 0.5, 2.0)
+
+    return run
+
+
 def layer_us(batch: int, context: int, run: Callable[..., object]) -> float:
     replay, layers = attention_graph(batch, context, run)
     us = cuda_ms(replay, warmup=3, iters=20) * 1e3 / layers
@@ -205,11 +249,13 @@ def attention(args: argparse.Namespace, cases: list[tuple[int, int]]) -> None:
     read_gbps = read_bandwidth_gbps()
     rows = []
     winners: dict[tuple[int, int], tuple[FP8DecodeLaunch, int]] = {}
+    xqa_winners: dict[tuple[int, int], int] = {}  # XQA's splits where it is the faster, else 0
     for batch, context in cases:
         floor_us = batch * context * 2 * KV_HEADS * HEAD_DIM / read_gbps / 1e3
         row: dict[str, Any] = dict(batch=batch, context=context, floor_us=round(floor_us, 2))
         row["kernel_us"] = round(layer_us(batch, context, kernel_run(batch)), 2)
         row["flashinfer_us"] = round(layer_us(batch, context, flashinfer_run(batch)), 2)
+        row["xqa_us"] = round(layer_us(batch, context, xqa_run(batch)), 2)
         if args.sweep:
             timed = {}
             for values in itertools.product(*SWEEP.values()):
@@ -222,14 +268,22 @@ def attention(args: argparse.Namespace, cases: list[tuple[int, int]]) -> None:
             winners[batch, context] = (FP8DecodeLaunch(*best[:3]), best[3])
             row["best_us"] = round(timed[best], 2)
             row["best_launch"] = ",".join(f"{k}={v}" for k, v in zip(SWEEP, best))
+            xqa_timed = {n: layer_us(batch, context, xqa_run(batch, n)) for n in XQA_SPLITS}
+            print(f"SWEEP {batch}x{context} xqa splits: {xqa_timed}", flush=True)
+            splits = min(xqa_timed, key=xqa_timed.__getitem__)
+            row["xqa_best_us"], row["xqa_best_splits"] = round(xqa_timed[splits], 2), splits
+            faster = xqa_timed[splits] < XQA_MARGIN * timed[best]
+            xqa_winners[batch, context] = splits if faster else 0
         row["x_floor"] = round(row["kernel_us"] / floor_us, 3)
         row["flashinfer_x_floor"] = round(row["flashinfer_us"] / floor_us, 3)
+        row["xqa_x_floor"] = round(row["xqa_us"] / floor_us, 3)
         row["kernel_used"] = fp8_decode.used_at(batch)
         print("FP8-ATTENTION", row, flush=True)
         rows.append(row)
     if args.write_table:
         gpu = torch.cuda.get_device_name()
-        text = dumps_fp8_decode(fp8_decode_table(winners, KV_HEADS), gpu)
+        xqa = xqa_table(xqa_winners, KV_HEADS)
+        text = dumps_fp8_decode(fp8_decode_table(winners, KV_HEADS), xqa, gpu)
         table_path(gpu, "fp8_decode").write_text(text)
         print(f"launch table {table_path(gpu, 'fp8_decode')}:\n{text}", flush=True)
     model = "Llama-3-8B attention heads (32/8, d128), page 16, FP8 KV, one layer's time"
@@ -244,6 +298,8 @@ def main() -> None:
     ap.add_argument("--worker", choices=KV_DTYPES, help=argparse.SUPPRESS)
     ap.add_argument("--attention", action="store_true", help="the attention alone, per layer")
     ap.add_argument("--sweep", action="store_true", help="--attention: the kernel's launches")
+    ap.add_argument("--fp8-kernels", help="FP8 decode kernels to run in turn, e.g. triton,xqa "
+                    "(default: the GPU's table picks)")  # fmt: skip
     ap.add_argument("--write-table", action="store_true",
                     help="--sweep: write the fastest launches as this GPU's table")  # fmt: skip
     args = ap.parse_args()
@@ -259,16 +315,18 @@ def main() -> None:
         attention(args, cases)
         return
     rows: list[dict[str, Any]] = []
-    by_case: dict[tuple[int, int], dict[str, float]] = {}
-    for kv in KV_DTYPES:
+    bf16_ms: dict[tuple[int, int], float] = {}
+    kernels = args.fp8_kernels.split(",") if args.fp8_kernels else [None]
+    for kv, kernel in [("auto", None), *(("fp8_e4m3", k) for k in kernels)]:
         mine = [c for c in cases if kv != "auto" or c not in FP8_ONLY]
-        for row in run_worker(kv, mine):
-            by_case.setdefault((row["batch"], row["context"]), {})[kv] = row["overlap_ms"]
+        for row in run_worker(kv, mine, kernel):
+            if kv == "auto":
+                bf16_ms[row["batch"], row["context"]] = row["overlap_ms"]
             rows.append(row)
     for row in rows:
-        times = by_case[(row["batch"], row["context"])]
-        both = row["kv_cache_dtype"] == "fp8_e4m3" and "auto" in times
-        row["fp8_vs_bf16"] = round(times["fp8_e4m3"] / times["auto"], 3) if both else None
+        bf16 = bf16_ms.get((row["batch"], row["context"]))
+        both = row["kv_cache_dtype"] == "fp8_e4m3" and bf16
+        row["fp8_vs_bf16"] = round(row["overlap_ms"] / bf16, 3) if both else None
         print("DECODE-FP8", row, flush=True)
     model = f"{args.shape} shapes, random bf16 weights, bf16 or FP8 KV, page 16"
     if args.device == "cpu":

@@ -44,6 +44,14 @@ class KernelConfig(BaseModel):
         "packed as query rows) or on its CUDA-core decode kernel; None: tensor cores for 4 or "
         "more query heads per KV head (faster on an H200 for Llama-3-8B), else CUDA cores",
     )
+    fp8_decode_kernel: Literal["triton", "xqa"] | None = Field(
+        None,
+        description="decode graphs over an FP8 KV cache: 'triton' (fp16 tensor-core products, "
+        "the FP8 values exact), 'xqa' (FlashInfer's XQA on Hopper: FP8 products, q and the "
+        "probabilities cast to e4m3, ~17x the error on random data, 1.05-1.10x the KV read "
+        "floor from 64 sequences up against 1.45x on an H200); None: per batch size, the "
+        "faster one in the GPU's table (Triton where XQA does not apply or was not measured)",
+    )
 
 
 FAULT_ACTIONS = {

@@ -95,7 +95,8 @@ def _hf_log_probs(model, ids: list[int]) -> torch.Tensor:  # noqa: ANN001
 
 
 def _teacher_forced(
-    hf_real, prompts: list[list[int]]  # noqa: ANN001 - a transformers model
+    hf_real,
+    prompts: list[list[int]],  # noqa: ANN001 - a transformers model
 ) -> tuple[list[list[int]], list[torch.Tensor], list[float]]:
     """The 48 contexts (each prompt plus HF float32's first 0..11 greedy tokens), HF float32's
     log-probs after each, and HF bf16's largest top-5 error against those at each."""
@@ -194,6 +195,35 @@ def test_fp8_log_probs_against_hf_float32_next_to_bf16(
         assert mean <= 4 * hf_mean + 0.05 and worst <= 4.0, (name, summary)
 
 
+@pytest.mark.parametrize("kernel", ["triton", "xqa"])
+def test_fp8_decode_log_probs_against_hf_float32(
+    hf_real, prompts: list[list[int]], smollm2_dir: Path, bf16_llm: LLM, kernel: str
+) -> None:
+    """The decode steps' top-5 log-probs with FP8 KV, read by each FP8 decode kernel
+    (`KernelConfig.fp8_decode_kernel`), against HF float32 teacher-forced on the engine's own
+    greedy text, next to bf16 KV's (the contexts above are prefills: they never reach these
+    kernels)."""
+    fp8 = LLM(
+        str(smollm2_dir), device="cuda", dtype="bfloat16", attention_backend="flashinfer",
+        kv_cache_memory_gb=1, kv_cache_dtype="fp8_e4m3", kernels={"fp8_decode_kernel": kernel},
+    )  # fmt: skip
+    params = SamplingParams(max_tokens=TEACHER_TOKENS, temperature=0.0, logprobs=TOP)
+    summary = {}
+    for name, llm in (("bf16 KV", bf16_llm), (f"FP8 KV, {kernel}", fp8)):
+        errors = []
+        for prompt, out in zip(prompts, llm.generate(prompts, params)):
+            assert out.logprobs is not None
+            ref = _hf_log_probs(hf_real, prompt + out.token_ids)
+            for t, step in enumerate(out.logprobs[1:], start=1):  # the first is the prefill's
+                row = ref[len(prompt) + t - 1]
+                errors.append(max(abs(lp - float(row[tok])) for tok, lp in step.top.items()))
+        summary[name] = (max(errors), sum(errors) / len(errors))
+    print("decode steps, top-5 error vs HF float32 (max, mean): "
+          + "; ".join(f"{k} ({a:.3f}, {b:.3f})" for k, (a, b) in summary.items()))  # fmt: skip
+    worst, mean = summary[f"FP8 KV, {kernel}"]
+    assert mean <= 4 * summary["bf16 KV"][1] + 0.05 and worst <= 4.0, summary
+
+
 AGREE_TOKENS = 32
 
 
@@ -208,8 +238,10 @@ def test_fp8_greedy_agrees_with_bf16_kv(
     got = [o.token_ids for o in fp8_llm.generate(varied, greedy(AGREE_TOKENS))]
     agreed = [next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), len(w))
               for g, w in zip(got, want)]  # fmt: skip
-    print(f"FP8 vs bf16 KV, greedy tokens equal before the first difference: {agreed} "
-          f"(mean {sum(agreed) / len(agreed):.1f} of {AGREE_TOKENS})")
+    print(
+        f"FP8 vs bf16 KV, greedy tokens equal before the first difference: {agreed} "
+        f"(mean {sum(agreed) / len(agreed):.1f} of {AGREE_TOKENS})"
+    )
     # a near-tie may split one or two texts at once; most run on for many tokens
     assert sum(a >= 1 for a in agreed) >= len(varied) - 2, agreed
     assert sum(agreed) >= len(varied) * AGREE_TOKENS // 4, agreed

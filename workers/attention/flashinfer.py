@@ -3,7 +3,8 @@
 An FP8 pool (`kvcache/kv_dtype.py`) is read by the same wrappers planned with an FP8 KV dtype
 and the pool's compute dtype for queries (FlashInfer's mixed-precision kernels), each layer's
 K and V scales passed to `run`; CUDA-graph decode steps read it with a Triton kernel instead
-(`kernels/fp8_decode.py`), at the batch sizes where it is the faster.
+(`kernels/fp8_decode.py`), or on Hopper with FlashInfer's XQA (`xqa_decode.py`), whichever the
+GPU's table has the faster at the batch size.
 
 FlashInfer reads a page table in CSR form: sequence i's pages are
 `kv_indices[kv_indptr[i]:kv_indptr[i+1]]`, the last one holding `last_page_len[i]` tokens.
@@ -29,8 +30,10 @@ import flashinfer
 import numpy as np
 import torch
 
+from workers.attention import xqa_decode
 from workers.attention.base import AttentionBackend, AttentionBatch, store_kv
 from workers.attention.rotary import apply_rotary
+from workers.attention.xqa_decode import XQABuffers, XQADecode
 from workers.kernels import fp8_decode, rope, split_kv_decode
 from workers.kernels.fp8_decode import FP8Decode
 from workers.kernels.split_kv_decode import SplitKVDecode
@@ -234,7 +237,11 @@ class GraphDecodeAttention(_PagedFlashInfer):
         workspace: torch.Tensor,
         indices_buffer: torch.Tensor,
         tensor_cores: bool | None = None,
+        xqa: XQABuffers | None = None,
+        fp8_kernel: str | None = None,
     ) -> None:
+        """`xqa`: buffers where XQA serves this pool (`xqa_decode.applies`); `fp8_kernel`:
+        `KernelConfig.fp8_decode_kernel`."""
         super().__init__(pool, num_q_heads, scale, tensor_cores)
         device = pool.pages.device
         self.batch_size = batch_size
@@ -248,6 +255,7 @@ class GraphDecodeAttention(_PagedFlashInfer):
         _, num_kv_heads, head_dim, _ = self._heads
         self.split_kv: SplitKVDecode | None = None
         self.fp8: FP8Decode | None = None
+        self.xqa: XQADecode | None = None
         heads = (num_q_heads, num_kv_heads, head_dim, pool.pages.dtype)
         if batch_size <= split_kv_decode.MAX_BATCH and split_kv_decode.applies(*heads):
             self.split_kv = SplitKVDecode(
@@ -255,7 +263,16 @@ class GraphDecodeAttention(_PagedFlashInfer):
             )
             return
         if fp8_decode.used_at(batch_size) and fp8_decode.applies(*heads):
-            self.fp8 = FP8Decode(batch_size, num_q_heads, num_kv_heads, head_dim, scale, device)
+            gpu = torch.cuda.get_device_name(device)
+            splits = xqa_decode.splits_for(
+                batch_size, num_kv_heads, gpu, fp8_kernel, xqa is not None
+            )
+            if splits and xqa is not None:
+                self.xqa = XQADecode(batch_size, num_q_heads, num_kv_heads, head_dim, scale,
+                                     pool.page_size, pool.compute_dtype, xqa, splits)  # fmt: skip
+            else:
+                self.fp8 = FP8Decode(batch_size, num_q_heads, num_kv_heads, head_dim, scale,
+                                     device)  # fmt: skip
             return
         self._wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             workspace,
@@ -277,6 +294,10 @@ class GraphDecodeAttention(_PagedFlashInfer):
             raise ValueError(f"a graph for {self.batch_size} decode rows got {batch.q_lens}")
         self.slot_pages.copy_(batch.slot_pages, non_blocking=True)
         self.slot_offsets.copy_(batch.slot_offsets, non_blocking=True)
+        if self.xqa is not None:
+            kv_lens = _pinned(np.asarray(batch.kv_lens, dtype=np.int32), self.slot_pages.device)
+            self.xqa.plan(batch.page_table, kv_lens)
+            return
         meta = paged_metadata(batch, self.pool.page_size)
         if self.split_kv is None and self.fp8 is None:
             assert self._wrapper is not None
@@ -300,9 +321,11 @@ class GraphDecodeAttention(_PagedFlashInfer):
         )  # fmt: skip
 
     def _run(self, layer_id: int, q: torch.Tensor) -> torch.Tensor:
+        kv, scales = self.pool.layer(layer_id), self.pool.scales
+        if self.xqa is not None:
+            return self.xqa.forward(q, kv, scales.k[layer_id], scales.v[layer_id])
         if self.fp8 is None:
             return super()._run(layer_id, q)
-        kv, scales = self.pool.layer(layer_id), self.pool.scales
         return self.fp8.forward(
             q, kv, self.kv_indptr, self.kv_indices, self.last_page_len, scales.k[layer_id],
             scales.v[layer_id],

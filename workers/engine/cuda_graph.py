@@ -30,8 +30,11 @@ from typing import Any
 
 import torch
 
+from workers.attention import xqa_decode
 from workers.attention.base import AttentionBatch
 from workers.attention.flashinfer import GraphDecodeAttention, new_workspace
+from workers.attention.xqa_decode import XQABuffers
+from workers.config import KernelConfig
 from workers.kvcache.pool import KVPool
 from workers.model.llama import LlamaForCausalLM
 from workers.sampling.sampler import argmax_rows
@@ -48,8 +51,9 @@ class DecodeCudaGraphs:
         scale: float,
         batch_sizes: tuple[int, ...],
         max_pages_per_seq: int,
-        tensor_cores: bool | None = None,
+        kernels: KernelConfig | None = None,
     ) -> None:
+        """`kernels`: FlashInfer's decode on tensor cores, the FP8 decode kernel (defaults)."""
         if not batch_sizes:
             raise ValueError("no batch sizes to capture")
         self.model = model
@@ -61,6 +65,11 @@ class DecodeCudaGraphs:
         self.positions = torch.zeros(max_bs, dtype=torch.int64, device=device)
         workspace = new_workspace(device)
         indices = torch.zeros(max_bs * max_pages_per_seq, dtype=torch.int32, device=device)
+        kernels = kernels or KernelConfig()
+        layout = pool.layout
+        xqa = None
+        if pool.is_fp8 and xqa_decode.applies(layout.page_size, layout.head_dim, device):
+            xqa = XQABuffers(max_bs, max_pages_per_seq, device)
         self.attn: dict[int, GraphDecodeAttention] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # logits, greedy ids
@@ -68,8 +77,9 @@ class DecodeCudaGraphs:
         start, free_before = time.perf_counter(), torch.cuda.mem_get_info(device)[0]
         for bs in reversed(self.batch_sizes):  # largest first: smaller ones reuse its memory
             attn = GraphDecodeAttention(
-                pool, num_q_heads, scale, bs, workspace, indices, tensor_cores
-            )
+                pool, num_q_heads, scale, bs, workspace, indices,
+                kernels.flashinfer_decode_tensor_cores, xqa, kernels.fp8_decode_kernel,
+            )  # fmt: skip
             self.attn[bs] = attn
             self._capture(bs, attn, mem_pool)
         torch.cuda.synchronize(device)

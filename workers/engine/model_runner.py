@@ -106,7 +106,7 @@ class ModelRunner:
 
             max_pages = -(-self.max_model_len // cfg.page_size)
             self.graphs = DecodeCudaGraphs(
-                self.model, self.pool, attn.num_heads, scale, graph_sizes, max_pages, tensor_cores
+                self.model, self.pool, attn.num_heads, scale, graph_sizes, max_pages, cfg.kernels
             )
 
     def _num_pages(self) -> int:

@@ -125,16 +125,52 @@ def fp8_decode_table(
     return table
 
 
+def xqa_table(winners: dict[tuple[int, int], int], num_kv_heads: int) -> dict[int, int]:
+    """XQA's entries from a sweep's (batch, context) -> its fastest splits where it beat the
+    Triton kernel, else 0: per batch size its longest context's, as programs (0: Triton), an
+    entry only where that changes from the one below."""
+    longest = dict(sorted(winners))
+    table: dict[int, int] = {}
+    below = 0
+    for batch, context in longest.items():
+        programs = batch * num_kv_heads * winners[batch, context]
+        if programs != below:
+            table[batch] = below = programs
+    return table
+
+
 def parse_fp8_decode(data: dict[str, Any]) -> dict[int, FP8DecodeLaunch]:
     return {int(batch): FP8DecodeLaunch(**fields) for batch, fields in data["launches"].items()}
 
 
-def dumps_fp8_decode(launches: dict[int, FP8DecodeLaunch], gpu_name: str) -> str:
-    """The JSON text of an FP8 decode launch table, a batch size a line."""
+def dumps_fp8_decode(
+    launches: dict[int, FP8DecodeLaunch], xqa: dict[int, int], gpu_name: str
+) -> str:
+    """The JSON text of an FP8 decode table, a batch size a line: the Triton kernel's launches,
+    and the batch sizes from which FlashInfer's XQA is the faster, with its programs."""
     lines = [f'    "{batch}": {json.dumps(dataclasses.asdict(launches[batch]))}'
              for batch in sorted(launches)]  # fmt: skip
-    body = ",\n".join(lines)
-    return f'{{\n  "gpu": {json.dumps(gpu_name)},\n  "launches": {{\n{body}\n  }}\n}}\n'
+    xqa_lines = [f'    "{batch}": {{"programs": {xqa[batch]}}}' for batch in sorted(xqa)]
+    body, xqa_body = ",\n".join(lines), ",\n".join(xqa_lines)
+    return (f'{{\n  "gpu": {json.dumps(gpu_name)},\n  "launches": {{\n{body}\n  }},\n'
+            f'  "xqa": {{\n{xqa_body}\n  }}\n}}\n')  # fmt: skip
+
+
+@functools.cache
+def fp8_decode_xqa(gpu_name: str) -> dict[int, int]:
+    """A GPU model's XQA entries (`"xqa"`: the smallest batch size an entry is for -> its
+    programs, 0 where the Triton kernel is the faster again); empty where none was measured."""
+    path = table_path(gpu_name, "fp8_decode")
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    return {int(batch): fields["programs"] for batch, fields in data.get("xqa", {}).items()}
+
+
+def xqa_programs(batch_size: int, gpu_name: str) -> int:
+    """XQA's programs for decode steps of `batch_size` sequences, 0 where the table does not
+    have it the faster (or has no entry up to that size)."""
+    table = fp8_decode_xqa(gpu_name)
+    below = [batch for batch in table if batch <= batch_size]
+    return table[max(below)] if below else 0
 
 
 def fp8_decode_launch(batch_size: int, gpu_name: str) -> FP8DecodeLaunch:
