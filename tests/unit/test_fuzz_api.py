@@ -1,4 +1,4 @@
-"""A schema-driven fuzz of every endpoint on the real engine (SmolLM2, CPU): no 5xx, ever.
+"""A schema-driven fuzz of every endpoint on the real engine (CPU): no 5xx, ever.
 
 Hypothesis draws request bodies from the request models' fields (`router.protocol`): well-formed
 but odd ones (edge values, unknown fields, long and odd strings, prompt lists, n, stream options,
@@ -9,7 +9,9 @@ JSON or SSE that ends in `[DONE]` without a server error. Afterwards the server 
 the engine holds no request and no page.
 
 Generation stays cheap: every body that can be accepted asks for at most 3 tokens per choice;
-mutations of the fields that set the amount of work (max_tokens, n) only draw refused values.
+mutations of the fields that set the amount of work (max_tokens, n) only draw refused values;
+the engine serves the tiny random Llama with SmolLM2's tokenizer and chat template (the answers'
+shape is under test, not the model's text; a step costs ~1/30 of SmolLM2's).
 Drawn too, since the router refuses them with a 400: non-finite numbers in any field,
 min_tokens above max_tokens, lone surrogates in text.
 """
@@ -31,7 +33,9 @@ from router.params import UNSUPPORTED_EXTRAS
 from router.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
 from tests.engine_checks import drain_and_check_released
 from tests.unit.conftest import MODEL, http
+from workers.config import EngineConfig
 from workers.engine.async_engine import AsyncEngine
+from workers.engine.engine import Engine
 
 VOCAB = 49152  # SmolLM2's
 # Reproducible in CI; 40-70 s of requests on 2 busy CPU cores (chat's template and generation
@@ -225,6 +229,14 @@ CONTENT_TYPES = [JSON, JSON, "text/plain", "application/x-www-form-urlencoded",
 
 
 # ---- the checks --------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def engine(tiny_llama: str) -> Iterator[AsyncEngine]:
+    """The app's engine (`tests/unit/conftest.py`'s `app` takes this one), on the tiny Llama."""
+    eng = AsyncEngine(Engine(EngineConfig(model=tiny_llama, stream_interval_ms=0)))
+    yield eng
+    eng.shutdown()
+
+
 @pytest.fixture(scope="module")
 def runner() -> Iterator[asyncio.Runner]:
     """One event loop for every example (hypothesis drives plain functions)."""
