@@ -37,6 +37,7 @@ class KVEventFeed:
         self.index_pages: dict[str, int] = {}  # pool -> entries its index holds (metrics)
         self._subscribed = 0  # subscriptions so far; a read for fewer must be a snapshot
         self.reads = 0  # reads answered by the hub (how far behind a router can be: one period)
+        self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-event-feed", daemon=True)
         self._thread.start()
 
@@ -56,9 +57,18 @@ class KVEventFeed:
             self._subscribed += 1
         return q
 
+    def close(self) -> None:
+        """Stop reading, within one read's wait (a router's feed lives as long as its process; a
+        test's must end before its process leaves Ray)."""
+        with _feeds_lock:
+            if _feeds.get(self.app) is self:
+                del _feeds[self.app]
+        self._stopped.set()
+        self._thread.join(timeout=WAIT_S + 5)
+
     def _run(self) -> None:
         epoch, cursor, synced = "", 0, -1  # `synced`: subscriptions the last snapshot served
-        while True:
+        while not self._stopped.is_set():
             with self._lock:
                 subscribed = self._subscribed
             try:
@@ -79,7 +89,7 @@ class KVEventFeed:
                 if not read.batches:  # the wait ran out: read again at once
                     continue
             # after batches (or without a hub) a period passes: the next read takes what came
-            threading.Event().wait(self.period_s)
+            self._stopped.wait(self.period_s)
 
 
 def feed_of(app: str) -> KVEventFeed | None:

@@ -3,6 +3,8 @@ goes on exactly where the first one stopped, and the fault hook strikes where it
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 from pydantic import ValidationError
 
@@ -16,8 +18,10 @@ PROMPT = "The three primary colours are red, blue and"
 
 
 @pytest.fixture(scope="module")
-def engine() -> DecodeEngine:
-    return DecodeEngine(EngineConfig(num_kv_pages=64, page_size=16), KVTransferConfig())
+def engine() -> Iterator[DecodeEngine]:
+    eng = DecodeEngine(EngineConfig(num_kv_pages=64, page_size=16), KVTransferConfig())
+    yield eng
+    eng.agent.close()  # its NIXL agent: none may outlive the test process's Ray
 
 
 def drain(engine: DecodeEngine) -> list[RequestOutput]:
