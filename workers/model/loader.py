@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import importlib.util
 import json
@@ -171,7 +172,10 @@ def load_model_config(model_dir: Path) -> ModelConfig:
     return ModelConfig.from_hf(read_hf_config(model_dir))
 
 
+@functools.lru_cache(maxsize=8)
 def load_tokenizer(model_dir: Path):  # noqa: ANN201 - a transformers tokenizer
+    """The directory's tokenizer, one per process (~0.4 s a load): the engines of a process (a
+    router's beside its local engine, offline `LLM`s) share it, and nothing mutates one."""
     from transformers import AutoTokenizer, PretrainedConfig
 
     # AutoTokenizer picks the class by the config's model_type; given none it loads AutoConfig
