@@ -25,8 +25,8 @@ import ray
 
 from bench.results_io import add_out_argument, write_result
 from workers.kvcache.kv_events import KVEventBatch
+from workers.ray_kv import ray_internal_kv
 from workers.serve.kv_event_hub import KVEventHub, KVEventRead
-from workers.transfer.peers import ray_internal_kv
 
 
 def timed(fn: Callable[[], object], n: int) -> list[float]:

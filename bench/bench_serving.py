@@ -44,7 +44,7 @@ from bench.results_io import add_out_argument, write_result  # noqa: E402
 from bench.serving_load import make_conversations, parse_slo, run_workload, summarize, tpot  # noqa: E402
 from cluster.app import build_app  # noqa: E402
 from workers.config import DEFAULT_MODEL  # noqa: E402
-from workers.model.loader import load_model_config, resolve_model  # noqa: E402
+from workers.model.files import load_model_config, resolve_model  # noqa: E402
 from workers.parallel.rendezvous import free_port  # noqa: E402
 
 MODES = ("disaggregated", "colocated")

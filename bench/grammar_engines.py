@@ -36,7 +36,7 @@ import torch
 from bench.gpu_common import wall_ms
 from bench.results_io import add_out_argument, write_result
 from workers.config import DEFAULT_MODEL
-from workers.model.loader import load_tokenizer, resolve_model
+from workers.model.files import load_tokenizer, resolve_model
 from workers.sampling.token_mask import apply_bitmask
 
 SCHEMA: dict[str, Any] = {

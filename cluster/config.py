@@ -303,3 +303,8 @@ class AppConfig(Strict):
 
     def resolved_api_key(self) -> str | None:
         return self.api_key or env.api_key()
+
+    def kv_events_period(self) -> float:
+        """How often replicas publish KV events and routers read them; 0 = no KV events."""
+        on = self.router.kv_events and self.engine.enable_prefix_caching
+        return self.router.kv_events_period_s if on else 0.0

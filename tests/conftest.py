@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from workers.config import DEFAULT_MODEL
-from workers.model.loader import resolve_model
+from workers.model.files import resolve_model
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

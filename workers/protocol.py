@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 from typing import Literal
 
-import torch
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -176,6 +175,8 @@ class KVLayout(BaseModel):
     @property
     def page_bytes(self) -> int:
         elems = self.num_layers * 2 * self.page_size * self.num_kv_heads * self.head_dim
+        import torch  # here: the routers use these types and never load torch
+
         return elems * getattr(torch, self.dtype).itemsize
 
 

@@ -42,7 +42,7 @@ def tokenizer_dir() -> Path:
     if env:
         return Path(env)
     from workers.config import DEFAULT_MODEL
-    from workers.model.loader import ModelNotFoundError, resolve_model
+    from workers.model.files import ModelNotFoundError, resolve_model
 
     try:
         return resolve_model(DEFAULT_MODEL)
@@ -54,7 +54,7 @@ def tokenizer_dir() -> Path:
 def smollm2_dir() -> Path:
     """SmolLM2-135M-Instruct's real weights, dequantised once into an HF directory."""
     from workers.config import DEFAULT_MODEL
-    from workers.model.loader import ModelNotFoundError, gguf_to_hf_dir, resolve_model
+    from workers.model.files import ModelNotFoundError, gguf_to_hf_dir, resolve_model
 
     env = os.environ.get("PDSERVE_SMOLLM2_GGUF")
     if env:  # a GGUF file, or an HF folder already

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from workers import LLM, SamplingParams
 from workers.model.config import UnsupportedModelError
-from workers.model.loader import ModelNotFoundError, resolve_model
+from workers.model.files import ModelNotFoundError, resolve_model
 
 
 def test_unknown_model_path_names_the_path(tmp_path: Path) -> None:

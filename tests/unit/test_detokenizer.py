@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from workers.detokenizer import IncrementalDetokenizer
-from workers.model.loader import load_tokenizer
+from workers.model.files import load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from router.backend import RoleStats
 from router.errors import APIError
 from router.openai_api import build_openai_app
 from workers.api import GenerateRequest, RequestOutput
-from workers.model.loader import load_tokenizer
+from workers.model.files import load_tokenizer
 
 pytestmark = pytest.mark.asyncio
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from tokenizers import decoders
 
-from workers.model.loader import byte_level_decoder, load_tokenizer
+from workers.model.files import byte_level_decoder, load_tokenizer
 from workers.sampling.grammar import vocab_tokenizer
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +21,7 @@ PACKAGES = ("cluster", "router", "workers")  # top first
 WORKER_ROOMS = (
     "__init__", "api", "serve", "disagg", "llm", "engine", "spec", "scheduler", "transfer", "model",
     "attention", "kvcache", "sequence", "detokenizer", "sampling", "parallel", "kernels",
-    "config", "protocol", "env",
+    "config", "protocol", "ray_kv", "env",
 )  # fmt: skip
 ROUTER_DOOR = "workers.api"
 ENV_MODULE = "workers.env"
@@ -166,3 +168,13 @@ def test_modules_stay_small(pkg: str) -> None:
 def test_workers_top_level_holds_few_modules() -> None:
     top = [p.name for p in (ROOT / "workers").glob("*.py") if p.name != "__init__.py"]
     assert len(top) <= MAX_TOP_LEVEL_WORKER_MODULES, sorted(top)
+
+
+def test_a_router_replica_never_imports_torch() -> None:
+    """A router replica imports `cluster/ingress.py`: with it no torch, no engine (a fresh
+    interpreter, as a replica's)."""
+    code = ("import sys, cluster.ingress; "
+            "print(sorted({'torch', 'workers.engine'} & set(sys.modules)))")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         check=True, timeout=120)  # fmt: skip
+    assert out.stdout.strip() == "[]", out.stdout

@@ -18,7 +18,7 @@ from pydantic import BaseModel
 from router.openai_api import build_openai_app
 from tests.unit.conftest import MODEL, http
 from workers.api import GenerateRequest, RequestOutput, StructuredOutputs
-from workers.model.loader import load_tokenizer
+from workers.model.files import load_tokenizer
 
 pytestmark = pytest.mark.asyncio
 

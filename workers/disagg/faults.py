@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from workers.config import FaultConfig
-from workers.transfer.peers import ray_internal_kv
+from workers.ray_kv import ray_internal_kv
 
 logger = logging.getLogger(__name__)
 

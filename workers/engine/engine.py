@@ -26,7 +26,7 @@ from workers.engine.step_tokens import StepTokens
 from workers.engine.tp_runner import create_runner
 from workers.kvcache.allocator import PageAllocator
 from workers.kvcache.manager import KVManager
-from workers.model.loader import load_tokenizer
+from workers.model.files import load_tokenizer
 from workers.parallel.group import SINGLE, TPGroup
 from workers.protocol import EngineStats, GenerateRequest, RequestOutput
 from workers.sampling.sampler import SampleResult

@@ -25,7 +25,8 @@ from workers.kvcache.kv_dtype import checkpoint_scales, is_fp8, kv_storage_dtype
 from workers.kvcache.page_table import PageTable
 from workers.kvcache.pool import KVPool
 from workers.model.dummy import build_dummy_model
-from workers.model.loader import load_model, load_model_config, resolve_model
+from workers.model.files import load_model_config, resolve_model
+from workers.model.loader import load_model
 from workers.parallel.group import SINGLE, TPGroup
 from workers.protocol import KVLayout
 from workers.sampling.penalties import adjusts_logits

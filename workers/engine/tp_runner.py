@@ -31,8 +31,8 @@ import torch
 
 from workers.config import EngineConfig
 from workers.engine.model_runner import ModelRunner
+from workers.model.files import load_model_config, resolve_model
 from workers.model.llama import LlamaForCausalLM
-from workers.model.loader import load_model_config, resolve_model
 from workers.parallel.group import SINGLE, TPGroup
 from workers.parallel.rendezvous import destroy_group, free_port, init_group
 from workers.scheduler.step import StepOutputs, StepPlan

@@ -25,7 +25,7 @@ from typing import Generic, TypeVar
 from pydantic import BaseModel
 
 from workers.protocol import EngineStats
-from workers.transfer.peers import ray_internal_kv
+from workers.ray_kv import ray_internal_kv
 
 logger = logging.getLogger(__name__)
 

@@ -15,10 +15,10 @@ import base64
 import json
 import logging
 from dataclasses import asdict, dataclass
-from types import ModuleType
 from typing import Any
 
 from workers.protocol import KVLayout
+from workers.ray_kv import ray_internal_kv
 from workers.transfer.descriptors import PoolRegion
 from workers.transfer.errors import PeerUnavailableError
 
@@ -58,15 +58,6 @@ class PeerRecord:
             layout=KVLayout(**d["layout"]),
             generations=None if gens is None else PoolRegion(**gens),
         )
-
-
-def ray_internal_kv() -> ModuleType | None:
-    """Ray's internal KV module when this process is connected to Ray (imported lazily)."""
-    try:
-        from ray.experimental import internal_kv
-    except ImportError:
-        return None
-    return internal_kv if internal_kv._internal_kv_initialized() else None
 
 
 def ray_kv_available() -> bool:
