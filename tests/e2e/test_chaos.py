@@ -5,7 +5,8 @@ Llama (failover is about the streams' bookkeeping, not the weights; its steps ar
 (each strikes once in the cluster, on the request whose prompt holds its marker): a prefill
 replica exits after computing a prompt, then a decode replica exits mid-stream, then a KV read
 fails. Each wave is concurrent greedy streams. Every stream must end as it does undisturbed (the
-same prompts again once the faults are spent), or with a clean 503 within the failover bound;
+same prompts again once the faults are spent: every token, the same ones but where a resumed
+stream met a near-tie), or with a clean 503 within the failover bound;
 afterwards no page is pinned on any replica and new requests succeed.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import httpx
 import pytest
@@ -26,6 +28,8 @@ from workers.disagg import faults
 pytestmark = pytest.mark.e2e
 
 MODEL = "tiny"
+MAX_TOKENS = 12
+NEAR_TIE = 1e-3  # nats: float noise between a decode step and a resumed stream's recompute
 DEADLINE_S = 20.0  # router.failover_deadline_s
 FAULTS = [
     {"point": "prefill", "prompt_contains": "[kill prefill]"},
@@ -54,26 +58,48 @@ def base_url(serve_url: str, tiny_llama: str) -> Iterator[str]:
         yield base
 
 
-async def stream(c: httpx.AsyncClient, prompt: str) -> tuple[int, str, float]:
-    """(status, the text streamed, seconds taken) of one greedy streamed completion."""
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0,
-            "ignore_eos": True, "stream": True}  # fmt: skip
+@dataclass
+class Streamed:
+    status: int
+    tokens: list[str]  # as the logprobs name them, one per token
+    gaps: list[float]  # each token's top-2 log-prob gap: a near-tie where it is tiny
+    took: float
+
+
+async def stream(c: httpx.AsyncClient, prompt: str) -> Streamed:
+    """One greedy streamed completion: its status, tokens, top-2 gaps and seconds taken."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True, "stream": True, "logprobs": 2}  # fmt: skip
     t0 = time.monotonic()
-    text = []
+    tokens, gaps = [], []
     async with c.stream("POST", "/v1/completions", json=body) as r:
         if r.status_code != 200:
             error = (await r.aread()).decode()
             assert r.status_code == 503 and '"ServiceUnavailableError"' in error, error
-            return r.status_code, "", time.monotonic() - t0
+            return Streamed(r.status_code, [], [], time.monotonic() - t0)
         async for line in r.aiter_lines():
             assert '"error"' not in line, line
             if line.startswith("data: {"):
-                text.append(httpx.Response(200, content=line[6:]).json()["choices"][0]["text"])
-    return 200, "".join(text), time.monotonic() - t0
+                logprobs = httpx.Response(200, content=line[6:]).json()["choices"][0]["logprobs"]
+                tokens += logprobs["tokens"]
+                for top in logprobs["top_logprobs"]:
+                    best = sorted(top.values(), reverse=True)
+                    gaps.append(best[0] - best[1] if len(best) > 1 else float("inf"))
+    return Streamed(200, tokens, gaps, time.monotonic() - t0)
 
 
-def wave(base_url: str, prompts: list[str]) -> list[tuple[int, str, float]]:
-    async def run() -> list[tuple[int, str, float]]:
+def same_or_near_tie(got: Streamed, want: Streamed) -> bool:
+    """Every token streamed, and the same tokens up to a first difference where the undisturbed
+    run's top two were within float noise: a resumed stream recomputes its context's KV (the
+    tiny random model's logits are close together), so a near-tie may fall the other way."""
+    if len(got.tokens) != MAX_TOKENS:
+        return False
+    diverged = next((i for i, (a, b) in enumerate(zip(got.tokens, want.tokens)) if a != b), None)
+    return diverged is None or want.gaps[diverged] < NEAR_TIE
+
+
+def wave(base_url: str, prompts: list[str]) -> list[Streamed]:
+    async def run() -> list[Streamed]:
         async with httpx.AsyncClient(base_url=base_url, timeout=120) as c:
             return await asyncio.gather(*(stream(c, p) for p in prompts))
 
@@ -89,13 +115,13 @@ def test_no_stream_is_lost_when_replicas_fail(base_url: str) -> None:
     disturbed = [wave(base_url, prompts) for prompts in WAVES]
     undisturbed = [wave(base_url, prompts) for prompts in WAVES]  # the faults are spent
     for got, expected, prompts in zip(disturbed, undisturbed, WAVES):
-        assert all(status == 200 and text for status, text, _ in expected)
-        for (status, text, took), (_, want, _), prompt in zip(got, expected, prompts):
-            if status == 200:
-                assert text == want, prompt
+        assert all(w.status == 200 and len(w.tokens) == MAX_TOKENS for w in expected)
+        for g, w, prompt in zip(got, expected, prompts):
+            if g.status == 200:
+                assert same_or_near_tie(g, w), (prompt, g.tokens, w.tokens, w.gaps)
             else:  # a clean 503, within the bound
-                assert took < DEADLINE_S + 15 + 5, prompt
-        assert sum(status == 200 for status, _, _ in got) >= len(prompts) - 1
+                assert g.took < DEADLINE_S + 15 + 5, prompt
+        assert sum(g.status == 200 for g in got) >= len(prompts) - 1
     wait_until(lambda: pinned(base_url) == 0, 60, interval_s=1, what="no page pinned")
     struck = internal_kv._internal_kv_list("", namespace=faults.NAMESPACE)
     assert len(struck) == len(FAULTS)  # each fault did strike, once

@@ -5,6 +5,7 @@ off the loop."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
@@ -167,17 +168,31 @@ async def test_health_is_503_while_a_pool_has_no_live_replica(tokenizer) -> None
         assert (await c.get("/health")).status_code == 200
 
 
-async def test_health_answers_while_a_huge_prompt_is_tokenized(tokenizer) -> None:
+async def test_health_answers_while_a_huge_prompt_is_tokenized(
+    tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The chat template and the tokenizer run off the event loop: `/health` answers while
+    they are held (on an event, so the test does not depend on how fast they are)."""
+    entered, release = threading.Event(), threading.Event()
+    template = tokenizer.apply_chat_template
+
+    def held(*args: Any, **kwargs: Any) -> Any:
+        entered.set()
+        assert release.wait(30), "never released: /health did not answer"
+        return template(*args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "apply_chat_template", held)
     limits = IngressLimits(max_request_bytes=8 << 20, max_queued_requests=8, retry_after_s=1)
     app = build_openai_app(GatedBackend(), tokenizer, MODEL, 2048, limits=limits)
     huge = {"messages": [{"role": "user", "content": "hello world. " * 60_000}]}
     async with http(app) as c:
         chat = asyncio.create_task(c.post("/v1/chat/completions", json=huge))
-        await asyncio.sleep(0.5)  # parsed; in the chat template and the tokenizer now
+        assert await asyncio.to_thread(entered.wait, 30)  # parsed; in the chat template now
         t0 = time.monotonic()
         health = await c.get("/health")
         waited = time.monotonic() - t0
         assert not chat.done()
+        release.set()
         reply = await chat
     assert health.status_code == 200 and waited < 0.5
     assert reply.status_code == 400 and "maximum context length" in reply.text
