@@ -321,12 +321,13 @@ class GraphDecodeAttention(_PagedFlashInfer):
         )  # fmt: skip
 
     def _run(self, layer_id: int, q: torch.Tensor) -> torch.Tensor:
-        kv, scales = self.pool.layer(layer_id), self.pool.scales
-        if self.xqa is not None:
-            return self.xqa.forward(q, kv, scales.k[layer_id], scales.v[layer_id])
-        if self.fp8 is None:
+        if self.xqa is None and self.fp8 is None:
             return super()._run(layer_id, q)
+        kv, scales = self.pool.layer(layer_id), self.pool.scales
+        k_scale, v_scale = scales.k[layer_id], scales.v[layer_id]
+        if self.xqa is not None:
+            return self.xqa.forward(q, kv, k_scale, v_scale)
+        assert self.fp8 is not None
         return self.fp8.forward(
-            q, kv, self.kv_indptr, self.kv_indices, self.last_page_len, scales.k[layer_id],
-            scales.v[layer_id],
-        )  # fmt: skip
+            q, kv, self.kv_indptr, self.kv_indices, self.last_page_len, k_scale, v_scale
+        )

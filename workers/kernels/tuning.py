@@ -17,10 +17,11 @@ import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
 TABLES = Path(__file__).parent / "tables"
 Cell = tuple[int, int, int]  # (N, K, M bucket)
 
@@ -101,11 +102,35 @@ class FP8DecodeLaunch:
 
 
 @functools.cache
-def fp8_decode_launches(gpu_name: str) -> dict[int, FP8DecodeLaunch]:
-    """A GPU model's table (`tables/fp8_decode_<name>.json`, "launches": the smallest batch
-    size a launch is for -> its fields), read once; empty where none was measured."""
+def _fp8_decode_file(gpu_name: str) -> dict[str, Any]:
+    """A GPU model's FP8 decode table file (`tables/fp8_decode_<name>.json`), read once; empty
+    where none was measured."""
     path = table_path(gpu_name, "fp8_decode")
-    return parse_fp8_decode(json.loads(path.read_text())) if path.is_file() else {}
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def fp8_decode_launches(gpu_name: str) -> dict[int, FP8DecodeLaunch]:
+    """The table's "launches": the smallest batch size a launch is for -> its fields."""
+    data = _fp8_decode_file(gpu_name)
+    return parse_fp8_decode(data) if data else {}
+
+
+def _by_batch(per_case: dict[tuple[int, int], T], start: T | None) -> dict[int, T]:
+    """Per batch size its longest context's value, an entry only where it differs from the one
+    below (`start` below the first)."""
+    longest = dict(sorted(per_case))  # batch -> its longest context (sorted: the last wins)
+    table: dict[int, T] = {}
+    below = start
+    for batch, context in longest.items():
+        if (value := per_case[batch, context]) != below:
+            table[batch] = below = value
+    return table
+
+
+def _at(table: dict[int, T], batch_size: int, default: T) -> T:
+    """The entry of the largest batch size not above `batch_size`, else `default`."""
+    below = [batch for batch in table if batch <= batch_size]
+    return table[max(below)] if below else default
 
 
 def fp8_decode_table(
@@ -114,29 +139,19 @@ def fp8_decode_table(
     """A launch table from a sweep's fastest (launch, splits) per (batch, context) case: per
     batch size its longest context's winner, `programs` set so that `num_splits` gives the
     winning splits, and an entry only where the launch differs from the one below it."""
-    longest = dict(sorted(winners))  # batch -> its longest context (sorted: the last wins)
-    table: dict[int, FP8DecodeLaunch] = {}
-    below = None
-    for batch, context in longest.items():
-        launch, splits = winners[batch, context]
-        launch = dataclasses.replace(launch, programs=batch * num_kv_heads * splits)
-        if launch != below:
-            table[batch] = below = launch
-    return table
+    launches = {
+        (batch, context): dataclasses.replace(launch, programs=batch * num_kv_heads * splits)
+        for (batch, context), (launch, splits) in winners.items()
+    }
+    return _by_batch(launches, None)
 
 
 def xqa_table(winners: dict[tuple[int, int], int], num_kv_heads: int) -> dict[int, int]:
     """XQA's entries from a sweep's (batch, context) -> its fastest splits where it beat the
     Triton kernel, else 0: per batch size its longest context's, as programs (0: Triton), an
     entry only where that changes from the one below."""
-    longest = dict(sorted(winners))
-    table: dict[int, int] = {}
-    below = 0
-    for batch, context in longest.items():
-        programs = batch * num_kv_heads * winners[batch, context]
-        if programs != below:
-            table[batch] = below = programs
-    return table
+    programs = {(b, c): b * num_kv_heads * splits for (b, c), splits in winners.items()}
+    return _by_batch(programs, 0)
 
 
 def parse_fp8_decode(data: dict[str, Any]) -> dict[int, FP8DecodeLaunch]:
@@ -156,26 +171,20 @@ def dumps_fp8_decode(
             f'  "xqa": {{\n{xqa_body}\n  }}\n}}\n')  # fmt: skip
 
 
-@functools.cache
 def fp8_decode_xqa(gpu_name: str) -> dict[int, int]:
-    """A GPU model's XQA entries (`"xqa"`: the smallest batch size an entry is for -> its
-    programs, 0 where the Triton kernel is the faster again); empty where none was measured."""
-    path = table_path(gpu_name, "fp8_decode")
-    data = json.loads(path.read_text()) if path.is_file() else {}
-    return {int(batch): fields["programs"] for batch, fields in data.get("xqa", {}).items()}
+    """The table's XQA entries (`"xqa"`: the smallest batch size an entry is for -> its
+    programs, 0 where the Triton kernel is the faster again)."""
+    xqa = _fp8_decode_file(gpu_name).get("xqa", {})
+    return {int(batch): fields["programs"] for batch, fields in xqa.items()}
 
 
 def xqa_programs(batch_size: int, gpu_name: str) -> int:
     """XQA's programs for decode steps of `batch_size` sequences, 0 where the table does not
     have it the faster (or has no entry up to that size)."""
-    table = fp8_decode_xqa(gpu_name)
-    below = [batch for batch in table if batch <= batch_size]
-    return table[max(below)] if below else 0
+    return _at(fp8_decode_xqa(gpu_name), batch_size, 0)
 
 
 def fp8_decode_launch(batch_size: int, gpu_name: str) -> FP8DecodeLaunch:
     """The launch for decode steps of `batch_size` sequences: the table's entry of the largest
     batch size not above it, else the defaults."""
-    table = fp8_decode_launches(gpu_name)
-    below = [batch for batch in table if batch <= batch_size]
-    return table[max(below)] if below else FP8DecodeLaunch()
+    return _at(fp8_decode_launches(gpu_name), batch_size, FP8DecodeLaunch())
