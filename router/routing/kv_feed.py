@@ -74,6 +74,8 @@ class KVEventFeed:
             try:
                 read = read_kv_events(self.app, epoch if synced == subscribed else "", cursor, 30,
                                       WAIT_S)  # fmt: skip
+            except SystemExit:  # Ray's answer once this process has left it: nothing more to read
+                return
             except Exception:  # noqa: BLE001 - the hub restarts; the next read resyncs
                 if synced != -1:  # once per outage
                     logger.exception("reading KV events failed")
