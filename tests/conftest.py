@@ -63,6 +63,7 @@ def ray_cluster() -> Iterator[None]:
     checkout. Starting and stopping it costs ~20 s on 2 cores (one node in-process: ~10 s)."""
     import ray
 
+    from router.routing.kv_feed import close_feeds
     from tests.ray_nodes import LocalCluster
 
     cluster = LocalCluster(RAY_CPUS, WORKER_NODES)
@@ -73,6 +74,8 @@ def ray_cluster() -> Iterator[None]:
         cluster.wait_alive()
         yield
     finally:
+        # routers that tests' handles made in this process read KV events on threads of their own
+        close_feeds()
         ray.shutdown()
         cluster.stop()
 

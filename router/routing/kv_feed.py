@@ -90,8 +90,18 @@ class KVEventFeed:
                             q.put(batch)
                 if not read.batches:  # the wait ran out: read again at once
                     continue
-            # after batches (or without a hub) a period passes: the next read takes what came
-            self._stopped.wait(self.period_s)
+            # after batches a period passes: the next read takes what came; without a hub (none
+            # yet, or its application is gone while a handle's process lives on) a wait passes
+            self._stopped.wait(self.period_s if read is not None else max(self.period_s, WAIT_S))
+
+
+def close_feeds() -> None:
+    """Stop every feed of this process. A process that leaves Ray (`ray.shutdown()`) must first:
+    a feed's thread calling into Ray after that ends the process (Ray exits it, status 1)."""
+    with _feeds_lock:
+        feeds = list(_feeds.values())
+    for feed in feeds:
+        feed.close()
 
 
 def feed_of(app: str) -> KVEventFeed | None:

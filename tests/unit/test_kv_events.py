@@ -172,12 +172,12 @@ def test_a_reader_with_nothing_new_waits_for_the_next_batch() -> None:
 
 
 def test_disaggregation_follows_what_the_decode_side_lacks_and_the_prefill_queue() -> None:
-    from router.routing.kv_feed import feed_of
+    from router.routing.kv_feed import close_feeds, feed_of
 
     view = DecodeCacheView("unit-test-app", PS, period_s=60.0)
     feed = feed_of("unit-test-app")
     assert feed is not None
-    feed.close()  # its thread would otherwise call Ray until the process exits
+    close_feeds()  # its thread would otherwise call Ray until the process exits
     assert feed_of("unit-test-app") is None and not feed._thread.is_alive()
     prompt = list(range(100))  # 25 pages
     assert view.uncached_tokens(prompt) == 100
