@@ -36,6 +36,7 @@ from workers.attention.rotary import apply_rotary
 from workers.attention.xqa_decode import XQABuffers, XQADecode
 from workers.kernels import fp8_decode, rope, split_kv_decode
 from workers.kernels.fp8_decode import FP8Decode
+from workers.kernels.host_staging import staging
 from workers.kernels.split_kv_decode import SplitKVDecode
 from workers.kvcache.pool import KVPool
 
@@ -67,8 +68,7 @@ def new_workspace(device: torch.device) -> torch.Tensor:
 
 def _pinned(array: np.ndarray, device: torch.device) -> torch.Tensor:
     """A host tensor holding `array`, page-locked when the step runs on a GPU."""
-    t = torch.from_numpy(array)
-    return t.pin_memory() if device.type == "cuda" else t
+    return staging(device).host(array) if device.type == "cuda" else torch.from_numpy(array)
 
 
 @dataclass
