@@ -54,6 +54,7 @@ CASES += [(256, 1024), (256, 2048)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 ENGINE_CASES = {(1, 1024), (16, 1024), (64, 2048), (256, 1024)}  # prefilling all cases is slow
 ENGINE_WARMUP, ENGINE_STEPS = 5, 30
+ENGINE_RUN = ENGINE_WARMUP + ENGINE_STEPS + 8  # max_tokens of engine_ms's requests
 
 
 def decode_step(runner: ModelRunner, batch: int, context: int) -> StepInput:
@@ -92,8 +93,7 @@ def engine_ms(
     """Wall milliseconds per `Engine.step()` once `batch` random prompts of `context` tokens
     are prefilled and decoding (greedy, unless `params`, which must outlast the steps)."""
     rng = random.Random(batch + context)
-    steps = ENGINE_WARMUP + ENGINE_STEPS + 8
-    params = params or SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
+    params = params or SamplingParams(temperature=0.0, max_tokens=ENGINE_RUN, ignore_eos=True)
     for i in range(batch):
         ids = tuple(rng.randrange(1000, 30000) for _ in range(context))
         engine.add_request(GenerateRequest(request_id=f"e{i}", prompt_token_ids=ids, params=params))

@@ -72,6 +72,9 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
 }
 PAGE_SIZE = 16  # the decode benchmarks' KV page
+# tokens an engine benchmark's requests decode past their prompts at most: the pool holds them,
+# or the engine would preempt most of a batch for pages and time a far smaller one
+ENGINE_TOKENS = 64
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
@@ -106,7 +109,7 @@ def decode_config(
     then `--set` override."""
     from workers.config import EngineConfig
 
-    pages = max(b * -(-c // PAGE_SIZE) for b, c in cases) + 1
+    pages = kv_pages(cases)
     return EngineConfig(**engine_options(
         args,
         model=str(dummy_model_dir(args.shape, args.tokenizer_dir, args.work)),
@@ -119,6 +122,12 @@ def decode_config(
         cuda_graph_batch_sizes=tuple(sorted({b for b, _ in cases})),
         **fields,
     ))  # fmt: skip
+
+
+def kv_pages(cases: list[tuple[int, int]]) -> int:
+    """Pages for the largest (batch, context) case, each sequence `ENGINE_TOKENS` longer, plus
+    the null page."""
+    return max(b * -(-(c + ENGINE_TOKENS) // PAGE_SIZE) for b, c in cases) + 1
 
 
 def dummy_model_dir(shape: str, tokenizer_dir: Path, root: Path) -> Path:

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from bench.bench_decode import ENGINE_STEPS, ENGINE_WARMUP, engine_ms
+from bench.bench_decode import ENGINE_RUN, engine_ms
 from bench.gpu_common import bench_parser, decode_config, wall_ms
 from bench.results_io import write_result
 from workers.engine.engine import Engine
@@ -73,10 +73,9 @@ def main() -> None:
     tokenizer_ms, cold_ms, cached_ms = compile_ms(engine)
     print(f"llguidance tokenizer {tokenizer_ms:.0f} ms; schema compile {cold_ms:.2f} ms cold, "
           f"{cached_ms:.3f} ms cached", flush=True)  # fmt: skip
-    steps = ENGINE_WARMUP + ENGINE_STEPS + 8
     constrained = SamplingParams(
         temperature=0.0,
-        max_tokens=steps,
+        max_tokens=ENGINE_RUN,
         ignore_eos=True,
         structured_outputs=StructuredOutputs(json_schema=json.dumps(SCHEMA)),
     )
