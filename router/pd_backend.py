@@ -142,6 +142,9 @@ class DisaggregatedBackend:
                         return
                     sent.add(chunk)
                     yield chunk
+                    if chunk.finished:  # whole, whatever befalls the replica before its end
+                        ended = True
+                        return
             except Exception as e:
                 if not is_replica_failure(e):
                     raise

@@ -108,6 +108,8 @@ class Pools:
             done = i + 1 == req.params.max_tokens
             yield RequestOutput(request_id=req.request_id, token_ids=[token(i)], text=f"t{i}",
                                 finish_reason="length" if done else None)  # fmt: skip
+        if fail is not None:  # dies after its last chunk, before its stream ends
+            raise ActorDiedError()
 
 
 def request() -> GenerateRequest:
@@ -197,6 +199,14 @@ def test_decode_death_mid_stream_resumes_without_repeating_a_token() -> None:
     assert resumed.kv is None and resumed.token_ids == [token(i) for i in range(4)]
     assert resumed_req.request_id == "r-retry1"
     assert pools.released == []  # the first decode replica had read the pages
+
+
+def test_a_decode_death_after_the_last_chunk_sends_nothing_more() -> None:
+    """The replica dies between its last chunk and its stream's end: the request is whole. A
+    re-send would resume from every token and stream one past max_tokens after the last chunk."""
+    pools = Pools(decode_fails=[MAX_TOKENS - 1])
+    check_whole(asyncio.run(collect(pools)))
+    assert len(pools.decode.generate.calls) == 1
 
 
 def test_decode_death_before_its_first_chunk_hands_the_same_kv_to_another() -> None:
