@@ -118,7 +118,7 @@ def test_no_stream_is_lost_when_replicas_fail(base_url: str) -> None:
         assert all(w.status == 200 and len(w.tokens) == MAX_TOKENS for w in expected)
         for g, w, prompt in zip(got, expected, prompts):
             if g.status == 200:
-                assert same_or_near_tie(g, w), (prompt, g.tokens, w.tokens, w.gaps)
+                assert same_or_near_tie(g, w), (prompt, len(g.tokens), g.tokens, w.tokens, w.gaps)
             else:  # a clean 503, within the bound
                 assert g.took < DEADLINE_S + 15 + 5, prompt
         assert sum(g.status == 200 for g in got) >= len(prompts) - 1
