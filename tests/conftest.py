@@ -136,13 +136,10 @@ def hf_greedy_batch(
                 row.append(token)
             mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
             positions = positions[:, -1:] + 1
-            out = model(
-                picked[:, None],
-                attention_mask=mask,
-                position_ids=positions,
-                past_key_values=out.past_key_values,
-                use_cache=True,
-            )
+            # the cache goes fourth: transformers 5 renamed `past_key_values` (input and output)
+            # to `cache`, and deprecated the old name
+            cache = out.cache if hasattr(out, "cache") else out.past_key_values
+            out = model(picked[:, None], mask, positions, cache, use_cache=True)
     return [row[len(p) :] for row, p in zip(rows, prompts)]
 
 
