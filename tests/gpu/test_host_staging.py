@@ -19,7 +19,7 @@ def test_copies_queued_behind_the_gpu_keep_their_values_across_rounds() -> None:
     sent = [rng.integers(0, 2**31, size=int(rng.integers(1, 700)), dtype=np.int32)
             for _ in range(300)]  # fmt: skip
     torch.cuda._sleep(50_000_000)  # ~25 ms of GPU time: every copy below queues behind it
-    got = [staging.to_device(a, torch.device("cuda")) for a in sent]
+    got = [staging.host(a).to("cuda", non_blocking=True) for a in sent]
     torch.cuda.synchronize()
     assert all(np.array_equal(g.cpu().numpy(), a) for g, a in zip(got, sent))
 

@@ -36,7 +36,7 @@ from workers.attention.rotary import apply_rotary
 from workers.attention.xqa_decode import XQABuffers, XQADecode
 from workers.kernels import fp8_decode, rope, split_kv_decode
 from workers.kernels.fp8_decode import FP8Decode
-from workers.kernels.host_staging import staging
+from workers.kernels.host_staging import host_array, to_device
 from workers.kernels.split_kv_decode import SplitKVDecode
 from workers.kvcache.pool import KVPool
 
@@ -66,11 +66,6 @@ def new_workspace(device: torch.device) -> torch.Tensor:
     return torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
 
 
-def _pinned(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host tensor holding `array`, page-locked when the step runs on a GPU."""
-    return staging(device).host(array) if device.type == "cuda" else torch.from_numpy(array)
-
-
 @dataclass
 class PagedMetadata:
     qo_indptr: torch.Tensor  # [B+1] int32, host
@@ -94,11 +89,11 @@ def paged_metadata(batch: AttentionBatch, page_size: int) -> PagedMetadata:
     rows = np.repeat(np.arange(len(kv_lens)), num_pages)
     flat = rows * width + (np.arange(int(kv_indptr[-1])) - kv_indptr[rows])
     device = batch.page_table.device
-    gather = _pinned(flat, device).to(device, non_blocking=True)
+    gather = to_device(flat, device)
     return PagedMetadata(
-        qo_indptr=_pinned(qo_indptr.astype(np.int32), device),
-        kv_indptr=_pinned(kv_indptr.astype(np.int32), device),
-        last_page_len=_pinned((kv_lens - (num_pages - 1) * page_size).astype(np.int32), device),
+        qo_indptr=host_array(qo_indptr.astype(np.int32), device),
+        kv_indptr=host_array(kv_indptr.astype(np.int32), device),
+        last_page_len=host_array((kv_lens - (num_pages - 1) * page_size).astype(np.int32), device),
         kv_indices=batch.page_table.reshape(-1)[gather],
     )
 
@@ -295,7 +290,7 @@ class GraphDecodeAttention(_PagedFlashInfer):
         self.slot_pages.copy_(batch.slot_pages, non_blocking=True)
         self.slot_offsets.copy_(batch.slot_offsets, non_blocking=True)
         if self.xqa is not None:
-            kv_lens = _pinned(np.asarray(batch.kv_lens, dtype=np.int32), self.slot_pages.device)
+            kv_lens = host_array(np.asarray(batch.kv_lens, dtype=np.int32), self.slot_pages.device)
             self.xqa.plan(batch.page_table, kv_lens)
             return
         meta = paged_metadata(batch, self.pool.page_size)

@@ -21,7 +21,7 @@ from workers.attention import AttentionBatch, create_backend
 from workers.config import EngineConfig
 from workers.engine.kv_budget import GiB, GPUMemory, fixed_kv_pages, gpu_kv_pages
 from workers.engine.sampling_inputs import Masks, SamplingInputs
-from workers.kernels.host_staging import staging
+from workers.kernels.host_staging import to_device
 from workers.kvcache.kv_dtype import checkpoint_scales, is_fp8, kv_storage_dtype
 from workers.kvcache.page_table import PageTable
 from workers.kvcache.pool import KVPool
@@ -95,7 +95,6 @@ class ModelRunner:
         scale = attn.head_dim**-0.5
         tensor_cores = cfg.kernels.flashinfer_decode_tensor_cores
         self.attn = create_backend(backend, self.pool, attn.num_heads, scale, tensor_cores)
-        self._staging = staging(self.device) if self.device.type == "cuda" else None
         self.page_table = PageTable()
         # The last launch's sampled ids on the device, and each sampling sequence's row in them.
         self._prev: tuple[torch.Tensor, dict[Sequence, int]] | None = None
@@ -339,6 +338,4 @@ class ModelRunner:
         return pad_to is not None, pad_to
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        if self._staging is None:
-            return torch.from_numpy(array).to(self.device)
-        return self._staging.to_device(array, self.device)
+        return to_device(array, self.device)

@@ -75,13 +75,20 @@ class PinnedStaging:
         out[...] = array
         return torch.from_numpy(out)
 
-    def to_device(self, array: np.ndarray, device: torch.device) -> torch.Tensor:
-        """`array` on `device`, copied from here without the host waiting."""
-        return self.host(array).to(device, non_blocking=True)
-
 
 @functools.cache
 def staging(device: torch.device) -> PinnedStaging:
     """The process's staging for copies to `device` (a CUDA device), made on first use."""
     with torch.cuda.device(device):
         return PinnedStaging()
+
+
+def host_array(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """`array` as a host tensor for a step on `device`: staged in page-locked memory on a GPU,
+    the array's own memory on the CPU."""
+    return staging(device).host(array) if device.type == "cuda" else torch.from_numpy(array)
+
+
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """`array` on `device`, copied without the host waiting (the array itself on the CPU)."""
+    return host_array(array, device).to(device, non_blocking=True)
