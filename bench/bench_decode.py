@@ -29,6 +29,9 @@ from collections.abc import Callable
 import torch
 
 from bench.gpu_common import (
+    ENGINE_RUN,
+    ENGINE_STEPS,
+    ENGINE_WARMUP,
     PAGE_SIZE,
     bench_parser,
     copy_bandwidth_gbps,
@@ -53,8 +56,6 @@ CASES = [(1, 1024), (1, 4096), (16, 1024), (16, 4096), (64, 1024), (64, 2048), (
 CASES += [(256, 1024), (256, 2048)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 ENGINE_CASES = {(1, 1024), (16, 1024), (64, 2048), (256, 1024)}  # prefilling all cases is slow
-ENGINE_WARMUP, ENGINE_STEPS = 5, 30
-ENGINE_RUN = ENGINE_WARMUP + ENGINE_STEPS + 8  # max_tokens of engine_ms's requests
 
 
 def decode_step(runner: ModelRunner, batch: int, context: int) -> StepInput:

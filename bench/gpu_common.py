@@ -72,9 +72,11 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
 }
 PAGE_SIZE = 16  # the decode benchmarks' KV page
-# tokens an engine benchmark's requests decode past their prompts at most: the pool holds them,
-# or the engine would preempt most of a batch for pages and time a far smaller one
-ENGINE_TOKENS = 64
+# An engine benchmark's run (`bench_decode.engine_ms`): steps untimed, then timed; its requests
+# decode ENGINE_RUN tokens, which the KV pool holds too (else the engine would preempt most of a
+# batch for pages and time a far smaller one)
+ENGINE_WARMUP, ENGINE_STEPS = 5, 30
+ENGINE_RUN = ENGINE_WARMUP + ENGINE_STEPS + 8
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
@@ -125,9 +127,9 @@ def decode_config(
 
 
 def kv_pages(cases: list[tuple[int, int]]) -> int:
-    """Pages for the largest (batch, context) case, each sequence `ENGINE_TOKENS` longer, plus
-    the null page."""
-    return max(b * -(-(c + ENGINE_TOKENS) // PAGE_SIZE) for b, c in cases) + 1
+    """Pages for the largest (batch, context) case, each sequence `ENGINE_RUN` tokens longer,
+    plus the null page."""
+    return max(b * -(-(c + ENGINE_RUN) // PAGE_SIZE) for b, c in cases) + 1
 
 
 def dummy_model_dir(shape: str, tokenizer_dir: Path, root: Path) -> Path:

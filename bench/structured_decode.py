@@ -19,8 +19,8 @@ import time
 
 import torch
 
-from bench.bench_decode import ENGINE_RUN, engine_ms
-from bench.gpu_common import bench_parser, decode_config, wall_ms
+from bench.bench_decode import engine_ms
+from bench.gpu_common import ENGINE_RUN, bench_parser, decode_config, wall_ms
 from bench.results_io import write_result
 from workers.engine.engine import Engine
 from workers.protocol import SamplingParams, StructuredOutputs

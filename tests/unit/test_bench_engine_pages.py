@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import random
 
-from bench.bench_decode import ENGINE_RUN, ENGINE_STEPS, ENGINE_WARMUP
-from bench.gpu_common import ENGINE_TOKENS, PAGE_SIZE, kv_pages
+from bench.gpu_common import ENGINE_RUN, ENGINE_STEPS, ENGINE_WARMUP, PAGE_SIZE, kv_pages
 from workers.config import EngineConfig
 from workers.engine.engine import Engine
 from workers.protocol import GenerateRequest, SamplingParams
 
 
 def test_the_pool_holds_every_request_of_an_engine_run(tiny_llama: str) -> None:
-    assert ENGINE_RUN <= ENGINE_TOKENS
     batch, context = 8, 64
     engine = Engine(EngineConfig(model=tiny_llama, device="cpu", dtype="float32",
                                  page_size=PAGE_SIZE, num_kv_pages=kv_pages([(batch, context)]),
