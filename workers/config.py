@@ -200,6 +200,14 @@ class EngineConfig(BaseModel):
     )
     tensor_parallel_size: int = Field(1, ge=1)
     seed: int = 0
+    grammar_threads: int = Field(
+        8,
+        ge=1,
+        description="threads filling a step's token masks of structured outputs. Requests of "
+        "one spec take as many separately compiled copies of its grammar in turn: copies of "
+        "one share its lexer behind a lock, so masks fill in parallel across copies only "
+        "(docs/notes/structured-outputs.md)",
+    )
     stream_interval_ms: float = Field(
         20,
         ge=0,

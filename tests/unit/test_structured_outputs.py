@@ -20,7 +20,7 @@ from tests.engine_checks import drain_and_check_released
 from workers.api import check_structured_outputs
 from workers.llm import LLM
 from workers.protocol import GenerateRequest, SamplingParams, StructuredOutputs
-from workers.sampling.grammar import compile_matcher, vocab_tokenizer
+from workers.sampling.grammar import GrammarCompiler, compile_matcher, vocab_tokenizer
 from workers.sampling.token_mask import apply_bitmask
 
 SCHEMAS: list[dict[str, Any]] = [
@@ -177,6 +177,35 @@ def test_overlap_scheduling_gives_the_same_constrained_tokens(llm: LLM) -> None:
     assert [o.token_ids for o in ours] == [o.token_ids for o in ref]
     assert [o.finish_reason for o in ours] == ["stop"] * len(specs)
     drain_and_check_released(other.engine)
+
+
+def test_requests_of_one_spec_on_several_compiled_copies_match_one_copy(llm: LLM) -> None:
+    """The fixture's engine spreads these requests over compiled copies of the schema (shards,
+    filled on several threads in shard order); one shard gives the same tokens."""
+    spec = StructuredOutputs(json_schema=SCHEMAS[1])
+    prompts = [f"Record {i} as JSON:" for i in range(5)]
+    params = greedy(spec, max_tokens=30)
+    one = LLM(num_kv_pages=96, page_size=16, grammar_threads=1)
+    assert llm.engine.cfg.grammar_threads >= len(prompts)
+    ref = one.generate(prompts, params)
+    ours = llm.generate(prompts, params)
+    assert [o.token_ids for o in ours] == [o.token_ids for o in ref]
+    assert all(o.finish_reason == "stop" for o in ours)
+    drain_and_check_released(one.engine)
+
+
+def test_the_compiler_hands_out_a_specs_shards_in_turn(llm: LLM) -> None:
+    vocab = llm.engine.runner.model_config.vocab_size
+    compiler = GrammarCompiler(lambda: vocab_tokenizer(llm.tokenizer, vocab), shards=3)
+    digits = [compiler.submit(StructuredOutputs(regex="[0-9]+")) for _ in range(7)]
+    matchers = [f.result() for f in digits]
+    assert len({id(m) for m in matchers}) == 3
+    assert matchers[3:6] == matchers[:3] and matchers[6] is matchers[0]
+    bad = compiler.submit(StructuredOutputs(regex="[0-9"))
+    with pytest.raises(ValueError, match="regex"):
+        bad.result()
+    assert all(compiler.submit(StructuredOutputs(regex="[0-9")) is bad for _ in range(4))
+    compiler.close()
 
 
 def test_preemption_keeps_constrained_outputs(llm: LLM) -> None:

@@ -65,7 +65,8 @@ class Engine:
         eos = {*self.runner.model_config.eos_token_ids, self.tokenizer.eos_token_id} - {None}
         self.eos_token_ids = frozenset(eos)
         self.seqs: dict[str, Sequence] = {}
-        self.grammars = GrammarGate(self.tokenizer, self.runner.model_config.vocab_size)
+        vocab = self.runner.model_config.vocab_size
+        self.grammars = GrammarGate(self.tokenizer, vocab, cfg.grammar_threads)
         self.overlap = self.supports_overlap and cfg.resolved_overlap(self.runner.device)
         self._running: _RunningStep | None = None
         self.prompt_tokens_computed = 0

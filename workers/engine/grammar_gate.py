@@ -13,9 +13,10 @@ from workers.sequence import Sequence
 
 
 class GrammarGate:
-    def __init__(self, tokenizer: Any, vocab: int) -> None:
+    def __init__(self, tokenizer: Any, vocab: int, shards: int) -> None:
         self.tokenizer = tokenizer
         self.vocab = vocab  # the logits' width
+        self.shards = shards  # compiled copies of each spec (`GrammarCompiler`)
         self.compiling: list[Sequence] = []
         self._compiler: GrammarCompiler | None = None  # made at the first structured output
 
@@ -31,7 +32,9 @@ class GrammarGate:
         if spec is not None:
             if self._compiler is None:
                 tokenizer, vocab = self.tokenizer, self.vocab
-                self._compiler = GrammarCompiler(lambda: vocab_tokenizer(tokenizer, vocab))
+                self._compiler = GrammarCompiler(
+                    lambda: vocab_tokenizer(tokenizer, vocab), shards=self.shards
+                )
             compiled = self._compiler.submit(spec)
         return Constraint(compiled, allowed, self.vocab)
 

@@ -99,7 +99,8 @@ class ModelRunner:
         # The last launch's sampled ids on the device, and each sampling sequence's row in them.
         self._prev: tuple[torch.Tensor, dict[Sequence, int]] | None = None
         self._prev_launch: LaunchedStep | None = None  # its sampled ids, on their way to the host
-        self.sampling = SamplingInputs(self.device, self.model_config.vocab_size, self._to_device)
+        vocab = self.model_config.vocab_size
+        self.sampling = SamplingInputs(self.device, vocab, self._to_device, cfg.grammar_threads)
         self.graphs: DecodeCudaGraphs | None = None
         graph_sizes = cfg.resolved_graph_batch_sizes()
         if graph_sizes and backend == "flashinfer" and self.device.type == "cuda":

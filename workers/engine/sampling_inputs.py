@@ -26,11 +26,16 @@ Masks = Callable[[], tuple[torch.Tensor, torch.Tensor]]  # the token masks' row 
 
 class SamplingInputs:
     def __init__(
-        self, device: torch.device, vocab: int, to_device: Callable[[np.ndarray], torch.Tensor]
+        self,
+        device: torch.device,
+        vocab: int,
+        to_device: Callable[[np.ndarray], torch.Tensor],
+        fill_threads: int,
     ) -> None:
         self.device = device
         self.vocab = vocab  # the logits' width
         self.to_device = to_device
+        self.fill_threads = fill_threads
         self._masks: MaskFiller | None = None  # made at the first constrained row
 
     def batch(
@@ -94,7 +99,7 @@ class SamplingInputs:
             seq.constraint.sync(output)
             constraints.append(seq.constraint)
         if self._masks is None:
-            self._masks = MaskFiller(self.vocab, self.device)
+            self._masks = MaskFiller(self.vocab, self.device, self.fill_threads)
         filling = self._masks.start(constraints)
         row_ids = self.to_device(np.asarray(rows, dtype=np.int64))
         return lambda: (row_ids, filling.result())

@@ -10,6 +10,7 @@ after a hand-off (the decode side's matcher consumes the prefill side's first to
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -30,6 +31,7 @@ class Constraint:
     ) -> None:
         self._compiled = compiled
         self.matcher: Any = None  # this request's copy, once compiled
+        self.shard = 0  # which compiled matcher it copies (`GrammarCompiler`), by its id
         self.deadline = time.monotonic() + GRAMMAR_WAIT_S
         self.num_consumed = 0  # output tokens the matcher has consumed
         self.finished = False  # the grammar is complete: nothing but EOS may follow
@@ -47,9 +49,10 @@ class Constraint:
         if not self._compiled.done():
             return "grammar compilation timed out" if time.monotonic() > self.deadline else False
         try:
-            self.matcher = self._compiled.result().deep_copy()
+            compiled = self._compiled.result()
         except ValueError as e:
             return str(e)
+        self.matcher, self.shard = compiled.deep_copy(), id(compiled)
         self.refresh()
         return True
 
@@ -84,14 +87,19 @@ class Constraint:
 
 class MaskFiller:
     """Fills one bitmask row per constrained request and takes the bitmask to the device. The
-    grammars' rows fill on llguidance's thread pool, started from a thread of its own without
-    the GIL (`start`), so the host goes on with the step's other work until `PendingMask.result`.
-    On CUDA through two pinned buffers in turn, each reused once the copy out of it is done."""
+    grammars' rows fill on a thread of their own, which runs without the GIL once `start` has
+    handed it over, so the host goes on with the step's other work until `PendingMask.result`.
+    On CUDA through two pinned buffers in turn, each reused once the copy out of it is done.
 
-    def __init__(self, vocab: int, device: torch.device) -> None:
+    Rows fill on `threads` threads, in order of the compiled matcher they copy (`shard`):
+    copies of one share its lexer behind a lock, so threads working on rows of one shard would
+    only contend for it (docs/notes/structured-outputs.md); llguidance's pool hands each
+    thread a run of neighbouring rows."""
+
+    def __init__(self, vocab: int, device: torch.device, threads: int) -> None:
         self.words = bitmask_words(vocab)
         self.device = device
-        self._executor = llguidance.LLExecutor()
+        self._executor = llguidance.LLExecutor(num_threads=threads)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="mask-fill")
         self._buffers = [torch.empty(0, self.words, dtype=torch.int32) for _ in range(2)]
         self._copied: list[Any] = [None, None]  # CUDA event after each buffer's last copy
@@ -108,14 +116,24 @@ class MaskFiller:
             self._buffers[k] = torch.empty(max(n, 64), self.words, dtype=torch.int32,
                                            pin_memory=self.device.type == "cuda")  # fmt: skip
         mask = self._buffers[k][:n]
-        mask.fill_(-1)
-        grammars = [(c.matcher, i) for i, c in enumerate(constraints) if c.matcher is not None]
+        mask.numpy().fill(-1)  # numpy's: torch's spreads 1 MiB over OpenMP threads that then spin
+        rows = sorted((c.shard, i) for i, c in enumerate(constraints) if c.matcher is not None)
+        grammars = [(constraints[i].matcher, i) for _, i in rows]
         # the executor itself, not llguidance.torch (whose import compiles a torch.compile
         # kernel's dependencies: ~4 s per process); `mask` rows are contiguous int32
         job = None
         if grammars:
-            fill = self._executor.unsafe_compute_mask_ptr
-            job = self._thread.submit(fill, grammars, mask.data_ptr(), self.words * 4, n)
+            started = threading.Event()
+
+            def fill() -> None:
+                started.set()
+                self._executor.unsafe_compute_mask_ptr(grammars, mask.data_ptr(), self.words * 4, n)
+
+            job = self._thread.submit(fill)
+            # Waiting here hands the GIL to the fill thread, which drops it inside llguidance:
+            # otherwise it would start only when this thread next blocks (or after Python's 5 ms
+            # switch interval), after the host work it is meant to run beside.
+            started.wait()
         return PendingMask(self, k, mask, job, constraints)
 
     def to_device(self, k: int, mask: torch.Tensor) -> torch.Tensor:

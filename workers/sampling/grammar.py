@@ -1,6 +1,7 @@
 """Structured outputs to grammars, through llguidance (docs/notes/grammar-engine.md says why this
-engine): a `StructuredOutputs` spec is compiled once per spec and tokenizer into a matcher in
-its start state; each request gets a copy of it (`Constraint`, workers/sampling/constraint.py).
+engine): a `StructuredOutputs` spec is compiled into matchers in their start state, a few per spec
+and tokenizer (shards); each request gets a copy of one of them (`Constraint`,
+workers/sampling/constraint.py).
 
 Compilation runs on a small thread pool (llguidance drops the GIL while it builds a grammar),
 off the engine loop; a bad spec is a `ValueError` naming the problem.
@@ -14,6 +15,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 import llguidance
@@ -120,31 +122,50 @@ _views: weakref.WeakKeyDictionary[Any, llguidance.LLTokenizer] = weakref.WeakKey
 _views_lock = threading.Lock()
 
 
+@dataclass
+class _Shards:
+    futures: list[Future[Any]] = field(default_factory=list)
+    turn: int = 0  # requests of the spec so far: the next takes shard turn % shards
+
+
 class GrammarCompiler:
-    """Compiles specs on a thread pool; each spec once (the futures are cached, errors too).
-    `make_tokenizer` runs once, on the pool too: llguidance's tokenizer takes about a second."""
+    """Compiles specs on a thread pool, each into up to `shards` matchers that requests of the
+    spec take in turn (the futures are cached; once a spec is known to fail, its requests get
+    that failure and nothing compiles again). Copies of one
+    matcher share its lexer, and the lexer states it has built, behind a lock: the masks of a
+    step's requests fill in parallel only across shards (`MaskFiller`). `make_tokenizer` runs
+    once, on the pool too: llguidance's tokenizer takes about a second."""
 
     def __init__(
-        self, make_tokenizer: Callable[[], llguidance.LLTokenizer], threads: int = COMPILE_THREADS
+        self,
+        make_tokenizer: Callable[[], llguidance.LLTokenizer],
+        shards: int = 1,
+        threads: int = COMPILE_THREADS,
     ) -> None:
         self._make_tokenizer = make_tokenizer
         self._tokenizer: llguidance.LLTokenizer | None = None
+        self._shards = shards
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="grammar")
-        self._cache: OrderedDict[StructuredOutputs, Future[Any]] = OrderedDict()
+        self._cache: OrderedDict[StructuredOutputs, _Shards] = OrderedDict()
         self._lock = threading.Lock()
 
     def submit(self, spec: StructuredOutputs) -> Future[Any]:
-        """A future of `spec`'s start-state matcher (shared: copy it before use)."""
+        """A future of a start-state matcher of `spec` (shared: copy it before use)."""
         with self._lock:
-            future = self._cache.get(spec)
-            if future is None:
-                future = self._pool.submit(self._compile, spec)
-                self._cache[spec] = future
+            entry = self._cache.get(spec)
+            if entry is None:
+                entry = self._cache[spec] = _Shards()
                 if len(self._cache) > CACHE_SIZE:
                     self._cache.popitem(last=False)
             else:
                 self._cache.move_to_end(spec)
-            return future
+            futures, k = entry.futures, entry.turn % self._shards
+            entry.turn += 1
+            if futures and futures[0].done() and futures[0].exception() is not None:
+                return futures[0]  # invalid: no other shard would compile either
+            if k == len(futures):
+                futures.append(self._pool.submit(self._compile, spec))
+            return futures[k]
 
     def _compile(self, spec: StructuredOutputs) -> Any:
         with self._lock:
