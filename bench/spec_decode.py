@@ -25,6 +25,7 @@ Two parts (`--part`, default both):
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 from bench.gpu_common import (
@@ -216,7 +217,7 @@ def main() -> None:
             args.out,
             "spec-decode-workload",
             workload,
-            model=f"{args.model or DEFAULT_MODEL}, greedy, batch 1",
+            model=f"{Path(args.model).name if args.model else DEFAULT_MODEL}, greedy, batch 1",
             title="Speculative decoding: a repetitive workload on SmolLM2",
         )
     if args.part in ("verify", "all"):

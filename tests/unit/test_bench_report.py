@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 
+import pytest
+
 from bench import report
-from bench.results_io import result_slug, write_result
+from bench.results_io import command_line, result_slug, write_result
 
 RESULT = {
     "benchmark": "decode",
@@ -74,3 +77,14 @@ def test_the_notes_link_to_sections_that_exist() -> None:
     for note in (report.ROOT / "docs" / "notes").glob("*.md"):
         for target in re.findall(r"\(\.\./benchmarks\.md#([^)]+)\)", note.read_text()):
             assert f'<a id="{target}"></a>' in page, f"{note.name}: no section {target}"
+
+
+def test_the_command_shows_folders_and_files_without_where_they_lay(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = tmp_path / "model.gguf"
+    model.write_text("")
+    argv = ["bench/x.py", "--tokenizer-dir", str(tmp_path), "--model", str(model), "--k", "4"]
+    monkeypatch.setattr("sys.argv", argv)
+    monkeypatch.delitem(sys.modules, "__main__")
+    assert command_line() == "python bench/x.py --tokenizer-dir DIR --model model.gguf --k 4"
