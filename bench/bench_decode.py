@@ -29,7 +29,6 @@ from collections.abc import Callable
 import torch
 
 from bench.gpu_common import (
-    ENGINE_RUN,
     ENGINE_STEPS,
     ENGINE_WARMUP,
     PAGE_SIZE,
@@ -37,6 +36,7 @@ from bench.gpu_common import (
     copy_bandwidth_gbps,
     cuda_ms,
     decode_config,
+    engine_run,
     read_bandwidth_gbps,
     step_timeline,
     top_kernels,
@@ -92,9 +92,11 @@ def engine_ms(
     engine: Engine, batch: int, context: int, params: SamplingParams | None = None
 ) -> float:
     """Wall milliseconds per `Engine.step()` once `batch` random prompts of `context` tokens
-    are prefilled and decoding (greedy, unless `params`, which must outlast the steps)."""
+    are prefilled and decoding (greedy, unless `params`, which must outlast the steps: at least
+    `engine_run` tokens). Raises if a timed step ran fewer than `batch` sequences."""
     rng = random.Random(batch + context)
-    params = params or SamplingParams(temperature=0.0, max_tokens=ENGINE_RUN, ignore_eos=True)
+    run = engine_run(batch, context, engine.cfg.max_num_batched_tokens)
+    params = params or SamplingParams(temperature=0.0, max_tokens=run, ignore_eos=True)
     for i in range(batch):
         ids = tuple(rng.randrange(1000, 30000) for _ in range(context))
         engine.add_request(GenerateRequest(request_id=f"e{i}", prompt_token_ids=ids, params=params))
@@ -103,11 +105,18 @@ def engine_ms(
         started |= {o.request_id for o in engine.step()}
     for _ in range(ENGINE_WARMUP):
         engine.step()
-    torch.cuda.synchronize()
+    if engine.runner.device.type == "cuda":
+        torch.cuda.synchronize()
+    scheduler = engine.scheduler
+    preempted = scheduler.num_preemptions
     start = time.perf_counter()
     for _ in range(ENGINE_STEPS):
         engine.step()
     ms = (time.perf_counter() - start) * 1e3 / ENGINE_STEPS
+    if len(scheduler.running) != batch or scheduler.num_preemptions != preempted:
+        raise RuntimeError(f"the timed steps did not all run {batch} sequences: "
+                           f"{len(scheduler.running)} left running, "
+                           f"{scheduler.num_preemptions - preempted} preempted")  # fmt: skip
     for i in range(batch):
         engine.abort(f"e{i}")
     while engine.has_work():

@@ -72,11 +72,9 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
 }
 PAGE_SIZE = 16  # the decode benchmarks' KV page
-# An engine benchmark's run (`bench_decode.engine_ms`): steps untimed, then timed; its requests
-# decode ENGINE_RUN tokens, which the KV pool holds too (else the engine would preempt most of a
-# batch for pages and time a far smaller one)
+# An engine benchmark's run (`bench_decode.engine_ms`): steps untimed, then timed
 ENGINE_WARMUP, ENGINE_STEPS = 5, 30
-ENGINE_RUN = ENGINE_WARMUP + ENGINE_STEPS + 8
+MAX_BATCHED_TOKENS = 16384  # a step's token budget in `decode_config`
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
@@ -120,16 +118,25 @@ def decode_config(
         page_size=PAGE_SIZE,
         num_kv_pages=pages,
         max_num_seqs=256,
-        max_num_batched_tokens=16384,
+        max_num_batched_tokens=MAX_BATCHED_TOKENS,
         cuda_graph_batch_sizes=tuple(sorted({b for b, _ in cases})),
         **fields,
     ))  # fmt: skip
 
 
-def kv_pages(cases: list[tuple[int, int]]) -> int:
-    """Pages for the largest (batch, context) case, each sequence `ENGINE_RUN` tokens longer,
+def engine_run(batch: int, context: int, max_batched: int = MAX_BATCHED_TOKENS) -> int:
+    """Tokens each request of an `engine_ms` run decodes. None may end within the timed steps,
+    nor be preempted for pages (`kv_pages`): either would time a smaller batch. The prompts
+    prefill over several steps of `max_batched` tokens, the first ones decoding meanwhile, so
+    they lead the last by up to a token per prefill step; then the untimed and timed steps."""
+    prefill_steps = -(-batch * context // max_batched) + 1  # + 1: a chunk split over two
+    return prefill_steps + ENGINE_WARMUP + ENGINE_STEPS + 2
+
+
+def kv_pages(cases: list[tuple[int, int]], max_batched: int = MAX_BATCHED_TOKENS) -> int:
+    """Pages for the largest (batch, context) case, each sequence `engine_run` tokens longer,
     plus the null page."""
-    return max(b * -(-(c + ENGINE_RUN) // PAGE_SIZE) for b, c in cases) + 1
+    return max(b * -(-(c + engine_run(b, c, max_batched)) // PAGE_SIZE) for b, c in cases) + 1
 
 
 def dummy_model_dir(shape: str, tokenizer_dir: Path, root: Path) -> Path:

@@ -20,7 +20,7 @@ import time
 import torch
 
 from bench.bench_decode import engine_ms
-from bench.gpu_common import ENGINE_RUN, bench_parser, decode_config, wall_ms
+from bench.gpu_common import bench_parser, decode_config, engine_run, wall_ms
 from bench.results_io import write_result
 from workers.engine.engine import Engine
 from workers.protocol import SamplingParams, StructuredOutputs
@@ -73,17 +73,16 @@ def main() -> None:
     tokenizer_ms, cold_ms, cached_ms = compile_ms(engine)
     print(f"llguidance tokenizer {tokenizer_ms:.0f} ms; schema compile {cold_ms:.2f} ms cold, "
           f"{cached_ms:.3f} ms cached", flush=True)  # fmt: skip
-    constrained = SamplingParams(
-        temperature=0.0,
-        max_tokens=ENGINE_RUN,
-        ignore_eos=True,
-        structured_outputs=StructuredOutputs(json_schema=json.dumps(SCHEMA)),
-    )
+    schema = StructuredOutputs(json_schema=json.dumps(SCHEMA))
     rows = [dict(case="compile", tokenizer_ms=tokenizer_ms, cold_ms=cold_ms, cached_ms=cached_ms)]
     for batch, context in CASES:
         # alternated rounds, each side's median: a step moves by ~10% between runs of a few
         # hundred steps (clocks, the host), more than the difference measured
         times: dict[bool, list[float]] = {False: [], True: []}
+        run = engine_run(batch, context)
+        constrained = SamplingParams(
+            temperature=0.0, max_tokens=run, ignore_eos=True, structured_outputs=schema
+        )
         for _ in range(ROUNDS):
             for masked_run in (False, True):
                 params = constrained if masked_run else None
