@@ -9,8 +9,9 @@ rank's bytes (the all-reduces between the ranks are part of the gap). Three ways
   checks) on `batch` requests that have been prefilled to `context` tokens: wall time per step;
 - `overlap_ms`: `ModelRunner.launch` of step n+1 before reading step n, back to back;
 - `sync_ms`: `ModelRunner.execute`, which waits for each step (the engine without overlap).
-Parts are timed too: the graph replay (forward, LM head and argmax; CUDA events; one GPU only:
-a rank cannot replay its graph alone), the host's input plan and FlashInfer's plan, and the
+Parts are timed too: the graph replay (forward, LM head and argmax; replays queued back to
+back between CUDA events, `gpu_common.replay_ms`; one GPU only: a rank cannot replay its graph
+alone), the host's input plan and FlashInfer's plan, and the
 eager step; `--profile` adds, for two cases, where the graph replay's device time goes (with
 `--tp`, a whole step's on rank 0) and the top kernels and host ops of an eager step;
 `--trace DIR` also writes each profiled replay as a Chrome trace (every kernel's start and end:
@@ -34,10 +35,10 @@ from bench.gpu_common import (
     PAGE_SIZE,
     bench_parser,
     copy_bandwidth_gbps,
-    cuda_ms,
     decode_config,
     engine_run,
     read_bandwidth_gbps,
+    replay_ms,
     step_timeline,
     top_kernels,
     wall_ms,
@@ -170,7 +171,7 @@ def main() -> None:
         sync_ms = wall_ms(lambda: runner.execute(step))  # noqa: B023 - called here only
         pipelined_ms = overlapped_ms(runner, step)
         # GPU time of the captured step
-        replay_ms = cuda_ms(graphs.graphs[batch].replay) if args.tp == 1 else None
+        replay = replay_ms(graphs.graphs[batch].replay) if args.tp == 1 else None
         plan_ms = wall_ms(lambda: runner.plan(step))  # noqa: B023 - host only
         _, _, batch_in = runner.device_inputs(runner.plan(step))
         fi_plan_ms = wall_ms(lambda: graphs.attn[batch].plan(batch_in))  # noqa: B023
@@ -189,13 +190,13 @@ def main() -> None:
             engine_ms=None if in_engine is None else round(in_engine, 3),
             overlap_ms=round(pipelined_ms, 3),
             sync_ms=round(sync_ms, 3),
-            graph_replay_ms=None if replay_ms is None else round(replay_ms, 3),
+            graph_replay_ms=None if replay is None else round(replay, 3),
             host_plan_ms=round(plan_ms, 3),
             flashinfer_plan_ms=round(fi_plan_ms, 3),
             eager_step_ms=round(eager_ms, 3),
             floor_ms=round(floor_ms, 3),
             x_floor=round(best / floor_ms, 3),
-            replay_x_floor=None if replay_ms is None else round(replay_ms / floor_ms, 3),
+            replay_x_floor=None if replay is None else round(replay / floor_ms, 3),
             tokens_per_s=round(batch / best * 1e3),
         )
         rows.append(row)

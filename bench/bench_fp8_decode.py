@@ -50,6 +50,7 @@ from bench.gpu_common import (
     cuda_ms,
     decode_config,
     read_bandwidth_gbps,
+    replay_ms,
     wall_ms,
     weight_bytes_read,
 )
@@ -111,7 +112,7 @@ def worker(args: argparse.Namespace, kv_cache_dtype: str, cases: list[tuple[int,
         step_ms = overlapped_ms(runner, step, iters=5 if cpu else 30)
         replay = None
         if runner.graphs is not None:
-            replay = cuda_ms(runner.graphs.graphs[batch].replay)
+            replay = replay_ms(runner.graphs.graphs[batch].replay)
         in_engine = engine_ms(engine, batch, context) if (batch, context) in ENGINE_CASES else None
         nbytes = weight_bytes_read(runner, batch) + batch * context * kv_per_token
         floor_ms = nbytes / bandwidth / 1e6

@@ -72,6 +72,7 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
 }
 PAGE_SIZE = 16  # the decode benchmarks' KV page
+SPIN_CYCLES = 100_000_000  # ~50 ms of a GPU's clock (`replay_ms`)
 # An engine benchmark's run (`bench_decode.engine_ms`): steps untimed, then timed
 ENGINE_WARMUP, ENGINE_STEPS = 5, 30
 MAX_BATCHED_TOKENS = 16384  # a step's token budget in `decode_config`
@@ -168,6 +169,24 @@ def cuda_ms(fn: Callable[[], object], warmup: int = 3, iters: int = 20) -> float
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def replay_ms(replay: Callable[[], object], warmup: int = 3, iters: int = 20) -> float:
+    """Device milliseconds per call of `replay` (a CUDA graph's), the calls queued back to back
+    behind a spin kernel, so the device never waits for the host: a decode step's graph takes
+    ~0.2 ms of host time to launch, which `cuda_ms` (the device idle before each call) counts
+    and a step the engine launches ahead of the one running does not."""
+    for _ in range(warmup):
+        replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(SPIN_CYCLES)  # covers the host's launches of all the calls below
+    start.record()
+    for _ in range(iters):
+        replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
 
 
 def wall_ms(fn: Callable[[], object], warmup: int = 3, iters: int = 20) -> float:
