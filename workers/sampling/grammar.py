@@ -131,10 +131,10 @@ class _Shards:
 class GrammarCompiler:
     """Compiles specs on a thread pool, each into up to `shards` matchers that requests of the
     spec take in turn (the futures are cached; once a spec is known to fail, its requests get
-    that failure and nothing compiles again). Copies of one
-    matcher share its lexer, and the lexer states it has built, behind a lock: the masks of a
-    step's requests fill in parallel only across shards (`MaskFiller`). `make_tokenizer` runs
-    once, on the pool too: llguidance's tokenizer takes about a second."""
+    that failure and nothing compiles again). Copies of one matcher share its lexer, and the
+    lexer states it has built, behind a lock: the masks of a step's requests fill in parallel
+    only across shards (`MaskFiller`). `make_tokenizer` runs once, on the pool too:
+    llguidance's tokenizer takes about a second."""
 
     def __init__(
         self,
