@@ -106,26 +106,26 @@ def decode_config(
     args: argparse.Namespace, cases: list[tuple[int, int]], **fields: Any
 ) -> EngineConfig:
     """The engine of a decode benchmark: `args.shape` with random bf16 weights, a CUDA graph per
-    batch size of `cases` ((batch, context) pairs) and KV pages for the largest; `fields` and
-    then `--set` override."""
+    batch size of `cases` ((batch, context) pairs) and KV pages for the largest, counted with
+    the step budget it ends up with; `fields` and then `--set` override."""
     from workers.config import EngineConfig
 
-    pages = kv_pages(cases)
-    return EngineConfig(**engine_options(
+    options = engine_options(
         args,
         model=str(dummy_model_dir(args.shape, args.tokenizer_dir, args.work)),
         load_format="dummy",
         dtype="bfloat16",
         page_size=PAGE_SIZE,
-        num_kv_pages=pages,
         max_num_seqs=256,
         max_num_batched_tokens=MAX_BATCHED_TOKENS,
         cuda_graph_batch_sizes=tuple(sorted({b for b, _ in cases})),
         **fields,
-    ))  # fmt: skip
+    )  # fmt: skip
+    options.setdefault("num_kv_pages", kv_pages(cases, options["max_num_batched_tokens"]))
+    return EngineConfig(**options)
 
 
-def engine_run(batch: int, context: int, max_batched: int = MAX_BATCHED_TOKENS) -> int:
+def engine_run(batch: int, context: int, max_batched: int) -> int:
     """Tokens each request of an `engine_ms` run decodes. None may end within the timed steps,
     nor be preempted for pages (`kv_pages`): either would time a smaller batch. The prompts
     prefill over several steps of `max_batched` tokens, the first ones decoding meanwhile, so
@@ -134,7 +134,7 @@ def engine_run(batch: int, context: int, max_batched: int = MAX_BATCHED_TOKENS) 
     return prefill_steps + ENGINE_WARMUP + ENGINE_STEPS + 2
 
 
-def kv_pages(cases: list[tuple[int, int]], max_batched: int = MAX_BATCHED_TOKENS) -> int:
+def kv_pages(cases: list[tuple[int, int]], max_batched: int) -> int:
     """Pages for the largest (batch, context) case, each sequence `engine_run` tokens longer,
     plus the null page."""
     return max(b * -(-(c + engine_run(b, c, max_batched)) // PAGE_SIZE) for b, c in cases) + 1

@@ -79,7 +79,7 @@ def main() -> None:
         # alternated rounds, each side's median: a step moves by ~10% between runs of a few
         # hundred steps (clocks, the host), more than the difference measured
         times: dict[bool, list[float]] = {False: [], True: []}
-        run = engine_run(batch, context)
+        run = engine_run(batch, context, engine.cfg.max_num_batched_tokens)
         constrained = SamplingParams(
             temperature=0.0, max_tokens=run, ignore_eos=True, structured_outputs=schema
         )
