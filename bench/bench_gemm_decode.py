@@ -4,7 +4,9 @@
 
 For each weight (q/k/v, o_proj, gate_up, down, LM head) and M in 1..64 rows: weight GB/s of
 each, its fraction of the measured device copy bandwidth, the speedup, and whether
-`workers/model/layers.py` dispatches to the kernel there (`skinny_gemm.applies`). The totals are
+`workers/model/layers.py` dispatches to the kernel there (`skinny_gemm.applies`). Then gate_up
+with its SiLU x up (`gemm-decode-gated`): the one gated launch against the GEMM then
+`fused.silu_and_mul`. The totals are
 one decode step's GEMM time: the four layer weights x 32 plus the LM head. `--tp N`: one rank's
 shards at N tensor-parallel ranks instead (q/k/v, gate_up and the LM head split N, o_proj and
 down split K).
@@ -93,6 +95,31 @@ def compare(shapes: dict[str, tuple[int, int]], copy_gbps: float) -> list[dict]:
     return rows
 
 
+def gated(n: int, k: int, alone: list[dict]) -> list[dict]:
+    """gate_up ([n, k]) with its activation, per M: cuBLAS or the skinny GEMM then
+    `fused.silu_and_mul`, against the one gated launch; `alone`: `compare`'s rows, for the
+    skinny GEMM without the activation; `used`: where the layers take the gated launch."""
+    from workers.kernels import fused, skinny_gemm
+
+    ws = weights(n, k)
+    plain = {r["m"]: r["triton_ms"] for r in alone if r["shape"] == "gate_up"}
+    rows = []
+    for m in ROWS:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        cublas = graph_ms(lambda w, x=x: fused.silu_and_mul(F.linear(x, w)), ws)
+        unfused = graph_ms(lambda w, x=x: fused.silu_and_mul(skinny_gemm.skinny_linear(x, w)), ws)
+        one = graph_ms(lambda w, x=x: skinny_gemm.skinny_linear(x, w, gated=True), ws)
+        rows.append(dict(
+            m=m, cublas_then_silu_us=round(cublas * 1e3, 1),
+            skinny_then_silu_us=round(unfused * 1e3, 1), gated_us=round(one * 1e3, 1),
+            gated_vs_skinny_then_silu=round(one / unfused, 3),
+            gate_up_alone_us=round(plain[m] * 1e3, 1),
+            used=skinny_gemm.applies(m, ws[0], gated=True),
+        ))  # fmt: skip
+        print(f"gate_up+silu {rows[-1]}")
+    return rows
+
+
 def step_totals(rows: list[dict]) -> None:
     """One decode step's GEMMs: 32 layers of q/k/v, o_proj, gate_up, down, plus the LM head."""
     for m in ROWS:
@@ -125,6 +152,12 @@ def main() -> None:
         rows = compare(shapes, copy_gbps)
     step_totals(rows)
     write_result(args.out, "gemm-decode", rows, model=model, measured=measured)
+    if "gate_up" in shapes:
+        with torch.inference_mode():
+            act = gated(*shapes["gate_up"], rows)
+        write_result(args.out, "gemm-decode-gated", act, model=model, measured=measured,
+                     title="gate_up with its SiLU: one gated launch against the GEMM, then "
+                     "the activation")  # fmt: skip
 
 
 if __name__ == "__main__":

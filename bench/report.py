@@ -38,6 +38,7 @@ ORDER = (
     "decode-attention",
     "gemm-decode",
     "gemm-decode-tp2",
+    "gemm-decode-gated",
     "prefill",
     "offline-gpu",
     "serving",

@@ -131,8 +131,8 @@ def test_skinny_linear_replays_in_a_cuda_graph(m: int, cfg: dict | None) -> None
 def test_layers_use_the_kernel_only_where_it_was_measured_to_win(
     dependent_launch: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With PDL: every measured (shape, rows) cell, the gated GEMV for gate_up where its config
-    is a GEMV; without: the cells that won on their own. Unmeasured shapes: F.linear."""
+    """With PDL: every measured (shape, rows) cell, the gated product for gate_up where its
+    config has no split-K; without: the cells that won on their own. Unmeasured shapes: F.linear."""
     from workers.kernels import fused, pdl, skinny_gemm
     from workers.model.layers import (
         ColumnParallelLinear,
@@ -158,7 +158,7 @@ def test_layers_use_the_kernel_only_where_it_was_measured_to_win(
     assert skinny_gemm.applies(1, qkv.weight)
     assert skinny_gemm.applies(16, qkv.weight) == dependent_launch
     assert skinny_gemm.applies(1, gate_up.weight, gated=True) == dependent_launch
-    assert not skinny_gemm.applies(16, gate_up.weight, gated=True)  # a dot config
+    assert skinny_gemm.applies(16, gate_up.weight, gated=True) == dependent_launch  # a dot config
     assert skinny_gemm.applies(64, head.weight) and not skinny_gemm.applies(65, head.weight)
     assert not skinny_gemm.applies(1, small.weight)
     for m in (1, 3, 16, 64, 300):  # 300 rows is prefill: F.linear
@@ -211,15 +211,38 @@ def test_gated_product_equals_the_gemm_then_silu_and_mul(
     assert_close(out, fused.silu_and_mul(skinny_linear(x, w, config=cfg)).double(), dtype)
 
 
-def test_gated_product_refuses_what_the_gemv_kernel_cannot_do() -> None:
+@pytest.mark.parametrize("swap", [True, False])
+@pytest.mark.parametrize("n,k", [(14336, 4096), (1536, 576), (100, 300)])
+@pytest.mark.parametrize("m", [2, 16, 33, 64])
+def test_gated_product_on_tensor_cores(m: int, n: int, k: int, swap: bool) -> None:
+    """The tensor-core kernel's gated launch (a tile of gate and one of up, half the config's
+    block_n each) against the unfused path."""
+    from workers.kernels import fused
+    from workers.kernels.skinny_gemm import skinny_linear
+    from workers.kernels.tuning import Config
+
+    dtype = torch.bfloat16
+    x = torch.randn(m, k, device="cuda").to(dtype)
+    w = (torch.randn(2 * n, k, device="cuda") / k**0.5).to(dtype)
+    cfg = Config(128, 128, num_stages=3, dot=True, swap=swap)
+    out = skinny_linear(x, w, config=cfg, gated=True)
+    gate, up = (part.to(dtype).double() for part in reference(x, w).chunk(2, dim=-1))
+    assert_close(out, F.silu(gate).to(dtype).double() * up, dtype)
+    assert_close(out, fused.silu_and_mul(skinny_linear(x, w, config=cfg)).double(), dtype)
+
+
+def test_gated_product_refuses_what_it_cannot_do() -> None:
     from workers.kernels.skinny_gemm import skinny_linear
     from workers.kernels.tuning import Config
 
     x = torch.randn(2, 256, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
-    for cfg in (Config(16, 64, dot=True), Config(8, 64, split_k=2)):
+    for cfg in (Config(16, 64, dot=True, split_k=2), Config(8, 64, split_k=2)):
         with pytest.raises(ValueError, match="gated"):
             skinny_linear(x, w, config=cfg, gated=True)
+    with pytest.raises(ValueError, match="gated"):
+        skinny_linear(x, w, torch.zeros(32, device="cuda", dtype=x.dtype), gated=True,
+                      config=Config(16, 64, dot=True))  # fmt: skip
 
 
 def rms_normed(x: torch.Tensor, eps: float) -> torch.Tensor:

@@ -19,6 +19,7 @@ which the engine's warm-up forwards do.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -61,15 +62,15 @@ def config_for(m: int, n: int, k: int, device: torch.device) -> Config:
 
 def applies(m: int, weight: torch.Tensor, gated: bool = False) -> bool:
     """Whether `skinny_linear` beats F.linear for `m` rows times this [N, K] weight (`gated`:
-    beats F.linear and `fused.silu_and_mul` for a [gate; up] weight, where the GEMV kernel does
-    both)."""
+    beats F.linear and `fused.silu_and_mul` for a [gate; up] weight, in one launch where its
+    config has no split-K)."""
     n, k = weight.shape
     key = (n, k, _bucket(m))
     if weight.stride(1) != 1 or not 0 < m <= 64:
         return False
     cells = table(weight.device)
     cfg = cells.configs.get(key)
-    if cfg is None or (gated and (cfg.dot or cfg.split_k > 1)):
+    if cfg is None or (gated and cfg.split_k > 1):
         return False
     # With dependent launch every measured cell: the kernel then streams its first weights
     # while the one before it ends, which made whole decode steps faster than cuBLAS's
@@ -102,7 +103,8 @@ def skinny_linear(
     """`F.linear(x, weight, bias)` for 2-D 16-bit `x` [M, K] and a row-major `weight` [N, K],
     in `out_dtype` (default x's; the product accumulates in float32 either way).
     `gated`: `weight` is [gate; up] ([2N, K], no bias) and the result `silu(gate) * up` [M, N],
-    with the GEMV kernel only (M <= MAX_GEMV_ROWS, no split-K).
+    without split-K; the tensor-core kernel then takes half the config's block_n a tile of
+    each, so a program reads as many weight bytes as the ungated product's.
     A batch-1 decoder layer without norm kernels (`LlamaForCausalLM.fold_norm_gains`):
     `sumsq_in` [M, SUMSQ_SLOTS] float64 holds partial sums of the squares of x's rows (the
     `sumsq_out` of the launch that wrote x): x is RMS-normalised with `eps` on the way in, its
@@ -113,10 +115,10 @@ def skinny_linear(
     if x.stride(1) != 1:
         x = x.contiguous()
     cfg = config or config_for(m, weight.shape[0], k, x.device)
-    if gated and (cfg.dot or cfg.split_k > 1 or bias is not None or out_dtype is not None):
-        raise ValueError(
-            "the gated product runs on the GEMV kernel, in x's dtype, without split-K or bias"
-        )
+    if gated and (cfg.split_k > 1 or bias is not None or out_dtype is not None):
+        raise ValueError("the gated product runs in x's dtype, without split-K or bias")
+    if gated and cfg.dot:
+        cfg = dataclasses.replace(cfg, block_n=max(16, cfg.block_n // 2))
     y = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
     for name, sums in (("sumsq_in", sumsq_in), ("sumsq_out", sumsq_out)):
         if sums is not None and (sums.shape != (m, SUMSQ_SLOTS) or sums.dtype != torch.float64):
@@ -135,13 +137,13 @@ def skinny_linear(
         if cfg.split_k * m * n > ws.numel() or grid[0] * grid[1] > locks.numel():
             raise ValueError(f"split-K {cfg.split_k} of a {m}x{n} output exceeds its buffers")
     kernel = dot_kernel if cfg.dot else gemv_kernel
-    extra = dict(SWAP=cfg.swap) if cfg.dot else dict(GATED=gated, LOOP_STAGES=cfg.num_stages)
+    extra = dict(SWAP=cfg.swap) if cfg.dot else dict(LOOP_STAGES=cfg.num_stages)
     r = residual if residual is not None else y  # unused pointers where off
     kernel[grid](
         x, weight, b, y, ws, locks, r, y if sumsq_in is None else sumsq_in,
         y if sumsq_out is None else sumsq_out, m, n, k, k_per, x.stride(0), weight.stride(0),
         y.stride(0), r.stride(0), eps,
-        HAS_BIAS=bias is not None, EVEN_K=k % (cfg.split_k * cfg.block_k) == 0,
+        GATED=gated, HAS_BIAS=bias is not None, EVEN_K=k % (cfg.split_k * cfg.block_k) == 0,
         SPLIT_K=cfg.split_k, NORM_IN=sumsq_in is not None, ADD_RESIDUAL=residual is not None,
         SUMSQ_OUT=sumsq_out is not None, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,

@@ -11,7 +11,14 @@ import triton
 import triton.language as tl
 
 from workers.kernels.pdl import start_dependents, wait_for_inputs
-from workers.kernels.skinny_tiles import epilogue, input_scale, k_tile, program_tiles, residual_tile
+from workers.kernels.skinny_tiles import (
+    epilogue,
+    input_scale,
+    k_tile,
+    program_tiles,
+    residual_tile,
+    silu_mul,
+)
 
 
 @triton.jit
@@ -55,9 +62,6 @@ def gemv_kernel(
             acc_up += k_tile(u_ptrs, k0, K, offs_k, EVEN_K, True).to(tl.float32)[None, :, :] * x
     y = tl.sum(acc, axis=2) * inv_rms[:, None]
     if GATED:
-        dtype = y_ptr.dtype.element_ty
-        gate = y.to(dtype).to(tl.float32)
-        act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
-        y = act * (tl.sum(acc_up, axis=2) * inv_rms[:, None]).to(dtype).to(tl.float32)
+        y = silu_mul(y, tl.sum(acc_up, axis=2) * inv_rms[:, None], y_ptr.dtype.element_ty)
     epilogue(y, res, y_ptr, b_ptr, ss_out_ptr, ws_ptr, lock_ptr, offs_m, offs_n, M, N, stride_y,
               HAS_BIAS, ADD_RESIDUAL, SUMSQ_OUT, SPLIT_K)  # fmt: skip

@@ -1,7 +1,7 @@
 """What both skinny GEMM kernels (`skinny_gemv`, `skinny_dot`) share: the addressing and loads
-of a program's tiles, the scale of an input RMSNorm folded into W, and the epilogue (bias,
-residual, the next norm's sums of squares, split-K's sum over programs). Accumulation is fp32
-with one rounding to y's dtype at the end, bias added in fp32 before it.
+of a program's tiles, the scale of an input RMSNorm folded into W, the gated activation, and
+the epilogue (bias, residual, the next norm's sums of squares, split-K's sum over programs).
+Accumulation is fp32 with one rounding to y's dtype at the end, bias added in fp32 before it.
 """
 
 from __future__ import annotations
@@ -88,6 +88,15 @@ def epilogue(
             finish(total, res, y_ptr, b_ptr, ss_ptr, offs_m, offs_n, M, N, stride_y,
                     HAS_BIAS, ADD_RESIDUAL, SUMSQ_OUT)  # fmt: skip
             tl.atomic_xchg(lock_ptr + tile, 0)
+
+
+@triton.jit
+def silu_mul(gate, up, dtype):
+    """silu(gate) * up of fp32 products, rounded to `dtype` where `fused.silu_and_mul` rounds
+    the unfused path: gate and up as the GEMM stores them, then the activation."""
+    gate = gate.to(dtype).to(tl.float32)
+    act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
+    return act * up.to(dtype).to(tl.float32)
 
 
 @triton.jit

@@ -42,8 +42,8 @@ def linear(
 
 def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`silu(x G^T) * (x U^T)` for `weight` = [G; U] (a gate_up projection, no bias). On CUDA in
-    16 bits the GEMV kernel does the product and the activation in one launch where it was
-    measured to win, and `fused.silu_and_mul` follows the GEMM elsewhere."""
+    16 bits the skinny GEMM does the product and the activation in one launch where it runs
+    without split-K, and `fused.silu_and_mul` follows the GEMM elsewhere."""
     if x.is_cuda and x.dtype in HALF_DTYPES and x.dim() == 2:
         from workers.kernels import (
             fused,  # Triton: imported on first CUDA use
