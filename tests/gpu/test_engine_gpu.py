@@ -226,12 +226,12 @@ def test_decode_layers_run_their_norms_inside_the_gemms(
 ) -> None:
     """Llama-3-8B's layer shapes (the skinny GEMM's measured cells), two layers, random weights:
     the norm gains fold into q/k/v and gate/up at load, and a decode step runs each layer as
-    GEMMs that normalise their input and add the residual. Teacher-forced, eager and in the
-    batch-1 and batch-2 CUDA graphs, it tracks the same weights with norm kernels
-    (`kernels.fold_norms=False`)."""
+    GEMMs that normalise their input and add the residual, and from 16 rows a q/k/v GEMM that
+    rotates and writes K/V itself. Teacher-forced, eager and in the batch-1, 2 and 16 CUDA
+    graphs, it tracks the same weights with norm kernels (`kernels.fold_norms=False`)."""
     import transformers
 
-    from workers.kernels import pdl
+    from workers.kernels import pdl, skinny_gemm
 
     if not pdl.enabled(torch.device("cuda")):
         pytest.skip("without dependent launch the skinny GEMM does not run every weight")
@@ -245,12 +245,14 @@ def test_decode_layers_run_their_norms_inside_the_gemms(
             (tmp_path / f.name).write_bytes(f.read_bytes())
     cfg = EngineConfig(
         model=str(tmp_path), load_format="dummy", device="cuda", dtype="bfloat16",
-        kv_cache_memory_gb=1, cuda_graph_batch_sizes=(1, 2),
+        kv_cache_memory_gb=1, cuda_graph_batch_sizes=(1, 2, 16),
     )  # fmt: skip
     fused = ModelRunner(cfg)
     plain = ModelRunner(cfg.model_copy(update={"kernels": KernelConfig(fold_norms=False)}))
     assert fused.model.norms_folded and not plain.model.norms_folded
-    for prompts in ([PROMPTS[2]], PROMPTS[1:3]):
+    qkv_weight = fused.model.model.layers[0].self_attn.qkv_proj.weight
+    assert skinny_gemm.rotary_applies(16, qkv_weight, 128)  # the 16-row graph's q/k/v
+    for prompts in ([PROMPTS[2]], PROMPTS[1:3], PROMPTS[:3]):  # 3 rows: the 16-row graph
         expect, expect_top1, gaps = decode_trace(plain, prompts, 16, None)
         for graphs in (None, fused.graphs):  # eager, then the CUDA graph
             fused.graphs = graphs

@@ -376,3 +376,74 @@ def test_dependent_launches_give_the_serial_results(
     monkeypatch.setattr(pdl, "_supported", lambda device_index: False)
     for value, got in zip(inputs, replayed, strict=True):
         assert torch.equal(got, _decoder_chain(value, weights, norm, folded))
+
+
+ROTARY_CONFIGS = [None, dict(block_n=128, block_k=128, num_stages=3, dot=True, swap=True),
+                  dict(block_n=32, block_k=64, num_stages=4, dot=True)]  # fmt: skip
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.bfloat16])
+@pytest.mark.parametrize("cfg", ROTARY_CONFIGS)
+@pytest.mark.parametrize("m", [16, 33, 64])
+def test_rotary_epilogue_equals_the_gemm_then_rotary_store(
+    m: int, cfg: dict | None, kv_dtype: torch.dtype
+) -> None:
+    """Llama-3-8B's q/k/v (6144 x 4096, heads of 128) with a bias and an input norm: the launch
+    that rotates and writes K/V in its epilogue gives the q and the pool bytes of the same
+    GEMM's q/k/v then `rope.rotary_store`, bit for bit, the table's config (None) included;
+    no other slot is written."""
+    from workers.attention.rotary import RotaryEmbedding
+    from workers.kernels import rope, skinny_gemm
+    from workers.kernels.skinny_tiles import SUMSQ_SLOTS
+    from workers.kernels.tuning import Config
+
+    hq, hkv, dim, pages, page_size = 32, 8, 128, 40, 16
+    config = Config(**cfg) if cfg else None
+    w = (torch.randn((hq + 2 * hkv) * dim, 4096, device="cuda") / 64).to(torch.bfloat16)
+    bias = torch.randn(w.shape[0], device="cuda").to(torch.bfloat16)
+    x = torch.randn(m, 4096, device="cuda").to(torch.bfloat16)
+    sums = torch.zeros(m, SUMSQ_SLOTS, dtype=torch.float64, device="cuda")
+    sums[:, 3] = x.double().square().sum(-1)
+    if config is None:
+        assert skinny_gemm.rotary_applies(m, w, dim)
+    positions = torch.randint(0, 8000, (m,), device="cuda")
+    cos, sin = RotaryEmbedding(dim, 500000.0, None).cuda().cos_sin(positions, torch.bfloat16)
+    slots = torch.randperm(pages * page_size, device="cuda")[:m]
+    slot_pages, slot_offsets = slots // page_size, slots % page_size
+    pool = torch.randn(pages, 2, page_size, hkv, dim, device="cuda").to(kv_dtype)
+    expect_pool = pool.clone()
+    store = rope.RotaryStore(cos, sin, pool, slot_pages, slot_offsets, 0.03, 0.02, hq)
+    q = skinny_gemm.skinny_linear(x, w, bias, config, sumsq_in=sums, eps=1e-5, rotary=store)
+    qkv = skinny_gemm.skinny_linear(x, w, bias, config, sumsq_in=sums, eps=1e-5)
+    parts = qkv.split([hq * dim, hkv * dim, hkv * dim], -1)
+    q_ref, k_ref, v_ref = (p.view(m, -1, dim) for p in parts)
+    expect = rope.rotary_store(q_ref, k_ref, v_ref, cos, sin, expect_pool, slot_pages,
+                               slot_offsets, 0.03, 0.02)  # fmt: skip
+    assert torch.equal(q.view(m, hq, dim), expect)
+    assert torch.equal(pool.view(torch.uint8), expect_pool.view(torch.uint8))
+
+
+def test_rotary_epilogue_refuses_what_it_cannot_do() -> None:
+    """No split-K, no tile across two heads, no other epilogue, a weight of the store's heads."""
+    from workers.kernels import rope, skinny_gemm
+    from workers.kernels.tuning import Config
+
+    w = torch.randn(6 * 64, 256, device="cuda").to(torch.bfloat16)
+    x = torch.randn(16, 256, device="cuda").to(torch.bfloat16)
+    cos = torch.ones(16, 1, 64, device="cuda", dtype=torch.bfloat16)
+    pool = torch.zeros(4, 2, 16, 1, 64, device="cuda", dtype=torch.bfloat16)
+    slots = torch.arange(16, device="cuda")
+    store = rope.RotaryStore(cos, cos, pool, slots // 16, slots % 16, 1.0, 1.0, 4)
+    good = Config(block_n=32, block_k=64, dot=True)
+    skinny_gemm.skinny_linear(x, w, config=good, rotary=store)
+    for cfg, kwargs in [
+        (Config(block_n=32, block_k=64, dot=True, split_k=2), {}),
+        (Config(block_n=128, block_k=64, dot=True), {}),
+        (Config(block_n=8, block_k=64), {}),  # the GEMV kernel
+        (good, dict(out_dtype=torch.float32)),
+        (good, dict(residual=torch.zeros(16, 6 * 64, device="cuda", dtype=torch.bfloat16))),
+    ]:
+        with pytest.raises(ValueError, match="rotary epilogue"):
+            skinny_gemm.skinny_linear(x, w, config=cfg, rotary=store, **kwargs)
+    with pytest.raises(ValueError, match="does not match"):
+        skinny_gemm.skinny_linear(x, w[:320], config=good, rotary=store)

@@ -1,6 +1,7 @@
-"""The skinny GEMM's gated launch (`skinny_gemm.skinny_linear(gated=True)`: silu(gate) * up of a
-[gate; up] weight in the GEMM's epilogue) in Triton's interpreter on the CPU, on both kernels,
-against the GEMM followed by the activation. In fp16: the interpreter's bf16 tensor-core
+"""The skinny GEMM's epilogues in Triton's interpreter on the CPU: the gated launch
+(`skinny_linear(gated=True)`: silu(gate) * up of a [gate; up] weight) on both kernels against the
+GEMM followed by the activation, and the rotary one (`skinny_linear(rotary=...)`) against the GEMM
+followed by `rope.rotary_store`. In fp16: the interpreter's bf16 tensor-core
 products come out wrong (~1e11 for unit inputs), its fp16 ones do not. The GPU
 tests are tests/gpu/test_skinny_gemm.py."""
 
@@ -45,10 +46,65 @@ def check() -> None:
         assert err < 2 * 2**-11, (fields, err)
 
 
-def test_gated_product_interpreted() -> None:
-    """In a process of its own: Triton reads TRITON_INTERPRET where a function is decorated."""
+def interpreted(check_name: str) -> None:
+    """Run `check_name` of this module in a process of its own: Triton reads TRITON_INTERPRET
+    where a function is decorated."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": REPO}
-    code = f"from {__name__} import check; check()"
+    code = f"from {__name__} import {check_name}; {check_name}()"
     proc = subprocess.run([sys.executable, "-W", "ignore", "-c", code], env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_gated_product_interpreted() -> None:
+    interpreted("check")
+
+
+ROTARY_CONFIGS = [  # (rows, Config fields): tiles of a whole head and of half of one
+    (16, dict(block_n=32, block_k=32, num_stages=2, dot=True, swap=True)),
+    (19, dict(block_n=16, block_k=32, num_stages=2, dot=True)),
+]
+
+
+def check_rotary() -> None:
+    """The rotary epilogue (`skinny_linear(rotary=...)`) against the same kernel's q/k/v product
+    then `rope.rotary_store`: the same q and pool bytes, into an FP8 and a 16-bit pool, with a
+    bias and an input norm; every other slot of the pool untouched."""
+    from workers.kernels import rope
+    from workers.kernels.skinny_gemm import skinny_linear
+    from workers.kernels.skinny_tiles import SUMSQ_SLOTS
+    from workers.kernels.tuning import Config
+
+    dtype, dim, hq, hkv, k, pages, page_size = torch.float16, 32, 4, 2, 64, 6, 8
+    gen = torch.Generator().manual_seed(1)
+    w = (torch.randn((hq + 2 * hkv) * dim, k, generator=gen) / k**0.5).to(dtype)
+    bias = torch.randn(w.shape[0], generator=gen).to(dtype)
+    for m, fields in ROTARY_CONFIGS:
+        cfg = Config(**fields)
+        x = torch.randn(m, k, generator=gen).to(dtype)
+        sums = torch.zeros(m, SUMSQ_SLOTS, dtype=torch.float64)
+        sums[:, 0] = x.double().square().sum(-1)
+        angles = torch.rand(m, 1, dim // 2, generator=gen) * 6
+        cos, sin = (torch.cat([f(angles)] * 2, -1).to(dtype) for f in (torch.cos, torch.sin))
+        slots = torch.randperm(pages * page_size, generator=gen)[:m]
+        slot_pages, slot_offsets = slots // page_size, slots % page_size
+        for kv_dtype, k_scale, v_scale in ((torch.float8_e4m3fn, 0.05, 0.1), (dtype, 1.0, 1.0)):
+            pools = [torch.randn(pages, 2, page_size, hkv, dim, generator=gen).to(kv_dtype)]
+            pools.append(pools[0].clone())
+            store = rope.RotaryStore(
+                cos, sin, pools[0], slot_pages, slot_offsets, k_scale, v_scale, hq
+            )
+            q = skinny_linear(x, w, bias, config=cfg, sumsq_in=sums, eps=1e-5, rotary=store)
+            qkv = skinny_linear(x, w, bias, config=cfg, sumsq_in=sums, eps=1e-5)
+            qs, ks, vs = qkv.split([hq * dim, hkv * dim, hkv * dim], -1)
+            expect = rope.rotary_store(
+                qs.view(m, hq, dim), ks.view(m, hkv, dim), vs.view(m, hkv, dim), cos, sin,
+                pools[1], slot_pages, slot_offsets, k_scale, v_scale,
+            )  # fmt: skip
+            assert torch.equal(q.view(m, hq, dim), expect), (fields, kv_dtype)
+            # Both pools started as one copy: the epilogue wrote what rotary_store wrote, no more.
+            assert torch.equal(pools[0].view(torch.uint8), pools[1].view(torch.uint8))
+
+
+def test_rotary_epilogue_interpreted() -> None:
+    interpreted("check_rotary")

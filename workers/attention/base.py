@@ -11,11 +11,15 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from workers.kvcache.kv_dtype import as_bytes, quantize
 from workers.kvcache.pool import KVPool
+
+if TYPE_CHECKING:
+    from workers.kernels.rope import RotaryStore
 
 
 @dataclass
@@ -63,6 +67,18 @@ class AttentionBackend(ABC):
         self, layer_id: int, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch
     ) -> None:
         store_kv(self.pool, layer_id, k, v, batch.slot_pages, batch.slot_offsets)
+
+    def rotary_store(
+        self, layer_id: int, cos: torch.Tensor, sin: torch.Tensor
+    ) -> RotaryStore | None:
+        """Where the q/k/v GEMM may write this step's K/V itself, rotating q and k in its
+        epilogue (CUDA backends); then `attend_rotated` attends. None: the model calls
+        `forward` (or `forward_rotary`) with q, k and v."""
+        return None
+
+    def attend_rotated(self, layer_id: int, q: torch.Tensor) -> torch.Tensor:
+        """Attention of the rotated q `[T, Hq, D]` whose K/V are already written."""
+        raise NotImplementedError(f"{type(self).__name__} has no rotary_store")
 
 
 def store_kv(

@@ -169,6 +169,21 @@ class _PagedFlashInfer(AttentionBackend):
         )  # fmt: skip
         return self._run(layer_id, q)
 
+    def rotary_store(
+        self, layer_id: int, cos: torch.Tensor, sin: torch.Tensor
+    ) -> rope.RotaryStore | None:
+        """What `forward_rotary`'s kernel does, for the q/k/v GEMM's epilogue; None where that
+        kernel would not run."""
+        half = cos.shape[-1] // 2
+        if cos.dtype != self.pool.compute_dtype or half & (half - 1):
+            return None
+        kv, scales = self.pool.layer(layer_id), self.pool.scales
+        return rope.RotaryStore(cos, sin, kv, self._slot_pages, self._slot_offsets,
+                                scales.k[layer_id], scales.v[layer_id], self._heads[0])  # fmt: skip
+
+    def attend_rotated(self, layer_id: int, q: torch.Tensor) -> torch.Tensor:
+        return self._run(layer_id, q)
+
 
 class FlashInferAttention(_PagedFlashInfer):
     """Any step: decode kernels for all-decode steps, causal prefill kernels otherwise."""
@@ -314,6 +329,12 @@ class GraphDecodeAttention(_PagedFlashInfer):
             q.to(kv.dtype), k.to(kv.dtype), v.to(kv.dtype), cos, sin, kv, self.kv_indptr,
             self.kv_indices, self.last_page_len, self.slot_pages, self.slot_offsets,
         )  # fmt: skip
+
+    def rotary_store(
+        self, layer_id: int, cos: torch.Tensor, sin: torch.Tensor
+    ) -> rope.RotaryStore | None:
+        """The parent's, but not at batch 1, whose kernel rotates and writes in the attention."""
+        return None if self.split_kv is not None else super().rotary_store(layer_id, cos, sin)
 
     def _run(self, layer_id: int, q: torch.Tensor) -> torch.Tensor:
         if self.xqa is None and self.fp8 is None:

@@ -18,6 +18,11 @@ from workers.kernels import pdl
 from workers.kernels.pdl import start_dependents, wait_for_inputs
 
 MAX_CHUNKS = 256
+MIN_CHUNK = 256
+# Chunk programs a launch aims at, rows times chunks: 64 rows of 128k float32 logits after the
+# LM head took 21.3 µs in 64 x 256 programs of 4 warps, 14.2 µs in 64 x 32 of 8 (H200).
+PROGRAMS = 2048
+CHUNK_WARPS = 8
 
 
 @triton.jit
@@ -65,7 +70,7 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """`x.argmax(dim=-1)` of a 2-D CUDA tensor whose last dimension is contiguous (int64)."""
     rows, vocab = x.shape
     assert x.stride(-1) == 1 and vocab > 0
-    chunks = min(MAX_CHUNKS, triton.cdiv(vocab, 256))
+    chunks = max(1, min(MAX_CHUNKS, triton.cdiv(vocab, MIN_CHUNK), triton.cdiv(PROGRAMS, rows)))
     chunk = triton.cdiv(vocab, chunks)
     chunks = triton.cdiv(vocab, chunk)  # none empty
     top = torch.empty((rows, chunks), dtype=torch.float32, device=x.device)
@@ -75,7 +80,7 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
         options = pdl.launch_options(x)
         _chunk_max_kernel[(rows, chunks)](
             x, top, at, x.stride(0), vocab, CHUNK=chunk, BLOCK=triton.next_power_of_2(chunk),
-            num_warps=4, **options,
+            num_warps=CHUNK_WARPS, **options,
         )  # fmt: skip
         _pick_chunk_kernel[(rows,)](
             top, at, out, chunks, BLOCK=triton.next_power_of_2(chunks), num_warps=4, **options

@@ -3,6 +3,8 @@ where torch's form takes several, rounding where the torch code rounds (`fused.p
 - `rotary`: `x * cos + rotate_half(x) * sin` in float32, one rounding at the end;
 - `rotary_store`: `rotary` of q and k, with the rotated k and the untouched v written straight
   into their KV pool slots (what `AttentionBackend.store_kv` does), in one kernel;
+- `store_rotated`: the same as the epilogue of the q/k/v GEMM (`skinny_dot`, from 16 rows), so
+  neither the q/k/v tensor nor a kernel of its own is needed (`RotaryStore` says where to);
 - `cos_sin`: the per-token cos and sin from the positions, in float32 like HF, rounded to the
   16-bit dtype (torch's form is seven kernels: a batch-1 step's kernels before its first layer
   took 19.5 µs with them, 8.7 with this one).
@@ -11,6 +13,8 @@ Each launches with programmatic dependent launch where the GPU has it (`pdl.py`)
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -142,6 +146,74 @@ def _rotary_store_kernel(
     tl.store(v_dst + HALF, _kv_value(v2, KV_MAX).to(ty), mask=km)
 
 
+@dataclass(frozen=True)
+class RotaryStore:
+    """Where a q/k/v GEMM with the rotary epilogue (`skinny_gemm.skinny_linear(rotary=...)`)
+    puts its results, as `rotary_store` would: the step's `cos`/`sin` `[T, 1, D]`, one layer's
+    pool view `kv` `[pages, 2, page_size, Hkv, D]`, the tokens' slots and the K/V scales."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    kv: torch.Tensor
+    slot_pages: torch.Tensor
+    slot_offsets: torch.Tensor
+    k_scale: float
+    v_scale: float
+    num_q_heads: int
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.kv.shape[-2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv.shape[-1]
+
+
+@triton.jit
+def store_rotated(
+    y, offs_m, M, tile, q_ptr, cos_ptr, sin_ptr, kv_ptr, slot_pages_ptr, slot_offsets_ptr,
+    cs_stride, kv_stride_page, kv_stride_kv, kv_stride_slot, kv_stride_head,
+    num_q_heads, num_kv_heads, k_inv_scale, v_inv_scale,
+    BLOCK_N: tl.constexpr, HALF: tl.constexpr, KV_MAX: tl.constexpr,
+):  # fmt: skip
+    """The q/k/v GEMM's epilogue for a tile of `skinny_tiles.rotary_columns` (y `[BLOCK_M,
+    BLOCK_N]` fp32, already rounded to q's dtype as the GEMM would store it): what
+    `_rotary_store_kernel` does with those values, in the same float32 arithmetic. A tile lies
+    in one head: q heads are rotated into q `[M, Hq, 2 * HALF]`, k heads rotated and v heads as
+    they are written into their rows' KV slots."""
+    per_head: tl.constexpr = 2 * HALF // BLOCK_N
+    head = tile // per_head
+    dims = (tile % per_head) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)[None, :]
+    x1, x2 = tl.split(tl.reshape(y, [y.shape[0], BLOCK_N // 2, 2]))
+    rows = offs_m.to(tl.int64)[:, None]
+    mask = rows < M
+    if head < num_q_heads + num_kv_heads:  # q or k: rotated
+        cos = tl.load(cos_ptr + rows * cs_stride + dims, mask=mask, other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + rows * cs_stride + dims, mask=mask, other=0.0).to(tl.float32)
+        x1, x2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    if head < num_q_heads:
+        q_dst = q_ptr + rows * num_q_heads * 2 * HALF + head * 2 * HALF + dims
+        tl.store(q_dst, x1.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(q_dst + HALF, x2.to(q_ptr.dtype.element_ty), mask=mask)
+    else:
+        is_v = head >= num_q_heads + num_kv_heads
+        kv_head = head - num_q_heads - is_v * num_kv_heads
+        inv_scale = tl.where(is_v, v_inv_scale, k_inv_scale)
+        page = tl.load(slot_pages_ptr + rows, mask=mask, other=0).to(tl.int64)
+        slot = tl.load(slot_offsets_ptr + rows, mask=mask, other=0).to(tl.int64)
+        dst = (kv_ptr + page * kv_stride_page + is_v * kv_stride_kv + slot * kv_stride_slot
+               + kv_head * kv_stride_head + dims)  # fmt: skip
+        ty = kv_ptr.dtype.element_ty
+        tl.store(dst, _kv_value(x1 * inv_scale, KV_MAX).to(ty), mask=mask)
+        tl.store(dst + HALF, _kv_value(x2 * inv_scale, KV_MAX).to(ty), mask=mask)
+
+
+def kv_max(kv: torch.Tensor) -> float:
+    """What `_kv_value` saturates to in pool `kv`: an FP8 pool's range, 0 (none) for 16 bits."""
+    return torch.finfo(kv.dtype).max if kv.element_size() == 1 else 0.0
+
+
 @triton.jit
 def _kv_value(x, KV_MAX: tl.constexpr):
     """`x` saturated to an FP8 pool's range (KV_MAX > 0), as `kv_dtype.quantize` does."""
@@ -201,7 +273,7 @@ def rotary_store(
             HALF=dim // 2,
             Q_BLOCK=triton.next_power_of_2(num_q_heads),
             KV_BLOCK=triton.next_power_of_2(num_kv_heads),
-            KV_MAX=torch.finfo(kv.dtype).max if kv.element_size() == 1 else 0.0,  # FP8
+            KV_MAX=kv_max(kv),
             num_warps=4,
             **pdl.launch_options(q),
         )

@@ -26,6 +26,7 @@ import torch
 import triton
 
 from workers.kernels import pdl
+from workers.kernels.rope import RotaryStore, kv_max
 from workers.kernels.skinny_dot import dot_kernel
 from workers.kernels.skinny_gemv import gemv_kernel
 from workers.kernels.skinny_tiles import SUMSQ_SLOTS
@@ -78,6 +79,15 @@ def applies(m: int, weight: torch.Tensor, gated: bool = False) -> bool:
     return key in cells.wins or pdl.enabled(weight.device)
 
 
+def rotary_applies(m: int, weight: torch.Tensor, head_dim: int) -> bool:
+    """Whether `skinny_linear(rotary=...)` takes `m` rows times this q/k/v weight: the
+    tensor-core kernel without split-K, its tiles within a head."""
+    if not applies(m, weight):
+        return False
+    cfg = config_for(m, weight.shape[0], weight.shape[1], weight.device)
+    return cfg.dot and cfg.split_k == 1 and head_dim % cfg.block_n == 0 and cfg.block_n >= 2
+
+
 WORKSPACE_FLOATS = 8 * 2**20  # split-K partials: split_k * M * N fp32 values at most
 LOCKS = 2**16  # split-K tile counters: output tiles per launch at most
 _split_buffers: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -99,6 +109,7 @@ def skinny_linear(
     config: Config | None = None, gated: bool = False, out_dtype: torch.dtype | None = None,
     sumsq_in: torch.Tensor | None = None, eps: float = 0.0,
     residual: torch.Tensor | None = None, sumsq_out: torch.Tensor | None = None,
+    rotary: RotaryStore | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """`F.linear(x, weight, bias)` for 2-D 16-bit `x` [M, K] and a row-major `weight` [N, K],
     in `out_dtype` (default x's; the product accumulates in float32 either way).
@@ -109,7 +120,10 @@ def skinny_linear(
     `sumsq_in` [M, SUMSQ_SLOTS] float64 holds partial sums of the squares of x's rows (the
     `sumsq_out` of the launch that wrote x): x is RMS-normalised with `eps` on the way in, its
     gain already in W's columns. `residual` [M, N]: y = residual + x W^T. `sumsq_out` (zeroed by
-    the caller): the squares of y's rows are added into it, for the next launch's `sumsq_in`."""
+    the caller): the squares of y's rows are added into it, for the next launch's `sumsq_in`.
+    `rotary`: `weight` is a q/k/v projection ([Hq + 2 Hkv] heads of `rotary.head_dim` rows) and
+    the tensor-core kernel's epilogue does `rope.rotary_store` (`rotary_applies`): k and v go
+    into the KV pool and the result is the rotated q [M, Hq * head_dim], in x's dtype."""
     m, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     if x.stride(1) != 1:
@@ -119,7 +133,10 @@ def skinny_linear(
         raise ValueError("the gated product runs in x's dtype, without split-K or bias")
     if gated and cfg.dot:
         cfg = dataclasses.replace(cfg, block_n=max(16, cfg.block_n // 2))
-    y = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
+    others = gated or out_dtype is not None or residual is not None or sumsq_out is not None
+    rot = _rotary_args(rotary, cfg, x, n, others)
+    out_n = n if rotary is None else rotary.num_q_heads * rotary.head_dim
+    y = torch.empty((m, out_n), dtype=out_dtype or x.dtype, device=x.device)
     for name, sums in (("sumsq_in", sumsq_in), ("sumsq_out", sumsq_out)):
         if sums is not None and (sums.shape != (m, SUMSQ_SLOTS) or sums.dtype != torch.float64):
             raise ValueError(f"{name} must be float64 [{m}, {SUMSQ_SLOTS}], not {sums.shape}")
@@ -137,12 +154,14 @@ def skinny_linear(
         if cfg.split_k * m * n > ws.numel() or grid[0] * grid[1] > locks.numel():
             raise ValueError(f"split-K {cfg.split_k} of a {m}x{n} output exceeds its buffers")
     kernel = dot_kernel if cfg.dot else gemv_kernel
-    extra = dict(SWAP=cfg.swap) if cfg.dot else dict(LOOP_STAGES=cfg.num_stages)
+    extra = dict(LOOP_STAGES=cfg.num_stages)
+    if cfg.dot:
+        extra = dict(SWAP=cfg.swap, ROTARY_HALF=rot[-2], KV_MAX=rot[-1])
     r = residual if residual is not None else y  # unused pointers where off
     kernel[grid](
         x, weight, b, y, ws, locks, r, y if sumsq_in is None else sumsq_in,
         y if sumsq_out is None else sumsq_out, m, n, k, k_per, x.stride(0), weight.stride(0),
-        y.stride(0), r.stride(0), eps,
+        y.stride(0), r.stride(0), eps, *(rot[:-2] if cfg.dot else ()),
         GATED=gated, HAS_BIAS=bias is not None, EVEN_K=k % (cfg.split_k * cfg.block_k) == 0,
         SPLIT_K=cfg.split_k, NORM_IN=sumsq_in is not None, ADD_RESIDUAL=residual is not None,
         SUMSQ_OUT=sumsq_out is not None, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
@@ -150,3 +169,27 @@ def skinny_linear(
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}), **pdl.launch_options(x),
     )  # fmt: skip
     return y
+
+
+def _rotary_args(
+    store: RotaryStore | None, cfg: Config, x: torch.Tensor, n: int, other_epilogue: bool
+) -> tuple:
+    """The dot kernel's rotary arguments (`rope.store_rotated`), then ROTARY_HALF and KV_MAX;
+    unused placeholders (ROTARY_HALF 0) without `store`."""
+    if store is None:
+        return (x, x, x, x, x) + (0,) * 7 + (1.0, 1.0, 0, 0.0)
+    dim, kv = store.head_dim, store.kv
+    if not cfg.dot or cfg.split_k > 1 or dim % cfg.block_n or cfg.block_n < 2 or other_epilogue:
+        raise ValueError(
+            f"the rotary epilogue needs the tensor-core kernel, no split-K, tiles within a head "
+            f"of {dim} and no other epilogue; got {cfg} for a {dim}-wide head"
+        )
+    if n != (store.num_q_heads + 2 * store.num_kv_heads) * dim or kv.stride(-1) != 1:
+        raise ValueError(f"a q/k/v weight of {n} rows does not match {store}")
+    if store.cos.stride(-1) != 1 or store.cos.stride() != store.sin.stride():
+        raise ValueError("cos and sin must share their strides, the last one 1")
+    return (
+        store.cos, store.sin, kv, store.slot_pages, store.slot_offsets, store.cos.stride(0),
+        kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), store.num_q_heads,
+        store.num_kv_heads, 1.0 / store.k_scale, 1.0 / store.v_scale, dim // 2, kv_max(kv),
+    )  # fmt: skip

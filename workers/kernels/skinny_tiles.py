@@ -118,14 +118,29 @@ def k_tile(ptrs, k0, K, offs_k, EVEN_K: tl.constexpr, WEIGHT: tl.constexpr):
 
 
 @triton.jit
+def rotary_columns(tile, BLOCK_N: tl.constexpr, HALF: tl.constexpr):
+    """The W rows of tile `tile` of a q/k/v weight whose heads are 2 * HALF rows, for a rotary
+    epilogue (`rope.store_rotated`): each rotated pair (d, d + HALF) of one head side by side,
+    local column 2r holding dimension j0 + r and 2r + 1 dimension j0 + r + HALF."""
+    per_head: tl.constexpr = 2 * HALF // BLOCK_N
+    i = tl.arange(0, BLOCK_N)
+    j0 = (tile % per_head) * (BLOCK_N // 2)
+    return (tile // per_head) * 2 * HALF + (i % 2) * HALF + j0 + i // 2
+
+
+@triton.jit
 def program_tiles(
     x_ptr, w_ptr, M, N, K_PER, stride_x, stride_w,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ROTARY_HALF: tl.constexpr,
 ):  # fmt: skip
-    """This program's rows of x and y (offs_m), rows of W (offs_n), first K column and pointers
-    to its first K tile of x and W. A tail tile re-reads valid rows (modulo); its results are
-    never stored."""
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    """This program's rows of x and y (offs_m), rows of W (offs_n; ROTARY_HALF > 0: a head's
+    `rotary_columns`), first K column and pointers to its first K tile of x and W. A tail tile
+    re-reads valid rows (modulo); its results are never stored."""
+    if ROTARY_HALF > 0:
+        offs_n = rotary_columns(tl.program_id(0), BLOCK_N, ROTARY_HALF)
+    else:
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     k_start = tl.program_id(2) * K_PER
     offs_k = tl.arange(0, BLOCK_K)

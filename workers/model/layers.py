@@ -8,12 +8,16 @@ layout and no rank ever holds another rank's slice.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from workers.parallel.group import SINGLE, TPGroup
+
+if TYPE_CHECKING:
+    from workers.kernels.rope import RotaryStore
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)  # CUDA: workers/kernels/fused.py, skinny_gemm.py
 WeightLoader = Callable[[nn.Parameter, torch.Tensor, "int | str | None"], None]
@@ -77,6 +81,22 @@ def rms_linear(
     in_one = gated and skinny_gemm.applies(x.shape[0], weight, gated=True)
     y = skinny_gemm.skinny_linear(x, weight, bias, gated=in_one, sumsq_in=sumsq, eps=norm.eps)
     return fused.silu_and_mul(y) if gated and not in_one else y
+
+
+def rms_linear_rotary(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm: RMSNorm,
+    sumsq: torch.Tensor | None, store: RotaryStore | None,
+) -> torch.Tensor | None:  # fmt: skip
+    """`rms_linear` of a q/k/v weight whose GEMM epilogue also rotates q and k and writes k and
+    v where `store` says (`skinny_gemm.skinny_linear(rotary=...)`): the rotated q
+    `[M, Hq * head_dim]`. None where the skinny GEMM does not take it that way."""
+    if sumsq is None or store is None or x.dtype != store.cos.dtype:
+        return None
+    from workers.kernels import skinny_gemm  # Triton: imported on first CUDA use
+
+    if not skinny_gemm.rotary_applies(x.shape[0], weight, store.head_dim):
+        return None
+    return skinny_gemm.skinny_linear(x, weight, bias, sumsq_in=sumsq, eps=norm.eps, rotary=store)
 
 
 def residual_linear(

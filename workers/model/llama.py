@@ -25,6 +25,7 @@ from workers.model.layers import (
     VocabParallelEmbedding,
     residual_linear,
     rms_linear,
+    rms_linear_rotary,
     silu_and_mul_linear,
     skinny_takes_all,
 )
@@ -66,9 +67,17 @@ class Attention(nn.Module):
     ) -> torch.Tensor:  # fmt: skip
         """`residual + attention(norm(residual))` with `norm`'s gain folded into q/k/v
         (`LlamaForCausalLM.fold_norm_gains`); `sum_in`: the sums of squares of `residual`'s
-        rows, `sum_out`: zeros to add the result's into (see `rms_linear`)."""
-        qkv = rms_linear(residual, self.qkv_proj.weight, self.qkv_proj.bias, norm, sum_in)
-        out = self.attend(qkv, cos_sin, attn)
+        rows, `sum_out`: zeros to add the result's into (see `rms_linear`). Where the backend
+        lets the q/k/v GEMM rotate and write K/V itself (`rotary_store`), no tensor of q/k/v
+        and no rotary kernel come between the GEMM and the attention."""
+        w, bias = self.qkv_proj.weight, self.qkv_proj.bias
+        store = attn.rotary_store(self.layer_id, *cos_sin) if self.q_norm is None else None
+        q = rms_linear_rotary(residual, w, bias, norm, sum_in, store)
+        if q is not None:
+            q = q.view(-1, self.num_heads, self.head_dim)
+            out = attn.attend_rotated(self.layer_id, q).reshape(q.shape[0], -1)
+        else:
+            out = self.attend(rms_linear(residual, w, bias, norm, sum_in), cos_sin, attn)
         return residual_linear(out, self.o_proj.weight, residual, sum_out)
 
     def attend(
