@@ -70,7 +70,7 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """`x.argmax(dim=-1)` of a 2-D CUDA tensor whose last dimension is contiguous (int64)."""
     rows, vocab = x.shape
     assert x.stride(-1) == 1 and vocab > 0
-    chunks = max(1, min(MAX_CHUNKS, triton.cdiv(vocab, MIN_CHUNK), triton.cdiv(PROGRAMS, rows)))
+    chunks = min(MAX_CHUNKS, triton.cdiv(vocab, MIN_CHUNK), triton.cdiv(PROGRAMS, max(rows, 1)))
     chunk = triton.cdiv(vocab, chunks)
     chunks = triton.cdiv(vocab, chunk)  # none empty
     top = torch.empty((rows, chunks), dtype=torch.float32, device=x.device)
