@@ -273,7 +273,7 @@ def test_split_kv_decode_kernel_matches_reference(
     per split); short and long together (splits with no past tokens). `all_merge`: every split
     merges a slice (on an H200 all programs fit), the second launch across the counters' wrap
     at 2^31; else the last split merges all and resets its counter."""
-    from workers.attention.flashinfer import paged_metadata
+    from workers.attention.paged_metadata import paged_metadata
     from workers.kernels.split_kv_decode import SplitKVDecode
 
     hq, hkv, d = HEADS[heads]

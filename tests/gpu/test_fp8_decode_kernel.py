@@ -66,7 +66,7 @@ def check_kernel(
 ) -> None:  # fmt: skip
     """The kernel (`launch`, else the table's; XQA with `xqa_splits` splits where given)
     against the torch reference, three layers."""
-    from workers.attention.flashinfer import paged_metadata
+    from workers.attention.paged_metadata import paged_metadata
     from workers.attention.xqa_decode import XQABuffers, XQADecode
     from workers.kernels.fp8_decode import FP8Decode
 

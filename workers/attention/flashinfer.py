@@ -6,11 +6,7 @@ K and V scales passed to `run`; CUDA-graph decode steps read it with a Triton ke
 (`kernels/fp8_decode.py`), or on Hopper with FlashInfer's XQA (`xqa_decode.py`), whichever the
 GPU's table has the faster at the batch size.
 
-FlashInfer reads a page table in CSR form: sequence i's pages are
-`kv_indices[kv_indptr[i]:kv_indptr[i+1]]`, the last one holding `last_page_len[i]` tokens.
-`paged_metadata` derives that form from an `AttentionBatch`: the small per-sequence arrays on the
-host (pinned; FlashInfer's planner reads them there), the page ids gathered on the device from the
-batch's page table, so planning never waits on the GPU.
+FlashInfer reads a page table in CSR form (`paged_metadata.py`).
 
 Two backends share the per-layer work (write the new K/V into the pool, then attend; the model
 calls `forward_rotary`, which also applies the rotary embedding to q and k in the kernel that
@@ -23,7 +19,6 @@ writes K/V, `rope.rotary_store`):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TypeAlias
 
 import flashinfer
@@ -32,11 +27,12 @@ import torch
 
 from workers.attention import xqa_decode
 from workers.attention.base import AttentionBackend, AttentionBatch, store_kv
+from workers.attention.paged_metadata import PagedMetadata, paged_metadata
 from workers.attention.rotary import apply_rotary
 from workers.attention.xqa_decode import XQABuffers, XQADecode
 from workers.kernels import fp8_decode, rope, split_kv_decode
 from workers.kernels.fp8_decode import FP8Decode
-from workers.kernels.host_staging import host_array, to_device
+from workers.kernels.host_staging import host_array
 from workers.kernels.split_kv_decode import SplitKVDecode
 from workers.kvcache.pool import KVPool
 
@@ -64,38 +60,6 @@ _Wrapper: TypeAlias = (
 
 def new_workspace(device: torch.device) -> torch.Tensor:
     return torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-
-
-@dataclass
-class PagedMetadata:
-    qo_indptr: torch.Tensor  # [B+1] int32, host
-    kv_indptr: torch.Tensor  # [B+1] int32, host
-    last_page_len: torch.Tensor  # [B] int32, host, in [1, page_size]
-    kv_indices: torch.Tensor  # [kv_indptr[-1]] int32, on the pool's device
-
-
-def paged_metadata(batch: AttentionBatch, page_size: int) -> PagedMetadata:
-    """CSR page table of `batch`. Invariant: sequence i's pages are its first
-    `ceil(kv_lens[i] / page_size)` page-table entries, in order."""
-    kv_lens = np.asarray(batch.kv_lens, dtype=np.int64)
-    q_lens = np.asarray(batch.q_lens, dtype=np.int64)
-    num_pages = -(-kv_lens // page_size)
-    kv_indptr = np.zeros(len(kv_lens) + 1, dtype=np.int64)
-    np.cumsum(num_pages, out=kv_indptr[1:])
-    qo_indptr = np.zeros(len(q_lens) + 1, dtype=np.int64)
-    np.cumsum(q_lens, out=qo_indptr[1:])
-    width = batch.page_table.shape[1]
-    # Flat index of (row, j) for j < num_pages[row], rows in order.
-    rows = np.repeat(np.arange(len(kv_lens)), num_pages)
-    flat = rows * width + (np.arange(int(kv_indptr[-1])) - kv_indptr[rows])
-    device = batch.page_table.device
-    gather = to_device(flat, device)
-    return PagedMetadata(
-        qo_indptr=host_array(qo_indptr.astype(np.int32), device),
-        kv_indptr=host_array(kv_indptr.astype(np.int32), device),
-        last_page_len=host_array((kv_lens - (num_pages - 1) * page_size).astype(np.int32), device),
-        kv_indices=batch.page_table.reshape(-1)[gather],
-    )
 
 
 class _PagedFlashInfer(AttentionBackend):
@@ -158,24 +122,29 @@ class _PagedFlashInfer(AttentionBackend):
         """`forward` of q and k before their rotary embedding: one Triton kernel rotates q and k
         and writes k and v into the pool (per layer, 1 launch instead of 2 rotary kernels and
         2 index writes). Same values as rotating with `rope.rotary` and then `forward`."""
-        kv, dtype, scales = self.pool.layer(layer_id), self.pool.compute_dtype, self.pool.scales
-        half = q.shape[-1] // 2
-        if q.dtype != dtype or k.dtype != dtype or half & (half - 1):
+        if not self._rope_kernel_takes(q, k):
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             return self.forward(layer_id, q, k, v)
+        kv, scales = self.pool.layer(layer_id), self.pool.scales
         q = rope.rotary_store(
             q, k, v, cos, sin, kv, self._slot_pages, self._slot_offsets,
             scales.k[layer_id], scales.v[layer_id],
         )  # fmt: skip
         return self._run(layer_id, q)
 
+    def _rope_kernel_takes(self, *tensors: torch.Tensor) -> bool:
+        """Whether `rope`'s kernels take these q/k/cos tensors: in the pool's compute dtype,
+        heads of a power-of-2 half."""
+        half = tensors[0].shape[-1] // 2
+        dtype = self.pool.compute_dtype
+        return all(t.dtype == dtype for t in tensors) and not half & (half - 1)
+
     def rotary_store(
         self, layer_id: int, cos: torch.Tensor, sin: torch.Tensor
     ) -> rope.RotaryStore | None:
         """What `forward_rotary`'s kernel does, for the q/k/v GEMM's epilogue; None where that
         kernel would not run."""
-        half = cos.shape[-1] // 2
-        if cos.dtype != self.pool.compute_dtype or half & (half - 1):
+        if not self._rope_kernel_takes(cos):
             return None
         kv, scales = self.pool.layer(layer_id), self.pool.scales
         return rope.RotaryStore(cos, sin, kv, self._slot_pages, self._slot_offsets,

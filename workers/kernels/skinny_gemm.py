@@ -84,8 +84,13 @@ def rotary_applies(m: int, weight: torch.Tensor, head_dim: int) -> bool:
     tensor-core kernel without split-K, its tiles within a head."""
     if not applies(m, weight):
         return False
-    cfg = config_for(m, weight.shape[0], weight.shape[1], weight.device)
-    return cfg.dot and cfg.split_k == 1 and head_dim % cfg.block_n == 0 and cfg.block_n >= 2
+    return _rotary_fits(config_for(m, weight.shape[0], weight.shape[1], weight.device), head_dim)
+
+
+def _rotary_fits(cfg: Config, head_dim: int) -> bool:
+    """The rotary epilogue's needs of a config: the tensor-core kernel, no split-K (one program
+    holds the finished tile), tiles of whole rotated pairs within one head."""
+    return cfg.dot and cfg.split_k == 1 and cfg.block_n >= 2 and head_dim % cfg.block_n == 0
 
 
 WORKSPACE_FLOATS = 8 * 2**20  # split-K partials: split_k * M * N fp32 values at most
@@ -134,7 +139,7 @@ def skinny_linear(
     if gated and cfg.dot:
         cfg = dataclasses.replace(cfg, block_n=max(16, cfg.block_n // 2))
     others = gated or out_dtype is not None or residual is not None or sumsq_out is not None
-    rot = _rotary_args(rotary, cfg, x, n, others)
+    rot_args, rot_half, rot_kv_max = _rotary_args(rotary, cfg, x, n, others)
     out_n = n if rotary is None else rotary.num_q_heads * rotary.head_dim
     y = torch.empty((m, out_n), dtype=out_dtype or x.dtype, device=x.device)
     for name, sums in (("sumsq_in", sumsq_in), ("sumsq_out", sumsq_out)):
@@ -154,14 +159,14 @@ def skinny_linear(
         if cfg.split_k * m * n > ws.numel() or grid[0] * grid[1] > locks.numel():
             raise ValueError(f"split-K {cfg.split_k} of a {m}x{n} output exceeds its buffers")
     kernel = dot_kernel if cfg.dot else gemv_kernel
-    extra = dict(LOOP_STAGES=cfg.num_stages)
+    extra: dict[str, object] = dict(LOOP_STAGES=cfg.num_stages)
     if cfg.dot:
-        extra = dict(SWAP=cfg.swap, ROTARY_HALF=rot[-2], KV_MAX=rot[-1])
+        extra = dict(SWAP=cfg.swap, ROTARY_HALF=rot_half, KV_MAX=rot_kv_max)
     r = residual if residual is not None else y  # unused pointers where off
     kernel[grid](
         x, weight, b, y, ws, locks, r, y if sumsq_in is None else sumsq_in,
         y if sumsq_out is None else sumsq_out, m, n, k, k_per, x.stride(0), weight.stride(0),
-        y.stride(0), r.stride(0), eps, *(rot[:-2] if cfg.dot else ()),
+        y.stride(0), r.stride(0), eps, *(rot_args if cfg.dot else ()),
         GATED=gated, HAS_BIAS=bias is not None, EVEN_K=k % (cfg.split_k * cfg.block_k) == 0,
         SPLIT_K=cfg.split_k, NORM_IN=sumsq_in is not None, ADD_RESIDUAL=residual is not None,
         SUMSQ_OUT=sumsq_out is not None, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
@@ -173,13 +178,13 @@ def skinny_linear(
 
 def _rotary_args(
     store: RotaryStore | None, cfg: Config, x: torch.Tensor, n: int, other_epilogue: bool
-) -> tuple:
-    """The dot kernel's rotary arguments (`rope.store_rotated`), then ROTARY_HALF and KV_MAX;
+) -> tuple[tuple, int, float]:
+    """The dot kernel's rotary arguments (`rope.store_rotated`), its ROTARY_HALF and KV_MAX;
     unused placeholders (ROTARY_HALF 0) without `store`."""
     if store is None:
-        return (x, x, x, x, x) + (0,) * 7 + (1.0, 1.0, 0, 0.0)
+        return (x, x, x, x, x) + (0,) * 7 + (1.0, 1.0), 0, 0.0
     dim, kv = store.head_dim, store.kv
-    if not cfg.dot or cfg.split_k > 1 or dim % cfg.block_n or cfg.block_n < 2 or other_epilogue:
+    if not _rotary_fits(cfg, dim) or other_epilogue:
         raise ValueError(
             f"the rotary epilogue needs the tensor-core kernel, no split-K, tiles within a head "
             f"of {dim} and no other epilogue; got {cfg} for a {dim}-wide head"
@@ -188,8 +193,9 @@ def _rotary_args(
         raise ValueError(f"a q/k/v weight of {n} rows does not match {store}")
     if store.cos.stride(-1) != 1 or store.cos.stride() != store.sin.stride():
         raise ValueError("cos and sin must share their strides, the last one 1")
-    return (
+    args = (
         store.cos, store.sin, kv, store.slot_pages, store.slot_offsets, store.cos.stride(0),
         kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), store.num_q_heads,
-        store.num_kv_heads, 1.0 / store.k_scale, 1.0 / store.v_scale, dim // 2, kv_max(kv),
+        store.num_kv_heads, 1.0 / store.k_scale, 1.0 / store.v_scale,
     )  # fmt: skip
+    return args, dim // 2, kv_max(kv)
