@@ -19,6 +19,7 @@ from tests.gpu.conftest import count_replays, hf_judge
 from workers import LLM, SamplingParams
 from workers.config import EngineConfig, KernelConfig
 from workers.engine.model_runner import ModelRunner
+from workers.kernels.weight_blocks import BLOCK_ROWS, rows_per_block
 from workers.scheduler.step import StepInput
 from workers.sequence import Sequence
 
@@ -228,7 +229,8 @@ def test_decode_layers_run_their_norms_inside_the_gemms(
     the norm gains fold into q/k/v and gate/up at load, and a decode step runs each layer as
     GEMMs that normalise their input and add the residual, and from 16 rows a q/k/v GEMM that
     rotates and writes K/V itself. Teacher-forced, eager and in the batch-1, 2 and 16 CUDA
-    graphs, it tracks the same weights with norm kernels (`kernels.fold_norms=False`)."""
+    graphs, it tracks the same weights with norm kernels (`kernels.fold_norms=False`); so does
+    it with gate/up in blocks of rows (`kernels.blocked_weights`)."""
     import transformers
 
     from workers.kernels import pdl, skinny_gemm
@@ -249,17 +251,20 @@ def test_decode_layers_run_their_norms_inside_the_gemms(
     )  # fmt: skip
     fused = ModelRunner(cfg)
     plain = ModelRunner(cfg.model_copy(update={"kernels": KernelConfig(fold_norms=False)}))
+    blocked = ModelRunner(cfg.model_copy(update={"kernels": KernelConfig(blocked_weights=True)}))
     assert fused.model.norms_folded and not plain.model.norms_folded
+    assert rows_per_block(blocked.model.model.layers[1].mlp.gate_up_proj.weight) == BLOCK_ROWS
     qkv_weight = fused.model.model.layers[0].self_attn.qkv_proj.weight
     assert skinny_gemm.rotary_applies(16, qkv_weight, 128)  # the 16-row graph's q/k/v
+    captured = {runner: runner.graphs for runner in (fused, blocked)}
     for prompts in ([PROMPTS[2]], PROMPTS[1:3], PROMPTS[:3]):  # 3 rows: the 16-row graph
         expect, expect_top1, gaps = decode_trace(plain, prompts, 16, None)
-        for graphs in (None, fused.graphs):  # eager, then the CUDA graph
-            fused.graphs = graphs
-            fused.pool.pages.zero_()
-            tokens, top1, _ = decode_trace(fused, prompts, 16, expect)
+        for runner, graphed in itertools.product((fused, blocked), (False, True)):
+            runner.graphs = captured[runner] if graphed else None  # eager, then the CUDA graph
+            runner.pool.pages.zero_()
+            tokens, top1, _ = decode_trace(runner, prompts, 16, expect)
             for t, row in itertools.product(range(16), range(len(prompts))):
-                where = (t, row, graphs is not None)
+                where = (t, row, graphed, runner is blocked)
                 # Each path's log-probs may move by the slack below: a closer pair may swap.
                 assert tokens[t][row] == expect[t][row] or gaps[t][row] < 2 * LOGPROB_SLACK, where
                 # Two bf16 roundings of the normed input (0.052 seen at 4096 wide): twice the

@@ -447,3 +447,23 @@ def test_rotary_epilogue_refuses_what_it_cannot_do() -> None:
             skinny_gemm.skinny_linear(x, w, config=cfg, rotary=store, **kwargs)
     with pytest.raises(ValueError, match="does not match"):
         skinny_gemm.skinny_linear(x, w[:320], config=good, rotary=store)
+
+
+@pytest.mark.parametrize("m", [1, 2, 16, 33, 64])
+def test_blocked_gate_up_gives_the_row_major_bits(m: int) -> None:
+    """Llama-3-8B's gate_up in blocks of 128 rows (`weight_blocks`), each M's table config (at
+    M = 1 the M = 2 one: a blocked weight never runs the GEMV): the same bits as the same config
+    over the row-major weight, gated or not; and `blocked_linear` (prefill) equals F.linear."""
+    from workers.kernels import skinny_gemm
+    from workers.kernels.weight_blocks import block_rows, blocked_linear
+
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    w = (torch.randn(28672, 4096, device="cuda", generator=gen) / 64).to(torch.bfloat16)
+    x = torch.randn(m, 4096, device="cuda", generator=gen).to(torch.bfloat16)
+    blocked = w.clone()
+    block_rows(blocked)
+    cfg = skinny_gemm.config_for(max(m, 2), 28672, 4096, x.device)
+    for gated in (False, True):
+        expect = skinny_gemm.skinny_linear(x, w, config=cfg, gated=gated)
+        assert torch.equal(skinny_gemm.skinny_linear(x, blocked, gated=gated), expect), gated
+    torch.testing.assert_close(blocked_linear(x, blocked), F.linear(x, w))

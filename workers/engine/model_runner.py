@@ -75,6 +75,8 @@ class ModelRunner:
                 self.model_dir, self.model_config, self.dtype, self.device, tp,
                 cfg.kernels.fold_norms,
             )  # fmt: skip
+        if cfg.kernels.blocked_weights:
+            self.model.block_weights()
         attn = self.model.attention
         kv_dtype = kv_storage_dtype(cfg.kv_cache_dtype, self.dtype)
         self.kv_layout = KVLayout(

@@ -6,6 +6,7 @@ CUDA only; imported lazily by the code that calls them, so CPU machines never co
 `skinny_gemv`, `skinny_dot`, `skinny_tiles`; launch configs per GPU in `tuning` and `tables/`),
 `step_inputs` (a decode step's first kernel), `split_kv_decode` (batch-1 attention),
 `fp8_decode` (decode attention over FP8 pages; both share `split_kv_common`),
-`greedy_argmax`, `all_reduce` (the IPC all-reduce). `tuning` and `host_staging` (a step's host
-arrays in page-locked memory allocated once, for their copies to the GPU) import no Triton.
+`greedy_argmax`, `all_reduce` (the IPC all-reduce). `tuning`, `host_staging` (a step's host
+arrays in page-locked memory allocated once, for their copies to the GPU) and `weight_blocks`
+(weights stored in blocks of rows, and F.linear over them) import no Triton.
 """

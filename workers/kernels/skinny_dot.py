@@ -35,16 +35,17 @@ def dot_kernel(
     GATED: tl.constexpr, NORM_IN: tl.constexpr,
     ADD_RESIDUAL: tl.constexpr, SUMSQ_OUT: tl.constexpr, PDL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ROTARY_HALF: tl.constexpr, KV_MAX: tl.constexpr,
+    ROTARY_HALF: tl.constexpr, KV_MAX: tl.constexpr, W_BLOCK: tl.constexpr,
 ):  # fmt: skip
     """GATED: W holds [gate; up] (2N rows), y = silu(gate x) * (up x), no split-K.
     ROTARY_HALF > 0: W is a q/k/v weight of heads 2 * ROTARY_HALF wide, y the rotated q, and
     k and v go to the KV pool (`rope.store_rotated`; the arguments after eps), no split-K."""
     start_dependents(PDL)
     offs_m, offs_n, offs_k, k_start, w_ptrs, x_ptrs = tiles.program_tiles(
-        x_ptr, w_ptr, M, N, K_PER, stride_x, stride_w, BLOCK_M, BLOCK_N, BLOCK_K, ROTARY_HALF
-    )
-    u_ptrs = w_ptrs + N * stride_w  # GATED: the up row of each gate row
+        x_ptr, w_ptr, M, N, K_PER, stride_x, stride_w, BLOCK_M, BLOCK_N, BLOCK_K, ROTARY_HALF,
+        W_BLOCK,
+    )  # fmt: skip
+    u_ptrs = w_ptrs + (N // W_BLOCK) * stride_w  # GATED: the up row of each gate row
     if SWAP:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
@@ -61,13 +62,13 @@ def dot_kernel(
     if GATED:
         acc_up = dot_step(acc_up, x, up, SWAP)
     for k0 in range(k_start + BLOCK_K, k_start + K_PER, BLOCK_K):
-        w_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * W_BLOCK
         x_ptrs += BLOCK_K
         w = tiles.k_tile(w_ptrs, k0, K, offs_k, EVEN_K, True)
         x = tiles.k_tile(x_ptrs, k0, K, offs_k, EVEN_K, False)
         acc = dot_step(acc, x, w, SWAP)
         if GATED:
-            u_ptrs += BLOCK_K
+            u_ptrs += BLOCK_K * W_BLOCK
             acc_up = dot_step(acc_up, x, tiles.k_tile(u_ptrs, k0, K, offs_k, EVEN_K, True), SWAP)
     if SWAP:
         acc = tl.trans(acc)

@@ -31,6 +31,7 @@ from workers.kernels.skinny_dot import dot_kernel
 from workers.kernels.skinny_gemv import gemv_kernel
 from workers.kernels.skinny_tiles import SUMSQ_SLOTS
 from workers.kernels.tuning import Config, SkinnyGemmTable, skinny_gemm_table
+from workers.kernels.weight_blocks import rows_per_block
 
 
 def _bucket(m: int) -> int:
@@ -116,8 +117,9 @@ def skinny_linear(
     residual: torch.Tensor | None = None, sumsq_out: torch.Tensor | None = None,
     rotary: RotaryStore | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """`F.linear(x, weight, bias)` for 2-D 16-bit `x` [M, K] and a row-major `weight` [N, K],
-    in `out_dtype` (default x's; the product accumulates in float32 either way).
+    """`F.linear(x, weight, bias)` for 2-D 16-bit `x` [M, K] and a `weight` [N, K], row-major or
+    in blocks of rows (`weight_blocks`: the tensor-core kernel then runs at every M), in
+    `out_dtype` (default x's; the product accumulates in float32 either way).
     `gated`: `weight` is [gate; up] ([2N, K], no bias) and the result `silu(gate) * up` [M, N],
     without split-K; the tensor-core kernel then takes half the config's block_n a tile of
     each, so a program reads as many weight bytes as the ungated product's.
@@ -134,10 +136,15 @@ def skinny_linear(
     if x.stride(1) != 1:
         x = x.contiguous()
     cfg = config or config_for(m, weight.shape[0], k, x.device)
+    w_block = rows_per_block(weight)  # a block's stride is its K x block values
+    if w_block > 1 and not cfg.dot:  # the GEMV reads rows: a blocked W goes on tensor cores
+        cfg = config_for(2, weight.shape[0], k, x.device)
     if gated and (cfg.split_k > 1 or bias is not None or out_dtype is not None):
         raise ValueError("the gated product runs in x's dtype, without split-K or bias")
     if gated and cfg.dot:
         cfg = dataclasses.replace(cfg, block_n=max(16, cfg.block_n // 2))
+    if w_block > 1 and (n % cfg.block_n or max(w_block, cfg.block_n) % min(w_block, cfg.block_n)):
+        raise ValueError(f"tiles of {cfg.block_n} rows do not cover blocks of {w_block} of {n}")
     others = gated or out_dtype is not None or residual is not None or sumsq_out is not None
     rot_args, rot_half, rot_kv_max = _rotary_args(rotary, cfg, x, n, others)
     out_n = n if rotary is None else rotary.num_q_heads * rotary.head_dim
@@ -161,12 +168,12 @@ def skinny_linear(
     kernel = dot_kernel if cfg.dot else gemv_kernel
     extra: dict[str, object] = dict(LOOP_STAGES=cfg.num_stages)
     if cfg.dot:
-        extra = dict(SWAP=cfg.swap, ROTARY_HALF=rot_half, KV_MAX=rot_kv_max)
+        extra = dict(SWAP=cfg.swap, ROTARY_HALF=rot_half, KV_MAX=rot_kv_max, W_BLOCK=w_block)
     r = residual if residual is not None else y  # unused pointers where off
     kernel[grid](
         x, weight, b, y, ws, locks, r, y if sumsq_in is None else sumsq_in,
-        y if sumsq_out is None else sumsq_out, m, n, k, k_per, x.stride(0), weight.stride(0),
-        y.stride(0), r.stride(0), eps, *(rot_args if cfg.dot else ()),
+        y if sumsq_out is None else sumsq_out, m, n, k, k_per, x.stride(0),
+        weight.stride(0) * w_block, y.stride(0), r.stride(0), eps, *(rot_args if cfg.dot else ()),
         GATED=gated, HAS_BIAS=bias is not None, EVEN_K=k % (cfg.split_k * cfg.block_k) == 0,
         SPLIT_K=cfg.split_k, NORM_IN=sumsq_in is not None, ADD_RESIDUAL=residual is not None,
         SUMSQ_OUT=sumsq_out is not None, BLOCK_M=block_m, BLOCK_N=cfg.block_n,

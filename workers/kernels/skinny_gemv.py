@@ -34,7 +34,7 @@ def gemv_kernel(
     `fused.silu_and_mul` rounds the unfused product (NORM_IN scales both before it)."""
     start_dependents(PDL)
     offs_m, offs_n, offs_k, k_start, w_ptrs, x_ptrs = program_tiles(
-        x_ptr, w_ptr, M, N, K_PER, stride_x, stride_w, BLOCK_M, BLOCK_N, BLOCK_K, 0
+        x_ptr, w_ptr, M, N, K_PER, stride_x, stride_w, BLOCK_M, BLOCK_N, BLOCK_K, 0, 1
     )
     u_ptrs = w_ptrs + N * stride_w  # GATED: the up row of each gate row
     acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)

@@ -132,11 +132,12 @@ def rotary_columns(tile, BLOCK_N: tl.constexpr, HALF: tl.constexpr):
 def program_tiles(
     x_ptr, w_ptr, M, N, K_PER, stride_x, stride_w,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ROTARY_HALF: tl.constexpr,
+    ROTARY_HALF: tl.constexpr, W_BLOCK: tl.constexpr,
 ):  # fmt: skip
     """This program's rows of x and y (offs_m), rows of W (offs_n; ROTARY_HALF > 0: a head's
     `rotary_columns`), first K column and pointers to its first K tile of x and W. A tail tile
-    re-reads valid rows (modulo); its results are never stored."""
+    re-reads valid rows (modulo); its results are never stored. W_BLOCK > 1: W is stored in
+    blocks of that many rows (`weight_blocks`), which the tiles cover without a tail."""
     if ROTARY_HALF > 0:
         offs_n = rotary_columns(tl.program_id(0), BLOCK_N, ROTARY_HALF)
     else:
@@ -144,6 +145,11 @@ def program_tiles(
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     k_start = tl.program_id(2) * K_PER
     offs_k = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + (offs_n % N).to(tl.int64)[:, None] * stride_w + (k_start + offs_k)[None, :]
+    if W_BLOCK > 1:  # stride_w: a block's; each stored [K, W_BLOCK], its rows side by side
+        blocks = (offs_n // W_BLOCK).to(tl.int64)[:, None] * stride_w
+        in_block = (offs_n % W_BLOCK)[:, None] + ((k_start + offs_k) * W_BLOCK)[None, :]
+        w_ptrs = w_ptr + blocks + in_block
+    else:
+        w_ptrs = w_ptr + (offs_n % N).to(tl.int64)[:, None] * stride_w + (k_start + offs_k)[None, :]
     x_ptrs = x_ptr + (offs_m % M)[:, None] * stride_x + (k_start + offs_k)[None, :]
     return offs_m, offs_n, offs_k, k_start, w_ptrs, x_ptrs

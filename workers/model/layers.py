@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workers.kernels.weight_blocks import blocked_linear, rows_per_block
 from workers.parallel.group import SINGLE, TPGroup
 
 if TYPE_CHECKING:
@@ -38,9 +39,12 @@ def linear(
 
         if skinny_gemm.applies(x.shape[0], weight):
             return skinny_gemm.skinny_linear(x, weight, bias, out_dtype=out_dtype)
-        if out_dtype == torch.float32 and bias is None:
+        if out_dtype == torch.float32 and bias is None and rows_per_block(weight) == 1:
             return torch.mm(x, weight.t(), out_dtype=torch.float32)
-    y = F.linear(x, weight, bias)
+    if rows_per_block(weight) > 1:
+        y = blocked_linear(x, weight) if bias is None else blocked_linear(x, weight) + bias
+    else:
+        y = F.linear(x, weight, bias)
     return y if out_dtype is None else y.to(out_dtype)
 
 
@@ -57,7 +61,7 @@ def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if skinny_gemm.applies(x.shape[0], weight, gated=True):
             return skinny_gemm.skinny_linear(x, weight, gated=True)
         return fused.silu_and_mul(linear(x, weight))
-    gate, up = F.linear(x, weight).chunk(2, dim=-1)
+    gate, up = linear(x, weight).chunk(2, dim=-1)
     return F.silu(gate) * up
 
 

@@ -14,6 +14,7 @@ from torch import nn
 
 from workers.attention.base import AttentionBackend
 from workers.attention.rotary import RotaryEmbedding, apply_rotary
+from workers.kernels.weight_blocks import BLOCK_ROWS, block_rows
 from workers.kvcache.kv_dtype import is_kv_scale
 from workers.model.config import ModelConfig
 from workers.model.layers import (
@@ -272,6 +273,19 @@ class LlamaForCausalLM(nn.Module):
                 weight.data.copy_(weight.data.float() * gain.data.float()[None, :])
                 gain.data.fill_(1.0)
         self.norms_folded = True
+
+    def block_weights(self) -> None:
+        """Store each layer's gate_up weight in blocks of rows (`weight_blocks`,
+        `KernelConfig.blocked_weights`), after any folding: its decode GEMM tiles then read
+        contiguous memory."""
+        for layer in self.decoder_layers:
+            weight = layer.mlp.gate_up_proj.weight
+            if weight.shape[0] // 2 % BLOCK_ROWS:
+                raise ValueError(
+                    f"blocked_weights needs the gate/up rows of a rank ({weight.shape[0] // 2}) "
+                    f"divisible by {BLOCK_ROWS}"
+                )
+            block_rows(weight)
 
     def _folding_pays(self) -> bool:
         """One rank, and the skinny GEMM runs every weight of a batch-1 decode step: where
