@@ -33,8 +33,10 @@ def block_rows(weight: torch.nn.Parameter, block: int = BLOCK_ROWS) -> None:
     setattr(weight, _LAYOUT, block)
 
 
-def blocked_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`F.linear(x, weight)` for a blocked `weight`: block b's rows give output columns
+def blocked_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for a blocked `weight`: block b's rows give output columns
     [b * block, (b + 1) * block), written in place by a batched GEMM over the blocks."""
     block = rows_per_block(weight)
     n, k = weight.shape
@@ -43,4 +45,6 @@ def blocked_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     blocks = out.view(m, n // block, block).transpose(0, 1)
     torch.bmm(rows.expand(n // block, m, k), weight.view(n // block, k, block), out=blocks)
+    if bias is not None:
+        out += bias
     return out.view(*x.shape[:-1], n)

@@ -34,17 +34,15 @@ def linear(
     GEMM reads the weight faster than cuBLAS; `skinny_gemm.applies` says where it was measured
     to win. `out_dtype=torch.float32` keeps 16-bit products in float32 (they accumulate there):
     the logits, where bf16's rounding (0.125 apart at 16-32) would tie close tokens."""
+    blocked = rows_per_block(weight) > 1
     if x.is_cuda and x.dtype in HALF_DTYPES and x.dim() == 2:
         from workers.kernels import skinny_gemm  # Triton: imported on first CUDA use
 
         if skinny_gemm.applies(x.shape[0], weight):
             return skinny_gemm.skinny_linear(x, weight, bias, out_dtype=out_dtype)
-        if out_dtype == torch.float32 and bias is None and rows_per_block(weight) == 1:
+        if out_dtype == torch.float32 and bias is None and not blocked:
             return torch.mm(x, weight.t(), out_dtype=torch.float32)
-    if rows_per_block(weight) > 1:
-        y = blocked_linear(x, weight) if bias is None else blocked_linear(x, weight) + bias
-    else:
-        y = F.linear(x, weight, bias)
+    y = (blocked_linear if blocked else F.linear)(x, weight, bias)
     return y if out_dtype is None else y.to(out_dtype)
 
 
