@@ -1,10 +1,11 @@
 """Failover of the disaggregated backend: which failures are a replica's, each request's budget
 of re-sends, and the point a stream resumed on another decode replica starts from.
 
-A replica's failure is its actor dying or being unreachable (Ray's `RayActorError`), Serve having
-no replica to send to, or a wait past `replica_timeout_s` (a stalled replica). A request the
-engine rejects (`ValueError`, also when Ray wraps it) is the client's, never retried; neither is
-an engine's error chunk (a failed step), which the client gets as before.
+A replica's failure is its actor dying or being unreachable (Ray's `RayActorError`), its engine
+dying (`EngineDeadError`: a step failed, the replica is being replaced), Serve having no replica
+to send to, or a wait past `replica_timeout_s` (a stalled replica). A request the engine rejects
+(`ValueError`, also when Ray wraps it) is the client's, never retried; neither is an engine's
+error chunk (a request's own failure), which the client gets as before.
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ from ray.exceptions import RayActorError
 from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
 
 from router.errors import ServiceUnavailableError
-from workers.api import RequestOutput, TokenLogprob
+from workers.api import EngineDeadError, RequestOutput, TokenLogprob
 
 logger = logging.getLogger(__name__)
 
 REPLICA_FAILURES = (
     RayActorError, DeploymentUnavailableError, ReplicaUnavailableError, TimeoutError,
+    EngineDeadError,
 )  # fmt: skip
 
 

@@ -21,7 +21,7 @@ from workers.disagg.group_transfer import GroupTransfer
 from workers.engine.engine import Engine
 from workers.engine.tp_runner import TPDriverRunner
 from workers.parallel.group import SINGLE, TPGroup
-from workers.protocol import KVLayout, RequestOutput
+from workers.protocol import KVLayout
 from workers.transfer import KVTransferAgent
 
 
@@ -55,7 +55,8 @@ class HandoffEngine(Engine):
             self.kv_layouts += self.group.layouts
         self.faults = Faults.build(cfg.faults, self.role, self.tokenizer)
 
-    def step(self) -> list[RequestOutput]:
+    def _before_launch(self) -> None:
         if self.faults is not None and (fault := self.faults.strike("step")) is not None:
+            if fault.action == "raise":  # as a sticky device error would, at every step
+                raise RuntimeError("injected fault: the device fails every step")
             time.sleep(fault.delay_s)  # a stalled step: the loop thread does nothing meanwhile
-        return super().step()

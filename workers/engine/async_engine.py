@@ -2,7 +2,9 @@
 
 Only the loop thread touches the `Engine` (no locks inside it): callers post commands to an inbox
 and receive `RequestOutput` chunks through per-request asyncio queues. A caller that stops
-listening (client gone, task cancelled) aborts its request, which frees its pages at once.
+listening (client gone, task cancelled) aborts its request, which frees its pages at once. When a
+step kills the engine every stream raises `EngineDeadError`, and so does every later request;
+the loop lives on for the hand-offs' notifications (`Engine.poll`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from collections.abc import AsyncGenerator, Callable
 from typing import Any, TypeVar
 
 from workers.engine.engine import Engine
-from workers.protocol import EngineStats, GenerateRequest, RequestOutput
+from workers.protocol import EngineDeadError, EngineStats, GenerateRequest, RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -63,10 +65,13 @@ class AsyncEngine:
                 item = await chunks.get()
                 if isinstance(item, BaseException):
                     raise item
+                error = None
                 if not _last(item) and sent_at + self.stream_interval_s > loop.time():
-                    item = await _gather(item, chunks, sent_at + self.stream_interval_s)
+                    item, error = await _gather(item, chunks, sent_at + self.stream_interval_s)
                 finished = _last(item)
                 yield item
+                if error is not None:
+                    raise error
                 sent_at = loop.time()
         finally:
             self._streams.pop(request_id, None)
@@ -103,6 +108,8 @@ class AsyncEngine:
     def check_alive(self) -> None:
         if not self._thread.is_alive():
             raise RuntimeError("the engine loop thread has died")
+        if self.engine.dead is not None:
+            raise EngineDeadError(str(self.engine.dead))
 
     def shutdown(self) -> None:
         self._stop = True
@@ -139,7 +146,7 @@ class AsyncEngine:
                     logger.exception("engine command failed")
             for out in self.engine.poll():
                 self._deliver(out.request_id, out)
-            if not self.engine.has_work():
+            if self.engine.dead is not None or not self.engine.has_work():
                 self._refresh_stats()
                 self._wake.wait(self.engine.idle_wait_s())
                 self._wake.clear()
@@ -147,6 +154,9 @@ class AsyncEngine:
             try:
                 for out in self.engine.step():
                     self._deliver(out.request_id, out)
+            except EngineDeadError as e:
+                for request_id in list(self._streams):  # their requests were aborted
+                    self._deliver(request_id, EngineDeadError(str(e)))
             except Exception:  # noqa: BLE001 - the loop must outlive any one step
                 logger.exception("engine step failed")
             self._refresh_stats()
@@ -156,15 +166,18 @@ def _last(item: RequestOutput) -> bool:
     return item.finished or item.kv is not None  # handed off: not ours
 
 
-async def _gather(item: RequestOutput, chunks: asyncio.Queue[Any], due: float) -> RequestOutput:
-    """`item` merged with the chunks that arrive before loop time `due`, or up to the last one.
-    (Exceptions only come first, a rejected admission, never after a chunk.)"""
+async def _gather(
+    item: RequestOutput, chunks: asyncio.Queue[Any], due: float
+) -> tuple[RequestOutput, BaseException | None]:
+    """`item` merged with the chunks that arrive before loop time `due`, or up to the last one
+    or an exception (the engine died), which comes second."""
     try:
         async with asyncio.timeout_at(due):
             while not _last(item):
                 later = await chunks.get()
-                assert isinstance(later, RequestOutput)
+                if isinstance(later, BaseException):
+                    return item, later
                 item = item.then(later)
     except TimeoutError:
         pass
-    return item
+    return item, None
