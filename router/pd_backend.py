@@ -38,6 +38,7 @@ from ray.serve import context as serve_context
 
 from router.backend import RoleStats
 from router.failover import FailoverPolicy, Progress, Retries, is_replica_failure
+from router.routing.dead_replicas import DeadReplicas
 from router.routing.disagg import DecodeCacheView, prefill_remotely
 from workers.api import GenerateRequest, RequestOutput, read_pool
 
@@ -117,6 +118,7 @@ class DisaggregatedBackend:
                 response.cancel()  # a stalled replica lets go of it
                 if not isinstance(e, Exception) or not is_replica_failure(e):
                     raise
+                self._skip_if_dead("prefill", e)
                 retries.failed("prefill", e)
             else:
                 return first
@@ -148,6 +150,7 @@ class DisaggregatedBackend:
             except Exception as e:
                 if not is_replica_failure(e):
                     raise
+                self._skip_if_dead("decode", e)
                 retries.failed("decode", e)
             finally:
                 if not ended:  # failed, or closed by the caller: the replica aborts it
@@ -162,6 +165,12 @@ class DisaggregatedBackend:
             req = req.model_copy(
                 update={"request_id": retries.retry_id(request_id), "params": params}
             )
+
+    def _skip_if_dead(self, pool: str, exc: BaseException) -> None:
+        """A replica whose engine died (`exc` says which) gets no re-send of this process's:
+        its pool's request routers skip it from now on (`router.routing.dead_replicas`)."""
+        if self.app_name is not None:
+            DeadReplicas.of(self.app_name, pool).mark(exc)
 
     async def stats(self) -> list[RoleStats]:
         """Every replica's last posted snapshot, dead ones' not `live` (their counters stay in

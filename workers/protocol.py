@@ -253,6 +253,8 @@ class EngineDeadError(RuntimeError):
     it as a replica's death (`router/failover.py`); the worker's health check makes Serve
     replace the replica."""
 
+    replica: str | None = None  # the Serve replica (`ReplicaID.unique_id`) whose engine died
+
 
 class EngineStats(BaseModel):
     num_running: int

@@ -87,7 +87,7 @@ class _PolicyRouter(RequestRouter):
         """`candidates` without the replicas whose engine died; all of them for a prefill
         call when every one did (it fails at once: the decode replica prefills instead)."""
         if self._dead is None:
-            self._dead = DeadReplicas(self._deployment_id.app_name, self._deployment_id.name)
+            self._dead = DeadReplicas.of(self._deployment_id.app_name, self._deployment_id.name)
         dead = self._dead.dead()
         live = [r for r in candidates if r.replica_id.unique_id not in dead]
         if not live and self._deployment_id.name == "prefill":

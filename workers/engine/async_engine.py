@@ -27,10 +27,15 @@ T = TypeVar("T")
 
 class AsyncEngine:
     def __init__(
-        self, engine: Engine, on_stats: Callable[[EngineStats], object] | None = None
+        self,
+        engine: Engine,
+        on_stats: Callable[[EngineStats], object] | None = None,
+        replica: str | None = None,
     ) -> None:
-        """`on_stats` is called on the loop thread with every fresh stats snapshot."""
+        """`on_stats` is called on the loop thread with every fresh stats snapshot; `replica`
+        names the Serve replica in the `EngineDeadError`s raised here."""
         self.engine = engine
+        self.replica = replica
         self.stream_interval_s = engine.cfg.stream_interval_ms / 1e3
         self._on_stats = on_stats
         self._inbox: queue.SimpleQueue[Callable[[], object]] = queue.SimpleQueue()
@@ -109,7 +114,7 @@ class AsyncEngine:
         if not self._thread.is_alive():
             raise RuntimeError("the engine loop thread has died")
         if self.engine.dead is not None:
-            raise EngineDeadError(str(self.engine.dead))
+            raise self._dead_error()
 
     def shutdown(self) -> None:
         self._stop = True
@@ -118,10 +123,19 @@ class AsyncEngine:
 
     # ---- loop thread ------------------------------------------------------------------------
     def _admit(self, request_id: str, admit: Callable[[], object]) -> None:
+        if self.engine.dead is not None:
+            self._deliver(request_id, self._dead_error())
+            return
         try:
             admit()
         except Exception as e:  # noqa: BLE001 - hand the rejection to the caller
             self._deliver(request_id, e)
+
+    def _dead_error(self) -> EngineDeadError:
+        """A fresh error (one per caller: each raise sets its traceback) naming the replica."""
+        error = EngineDeadError(str(self.engine.dead))
+        error.replica = self.replica
+        return error
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         stream = self._streams.get(request_id)
@@ -154,9 +168,10 @@ class AsyncEngine:
             try:
                 for out in self.engine.step():
                     self._deliver(out.request_id, out)
-            except EngineDeadError as e:
+            except EngineDeadError:
+                self._refresh_stats()  # the death on the stats board before anyone hears of it
                 for request_id in list(self._streams):  # their requests were aborted
-                    self._deliver(request_id, EngineDeadError(str(e)))
+                    self._deliver(request_id, self._dead_error())
             except Exception:  # noqa: BLE001 - the loop must outlive any one step
                 logger.exception("engine step failed")
             self._refresh_stats()

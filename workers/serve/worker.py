@@ -48,7 +48,7 @@ class EngineWorker:
                 self.kv_events = KVEventPublisher(
                     ctx.app_name, ctx.deployment, tag, radix, kv_events_period_s
                 )
-        self.loop = AsyncEngine(self.engine, self._on_stats)
+        self.loop = AsyncEngine(self.engine, self._on_stats, tag)
         self.meter = LoadMeter()  # its signals for SLA autoscaling
 
     def _on_stats(self, stats: EngineStats) -> None:
