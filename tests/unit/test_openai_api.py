@@ -365,19 +365,30 @@ async def test_unknown_model_is_404_and_the_server_keeps_serving(app) -> None:
     assert ok.choices[0].finish_reason == "length" and ok.usage.completion_tokens == 1
 
 
-async def test_api_key_guards_v1_only(engine) -> None:
-    keyed = build_openai_app(LocalBackend(engine), engine.engine.tokenizer, MODEL,
-                             engine.engine.max_model_len, api_key="sekret")
+async def test_api_key_guards_all_but_the_probes(engine) -> None:
+    """Generation and tokenization need the key (/invocations too, unless opened); the probes,
+    /metrics and /version do not, as in vLLM."""
+    tokenizer, max_len = engine.engine.tokenizer, engine.engine.max_model_len
+    keyed = build_openai_app(LocalBackend(engine), tokenizer, MODEL, max_len, api_key="sekret")
     for key in ("EMPTY", "sekret2"):
         with pytest.raises(openai.AuthenticationError):
             await client(keyed, key).models.list()
+    bad = {"messages": "not even valid"}  # a 400 once past the key: nothing generates
     async with http(keyed) as c:
-        r = await c.post("/v1/chat/completions", json={"messages": "not even valid"})
-        assert r.status_code == 401 and r.json()["error"]["code"] == 401
-        assert (await c.get("/health")).status_code == 200
-        assert (await c.get("/metrics")).status_code == 200
+        for path in ("/v1/chat/completions", "/invocations", "/tokenize", "/detokenize"):
+            r = await c.post(path, json=bad)
+            assert r.status_code == 401 and r.json()["error"]["code"] == 401, path
+            r = await c.post(path, json=bad, headers={"Authorization": "Bearer sekret"})
+            assert r.status_code == 400, path
+        for path in ("/health", "/ping", "/metrics", "/version"):
+            assert (await c.get(path)).status_code == 200, path
     models = await client(keyed, "sekret").models.list()
     assert [m.id for m in models.data] == [MODEL]
+    opened = build_openai_app(LocalBackend(engine), tokenizer, MODEL, max_len, api_key="sekret",
+                              open_invocations=True)
+    async with http(opened) as c:
+        assert (await c.post("/invocations", json=bad)).status_code == 400
+        assert (await c.post("/tokenize", json=bad)).status_code == 401
 
 
 # ---- the other endpoints -----------------------------------------------------------------------
