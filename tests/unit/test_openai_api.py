@@ -292,6 +292,8 @@ BAD_CHAT = [
     ({**CHAT, "max_tokens": 9000}, "max_tokens"),
     ({**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      "messages.0.content"),
+    ({**CHAT, "messages": [{"role": "wizard", "content": "Hi"}]}, "messages"),  # OpenAI's roles
+    ({**CHAT, "use_beam_search": True}, "use_beam_search"),
 ]
 
 
@@ -319,7 +321,9 @@ async def test_bad_completion_requests_are_400(app) -> None:
             assert r.status_code == 400 and "error" in r.json(), body
         r = await c.post("/v1/completions", content=b"{not json", headers={
             "content-type": "application/json"})
-        assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequestError"
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["type"] == "BadRequestError"
+        assert err["param"] is None and "not valid JSON at character 1" in err["message"]
 
 
 async def test_text_that_is_not_unicode_is_400_saying_so(app) -> None:
