@@ -131,7 +131,7 @@ def test_iteration_tokens_are_prompt_plus_generated_and_idle_kv_is_free(vllm_app
                what=f"{prompt_tokens} + 7 tokens in iteration_tokens_total")
     wait_until(lambda: not any(engine_values(base, "vllm:kv_cache_usage_perc")), TIMEOUT_S,
                interval_s=0.2, what="kv_cache_usage_perc back at 0 with the prompt cached")
-    assert any(engine_values(base, "vllm:prefix_cache_queries_total"))
+    assert any(engine_values(base, "vllm:prefix_cache_queries"))
 
 
 def gauges(base: str, prefix: str) -> list[float]:

@@ -4,14 +4,16 @@ token ids as names, chat echo and validation messages, fields on every response 
 
 from __future__ import annotations
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
 from router.backend import RoleStats
-from router.errors import error_text
+from router.errors import BadRequestError, error_text
 from router.generation import chat_echo
 from router.metric_names import Naming, one_two_five
 from router.metrics import Metrics
+from router.params import check_supported
 from router.protocol import ChatCompletionRequest, CompletionRequest
 from router.responses import sampled_then_top
 from tests.unit.test_router_metrics import stats
@@ -115,3 +117,13 @@ def test_validation_messages_carry_pydantics_error_type() -> None:
     assert "[type=less_than_equal, input_value=9223372036854775808, input_type=int]" in text
     CompletionRequest(prompt="x", seed=2**63 - 1)
     CompletionRequest(prompt="x", seed=-(2**63))
+
+
+@pytest.mark.parametrize("field, value", [("use_beam_search", True), ("length_penalty", 0.5),
+                                          ("best_of", 3)])
+def test_beam_search_is_a_400_naming_its_field(field: str, value: object) -> None:
+    with pytest.raises(BadRequestError) as e:
+        check_supported(CompletionRequest(prompt="x", **{field: value}))
+    assert e.value.status == 400 and e.value.param == field
+    check_supported(CompletionRequest(prompt="x", use_beam_search=False, length_penalty=1.0,
+                                      best_of=1))  # neutral values pass
