@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import json
 import re
+import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -29,6 +31,7 @@ from router.metric_names import ITL_BUCKETS, LATENCY_BUCKETS, TTFT_BUCKETS
 from tests.e2e.conftest import in_both_modes
 from tests.e2e.test_serve_reliability import MODEL, TIMEOUT_S
 from tests.waiting import wait_until
+from workers.serve.stats_board import POST_INTERVAL_S
 
 pytestmark = pytest.mark.e2e
 
@@ -113,6 +116,19 @@ def engine_values(base: str, name: str) -> list[float]:
     return [s.value for s in families(base)[name].samples if s.labels.get("engine") != "router"]
 
 
+def settled(read: Callable[[], float]) -> float:
+    """`read()` once two reads more than two stats posts apart agree."""
+    seen = [read()]
+
+    def agrees() -> bool:
+        time.sleep(2.5 * POST_INTERVAL_S)
+        seen.append(read())
+        return seen[-1] == seen[-2]
+
+    wait_until(agrees, TIMEOUT_S, interval_s=0.1, what="the engines' stats settled")
+    return seen[-1]
+
+
 def test_iteration_tokens_are_prompt_plus_generated_and_idle_kv_is_free(vllm_app) -> None:
     """vLLM's count per step: the whole prompt when its first token comes, then each generated
     token; over the prefill and decode engines of one request, prompt + max_tokens. Once it
@@ -125,7 +141,7 @@ def test_iteration_tokens_are_prompt_plus_generated_and_idle_kv_is_free(vllm_app
         return sum(s.value for s in families(base)["vllm:iteration_tokens_total"].samples
                    if s.name.endswith("_sum"))
 
-    before = steps_sum()
+    before = settled(steps_sum)  # the earlier tests' steps all posted
     call(base, "v1/completions", body)
     wait_until(lambda: steps_sum() - before == prompt_tokens + 7, TIMEOUT_S, interval_s=0.2,
                what=f"{prompt_tokens} + 7 tokens in iteration_tokens_total")
