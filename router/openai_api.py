@@ -213,9 +213,11 @@ def build_openai_app(
     async def tokenize(req: TokenizeRequest) -> TokenizeResponse:
         check_model(req.model)
         if req.messages is not None:
+            plan = plan_tools(req.tools, None, tool_parser)  # the tools as the template takes them
             ids = await asyncio.to_thread(prompts.chat_prompt, req.messages,
                                           req.add_generation_prompt, req.continue_final_message,
-                                          req.chat_template_kwargs)
+                                          req.chat_template_kwargs,
+                                          None if plan is None else plan.tools)
         else:
             ids = await asyncio.to_thread(prompts.encode, req.prompt or "",
                                           req.add_special_tokens)

@@ -158,7 +158,7 @@ class ChatCompletionRequest(SamplingFields):
 class TokenizeRequest(RequestBody):
     """vLLM's two bodies in one: `prompt` (with `add_special_tokens`), or `messages` through the
     chat template (`add_generation_prompt`, `continue_final_message`, `chat_template_kwargs`,
-    as chat completions render them)."""
+    `tools`, as chat completions render them)."""
 
     model: str | None = None
     prompt: str | None = None
@@ -167,6 +167,7 @@ class TokenizeRequest(RequestBody):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
     return_token_strs: bool | None = False
 
 

@@ -25,7 +25,7 @@ PAGE = Path(__file__).resolve().parents[2] / "docs" / "api-compatibility.md"
 # extra fields `router.params.check_supported` reads besides UNSUPPORTED_EXTRAS
 CHECKED_EXTRAS = {"best_of"}
 # vLLM's /tokenize fields that pdserve's TokenizeRequest keeps as extras (ignored)
-TOKENIZE_EXTRAS = {"tools", "chat_template", "mm_processor_kwargs"}
+TOKENIZE_EXTRAS = {"chat_template", "mm_processor_kwargs"}
 
 
 def rows(section: str) -> dict[str, set[str]]:
