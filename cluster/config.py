@@ -261,6 +261,11 @@ class RouterConfig(Strict):
         description="usage.prompt_tokens_details.cached_tokens in responses (prefix-cache hits); "
         "off, it is null, as vLLM's --enable-prompt-tokens-details",
     )
+    open_invocations: bool = Field(
+        False,
+        description="/invocations (SageMaker's) answers without the API key, for a gateway that "
+        "authenticates in front; off, it needs the key as /v1 does",
+    )
 
 
 class AppConfig(Strict):

@@ -86,6 +86,7 @@ class OpenAIIngress:
             api_key=self.config.resolved_api_key(),
             metrics=self.metrics(),
             prompt_tokens_details=self.config.router.enable_prompt_tokens_details,
+            open_invocations=self.config.router.open_invocations,
             sampling_defaults=self.sampling_defaults,
             board=self.board,
             limits=IngressLimits(

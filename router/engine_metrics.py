@@ -60,7 +60,8 @@ LIST_FIELDS = {"iteration_tokens", "spec_accepted_per_pos", "engine_deaths"}
 
 # EngineStats fields that describe the present (gauges): a dead replica's are left out
 GAUGE_FIELDS = frozenset(
-    {"num_running", "num_waiting", "kv_pages_total", "kv_pages_used", "kv_pages_pinned"}
+    {"num_running", "num_waiting", "kv_pages_total", "kv_pages_used", "kv_pages_pinned",
+     "kv_pages_evictable"}
 )
 
 
@@ -166,7 +167,8 @@ class EngineStatsCollector(Collector):
 
         running = gauge("num_requests_running", "Requests in the engines' running batches")
         waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled")
-        usage = gauge("kv_cache_usage_perc", "Fraction of KV pages in use, 0-1")
+        usage = gauge("kv_cache_usage_perc",
+                      "Fraction of KV pages requests hold, 0-1 (evictable cached pages are free)")
         pinned = gauge("kv_pages_pinned", "KV pages pinned for a hand-off or a running request")
         kv_tokens = gauge("kv_cache_tokens", "KV tokens the live engines' pools hold")
         page_size = int(self.cache_info.get("block_size", 0))
@@ -190,7 +192,8 @@ class EngineStatsCollector(Collector):
             values = [self.model_name, role]
             running.add_metric(values, s["num_running"])
             waiting.add_metric(values, s["num_waiting"])
-            usage.add_metric(values, s["kv_pages_used"] / max(s["kv_pages_total"], 1))
+            held = s["kv_pages_used"] - s["kv_pages_evictable"]  # vLLM counts cached as free
+            usage.add_metric(values, held / max(s["kv_pages_total"], 1))
             pinned.add_metric(values, s["kv_pages_pinned"])
             kv_tokens.add_metric(values, s["kv_pages_total"] * page_size)
             for key, family in counters.items():

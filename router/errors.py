@@ -92,6 +92,12 @@ def _validation_message(errors: list[Any]) -> tuple[str, str | None]:
     """A readable message and the first offending field, from pydantic's error list."""
     parts, param = [], None
     for err in errors:
+        if err.get("type") == "json_invalid":  # loc holds a character offset, not a field
+            where = [p for p in err.get("loc", ()) if isinstance(p, int)]
+            at = f" at character {where[0]}" if where else ""
+            reason = (err.get("ctx") or {}).get("error", err.get("msg", "invalid"))
+            parts.append(f"the body is not valid JSON{at}: {reason}")
+            continue
         loc = [str(p) for p in err.get("loc", ()) if p != "body"]
         field = ".".join(loc)
         param = param or (loc[0] if loc else None)  # the request field, not union members

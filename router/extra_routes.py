@@ -5,7 +5,8 @@
     POST /invocations             a chat or a completion request, told apart by its body: the
                                   first of ChatCompletionRequest, CompletionRequest that it
                                   validates as, as vLLM dispatches; neither is 400
-Outside /v1, so an API key does not guard them (as in vLLM).
+With an API key, /invocations needs it as /v1 does (it generates), unless
+`router.open_invocations`; /version and /ping stay open (`router.auth`).
 """
 
 from __future__ import annotations

@@ -10,17 +10,17 @@ The Serve ingress mounts the returned FastAPI app with `@serve.ingress`; anythin
     POST /tokenize, /detokenize                  vLLM's helpers
     GET /version, GET|POST /ping, POST /invocations   vLLM's extras (`router.extra_routes`)
 
-With an API key configured, every /v1 path needs `Authorization: Bearer <key>` (401 otherwise);
-/health, /metrics and /tokenize stay open, as in vLLM. With `IngressLimits`, a body over the size
-limit is 413 and a request beyond the queue bound 429 (`router.admission`). Tokenization and chat
-templating run in threads, so one huge prompt never holds up the event loop (nor /health).
+With an API key configured, every path but /health, /ping, /metrics and /version needs
+`Authorization: Bearer <key>` (401 otherwise; `router.auth`). With `IngressLimits`, a body over
+the size limit is 413 and a request beyond the queue bound 429 (`router.admission`). Tokenization
+and chat templating run in threads, so one huge prompt never holds up the event loop (nor
+/health).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from contextlib import asynccontextmanager
@@ -29,9 +29,9 @@ from typing import Any
 from fastapi import APIRouter, FastAPI
 from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from router.admission import Admission, BodyLimit, IngressLimits, Slot
+from router.auth import APIKeyMiddleware
 from router.backend import GenerationBackend, LocalBackend, RoleStats
 from router.errors import (
     APIError,
@@ -70,32 +70,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["GenerationBackend", "LocalBackend", "Metrics", "RoleStats", "build_openai_app"]
 
 
-class APIKeyMiddleware:
-    """401 for a /v1 request without `Authorization: Bearer <api_key>` (pure ASGI: streams pass)."""
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self.expected = api_key.encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path = scope.get("path", "")
-        path = path[len(scope.get("root_path", "")) :] if scope.get("root_path") else path
-        if scope["type"] == "http" and path.startswith("/v1") and not self._allowed(scope):
-            response = error_response(
-                401,
-                "Unauthorized: a valid API key is needed (Authorization: Bearer <key>)",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
-            await response(scope, receive, send)
-            return
-        await self.app(scope, receive, send)
-
-    def _allowed(self, scope: Scope) -> bool:
-        header = dict(scope.get("headers", [])).get(b"authorization", b"")
-        scheme, _, token = header.partition(b" ")
-        return scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), self.expected)
-
-
 def build_openai_app(
     backend: GenerationBackend,
     tokenizer: Any,
@@ -109,6 +83,7 @@ def build_openai_app(
     health: PoolWatch | None = None,
     tool_parser: str | None = None,
     prompt_tokens_details: bool = False,
+    open_invocations: bool = False,
 ) -> FastAPI:
     """The app for one served model; `tokenizer` is the model's transformers tokenizer.
 
@@ -122,6 +97,7 @@ def build_openai_app(
     `tool_parser` (`router.tools.parsers.PARSERS`) finds tool calls in `auto` answers; default:
     the one the chat template's tool format names.
     `prompt_tokens_details`: fill usage.prompt_tokens_details (null otherwise, as vLLM).
+    `open_invocations`: /invocations needs no API key (`router.auth`).
     """
     prompts = Prompts(tokenizer, max_model_len)
     metrics = metrics or Metrics(served_model_name)
@@ -143,7 +119,7 @@ def build_openai_app(
     app.state.backend, app.state.metrics = backend, metrics
     install_error_handlers(app)
     if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+        app.add_middleware(APIKeyMiddleware, api_key=api_key, open_invocations=open_invocations)
     if limits is not None:
         app.add_middleware(BodyLimit, max_bytes=limits.max_request_bytes)  # outermost
     admission = (Admission(on_reject=metrics.reject) if limits is None else
@@ -237,8 +213,11 @@ def build_openai_app(
     async def tokenize(req: TokenizeRequest) -> TokenizeResponse:
         check_model(req.model)
         if req.messages is not None:
+            plan = plan_tools(req.tools, None, tool_parser)  # the tools as the template takes them
             ids = await asyncio.to_thread(prompts.chat_prompt, req.messages,
-                                          req.add_generation_prompt)
+                                          req.add_generation_prompt, req.continue_final_message,
+                                          req.chat_template_kwargs,
+                                          None if plan is None else plan.tools)
         else:
             ids = await asyncio.to_thread(prompts.encode, req.prompt or "",
                                           req.add_special_tokens)

@@ -37,6 +37,8 @@ UNSUPPORTED_EXTRAS: dict[str, tuple[Any, ...]] = {
     "tools": (None, []),
     "functions": (None, []),
 }
+NO_BEAMS = "no beam search: each choice is sampled on its own"
+WHY_UNSUPPORTED = {"use_beam_search": NO_BEAMS, "length_penalty": NO_BEAMS}
 
 
 def generation_defaults(model_dir: Path) -> dict[str, float]:
@@ -57,7 +59,8 @@ def check_supported(req: SamplingFields) -> None:
     extra = req.model_extra or {}
     for name, allowed in UNSUPPORTED_EXTRAS.items():
         if name in extra and not any(extra[name] == v for v in allowed):
-            raise BadRequestError(f"{name} is not supported", param=name)
+            why = f" ({WHY_UNSUPPORTED[name]})" if name in WHY_UNSUPPORTED else ""
+            raise BadRequestError(f"{name} is not supported{why}", param=name)
     best_of = extra.get("best_of")
     if best_of is not None and (not isinstance(best_of, int) or isinstance(best_of, bool)
                                 or best_of < req.n):

@@ -1,8 +1,9 @@
 """The OpenAI API's objects as vLLM serves them: requests, responses, stream chunks, errors.
 
 Requests accept unknown fields (benchmarks send `best_of`, `logprobs: null`, ...) and keep them in
-`model_extra`, where `router.validation` rejects the ones that would change the output. Field
-bounds live here, so a bad value fails FastAPI's validation and becomes a 400 in `router.errors`.
+`model_extra`, where `router.params.check_supported` rejects the ones that would change the
+output. Field bounds live here, so a bad value fails FastAPI's validation and becomes a 400 in
+`router.errors`.
 """
 
 from __future__ import annotations
@@ -127,10 +128,15 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+# OpenAI's roles. vLLM passes any other role to the chat template, which renders it as text the
+# model never saw in training; a typo (`"role": "usr"`) then answers garbage instead of a 400.
+ChatRole = Literal["system", "developer", "user", "assistant", "tool", "function"]
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    role: str
+    role: ChatRole
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
@@ -150,11 +156,18 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class TokenizeRequest(RequestBody):
+    """vLLM's two bodies in one: `prompt` (with `add_special_tokens`), or `messages` through the
+    chat template (`add_generation_prompt`, `continue_final_message`, `chat_template_kwargs`,
+    `tools`, as chat completions render them)."""
+
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
     return_token_strs: bool | None = False
 
 
@@ -220,11 +233,22 @@ class CompletionChoice(OpenAIModel):
     prompt_logprobs: PromptLogprobs | None = None
 
 
-class CompletionResponse(OpenAIModel):
+ServiceTier = Literal["auto", "default", "flex", "scale", "priority"]
+
+
+class OpenAIObject(OpenAIModel):
+    """What every response and chunk carries besides its choices: OpenAI's `service_tier` and
+    `system_fingerprint`, `null` as vLLM sends them (one tier, no fingerprint)."""
+
     id: str
-    object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=_now)
     model: str
+    service_tier: ServiceTier | None = None
+    system_fingerprint: str | None = None
+
+
+class CompletionResponse(OpenAIObject):
+    object: Literal["text_completion"] = "text_completion"
     choices: list[CompletionChoice]
     usage: Usage | None = None
 
@@ -243,11 +267,8 @@ class ChatChoice(OpenAIModel):
     stop_reason: int | str | None = None
 
 
-class ChatCompletionResponse(OpenAIModel):
-    id: str
+class ChatCompletionResponse(OpenAIObject):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=_now)
-    model: str
     choices: list[ChatChoice]
     usage: Usage
     prompt_logprobs: PromptLogprobs | None = None  # of the (one) prompt, as vLLM puts it here
@@ -271,20 +292,14 @@ class ChatStreamChoice(OpenAIModel):
         return delta.model_dump(exclude_none=True)
 
 
-class ChatCompletionChunk(OpenAIModel):
-    id: str
+class ChatCompletionChunk(OpenAIObject):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChatStreamChoice]
     usage: Usage | None = None
 
 
-class CompletionChunk(OpenAIModel):
-    id: str
+class CompletionChunk(OpenAIObject):
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
 

@@ -220,12 +220,13 @@ class EngineConfig(BaseModel):
         "(docs/notes/structured-outputs.md)",
     )
     stream_interval_ms: float = Field(
-        20,
+        0,
         ge=0,
         description="a request's stream sends at most one chunk per interval, holding the "
         "tokens in between for it (its first and last chunk go at once); 0: a chunk per token, "
         "as vLLM. Each chunk is a Ray message through the router, whose per-message cost "
-        "limited a router replica to ~2k tokens/s (docs/notes/serving.md)",
+        "limited a router replica to ~2k tokens/s: 20 ms raised goodput 1.86x at 20 requests/s "
+        "(docs/notes/serving.md)",
     )
     kernels: KernelConfig = KernelConfig()
     faults: tuple[FaultConfig, ...] = Field(

@@ -2,7 +2,8 @@
 
 A token can end in the middle of a multi-byte character; its text then decodes to U+FFFD. We
 re-decode a short window of recent tokens and only release text once it no longer ends in
-U+FFFD. Stop strings are matched on the released text; the last `len(longest stop) - 1`
+U+FFFD; a sequence that ends inside a character releases it as U+FFFD, as a full decode
+would. Stop strings are matched on the released text; the last `len(longest stop) - 1`
 characters are held back while running, so a stop string is never streamed out before it is
 recognised.
 """
@@ -68,8 +69,21 @@ class IncrementalDetokenizer:
         self.text = self.text[: pos + len(s)] if self.include_stop else self.text[:pos]
         return s
 
+    def _flush(self) -> None:
+        """Release the tokens still waiting for the rest of a character: a sequence that ended
+        inside one keeps its bytes as U+FFFD, so its text is its token ids decoded (as vLLM's)."""
+        if self._read_offset == len(self._ids):
+            return
+        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset :])
+        self.text += full[len(prefix) :]
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+
     def take_new_text(self, finished: bool) -> str:
-        """Text not yet handed out; while running, hold back a possible stop-string prefix."""
+        """Text not yet handed out; while running, hold back a possible stop-string prefix (and
+        the tokens of an incomplete character, released as U+FFFD once finished)."""
+        if finished:
+            self._flush()
         hold = 0 if finished or not self.stop else max(len(s) for s in self.stop) - 1
         end = max(self.emitted, len(self.text) - hold)
         chunk = self.text[self.emitted : end]

@@ -263,6 +263,7 @@ class EngineStats(BaseModel):
     kv_pages_used: int
     kv_pages_pinned: int
     kv_pages_cached: int = 0  # in the radix tree (used, but evictable unless pinned)
+    kv_pages_evictable: int = 0  # of those, the ones no request holds: free to allocate
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int

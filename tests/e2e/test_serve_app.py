@@ -187,6 +187,21 @@ def test_bad_key_is_401_and_typed_errors_reach_the_client(server: str) -> None:
     assert [m.id for m in client(server).models.list().data] == [MODEL]
 
 
+def test_the_key_guards_generation_and_tokenization_not_the_probes(server: str) -> None:
+    """With a key, /invocations, /tokenize and /detokenize need it as /v1 does (each runs the
+    model or its tokenizer); /health, /ping, /metrics and /version stay open."""
+    keyed = {"Authorization": f"Bearer {KEY}"}
+    bodies = {"invocations": {"max_tokens": 1}, "tokenize": {"prompt": "Hi"},
+              "detokenize": {"tokens": [1]}}
+    for path, body in bodies.items():
+        r = httpx.post(f"{server}/{path}", json=body, timeout=30)
+        assert r.status_code == 401 and r.json()["error"]["code"] == 401, path
+        r = httpx.post(f"{server}/{path}", json=body, headers=keyed, timeout=30)
+        assert r.status_code == (400 if path == "invocations" else 200), (path, r.text)
+    for path in ("health", "ping", "metrics", "version"):
+        assert httpx.get(f"{server}/{path}", timeout=30).status_code == 200, path
+
+
 def test_client_disconnect_mid_stream_frees_pages_on_both_roles(server: str) -> None:
     body = {
         "model": MODEL,

@@ -250,15 +250,16 @@ def test_10x_the_queue_bound_gets_429s_and_accepted_requests_keep_a_bounded_ttft
 
 
 def colocated_sample(base: str) -> dict[str, float]:
-    """The colocated pool's generated tokens and KV usage, and the request totals, of a scrape."""
+    """The colocated pool's generated tokens and KV capacity (live replicas' only), and the
+    request totals, of a scrape."""
     text = httpx.get(f"{base}/metrics", timeout=TIMEOUT_S).text
-    out = {"generated": 0.0, "kv_usage": 0.0, "requests": 0.0, "errors": 0.0}
+    out = {"generated": 0.0, "kv_tokens": 0.0, "requests": 0.0, "errors": 0.0}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if s.name == "pdserve:generation_tokens_total":
                 out["generated"] += s.value
-            elif s.name == "pdserve:kv_cache_usage_perc":
-                out["kv_usage"] += s.value
+            elif s.name == "pdserve:kv_cache_tokens":
+                out["kv_tokens"] += s.value
             elif s.name == "pdserve:request_success_total":
                 out["requests"] += s.value
             elif s.name == "pdserve:request_errors_total":
@@ -270,8 +271,8 @@ def test_a_killed_replicas_gauges_go_within_the_bound_and_totals_never_drop(apps
     """Last in the module: it kills the colocated app's one engine replica. Its gauges leave
     /metrics within the stats board's bound; while Serve replaces it, no total goes down."""
     base = apps["colocated"]
-    post(base, "completions", ONCE)  # its pages stay cached: the KV usage gauge is above 0
-    samples = [wait_until(lambda: (s := colocated_sample(base))["kv_usage"] > 0 and s, 30,
+    post(base, "completions", ONCE)
+    samples = [wait_until(lambda: (s := colocated_sample(base))["kv_tokens"] > 0 and s, 30,
                           what="the replica's gauges posted")]
     prefix = "SERVE_REPLICA::colocated#decode#"
     [name] = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
@@ -281,7 +282,7 @@ def test_a_killed_replicas_gauges_go_within_the_bound_and_totals_never_drop(apps
 
     def gauges_gone() -> bool:
         samples.append(colocated_sample(base))
-        return samples[-1]["kv_usage"] == 0
+        return samples[-1]["kv_tokens"] == 0
 
     wait_until(gauges_gone, STALE_AFTER_S + 5, interval_s=0.2, what="the dead one's gauges gone")
     gone_after_s = time.monotonic() - killed

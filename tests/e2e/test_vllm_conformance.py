@@ -8,14 +8,19 @@ Each test pins a behaviour that vLLM's clients, harnesses and dashboards rely on
 vLLM's protocol: /metrics under `vllm:` names, label names and buckets (gauges back at 0 after an
 abort); usage on every stream chunk with `continuous_usage_stats`; `model: ""`; the seed's signed
 64-bit range and pydantic's error types in messages; the sampled token first in completions'
-`top_logprobs`; `return_tokens_as_token_ids`; /tokenize's `token_strs`; /version, /ping and
-/invocations; chat `echo` continuing an assistant turn; `prompt_tokens_details` null by default.
+`top_logprobs`; `return_tokens_as_token_ids`; /tokenize's `token_strs` and an open final turn;
+/version, /ping and /invocations; chat `echo` continuing an assistant turn;
+`prompt_tokens_details` null by default; `service_tier` and `system_fingerprint` null on every
+object; a chunk per token; text cut inside a character ending in U+FFFD; OpenAI's roles;
+`iteration_tokens_total` as prompts plus generated tokens and `kv_cache_usage_perc` 0 when idle.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -26,6 +31,7 @@ from router.metric_names import ITL_BUCKETS, LATENCY_BUCKETS, TTFT_BUCKETS
 from tests.e2e.conftest import in_both_modes
 from tests.e2e.test_serve_reliability import MODEL, TIMEOUT_S
 from tests.waiting import wait_until
+from workers.serve.stats_board import POST_INTERVAL_S
 
 pytestmark = pytest.mark.e2e
 
@@ -104,6 +110,44 @@ def test_metrics_carry_vllms_names_labels_and_buckets(vllm_app) -> None:
     assert steps["vllm:iteration_tokens_total_count"] > 0  # the engines count their steps
     info = got["vllm:cache_config_info"].samples
     assert info and all(s.value == 1 and s.labels["block_size"] == "16" for s in info)
+
+
+def engine_values(base: str, name: str) -> list[float]:
+    return [s.value for s in families(base)[name].samples if s.labels.get("engine") != "router"]
+
+
+def settled(read: Callable[[], float]) -> float:
+    """`read()` once two reads more than two stats posts apart agree."""
+    seen = [read()]
+
+    def agrees() -> bool:
+        time.sleep(2.5 * POST_INTERVAL_S)
+        seen.append(read())
+        return seen[-1] == seen[-2]
+
+    wait_until(agrees, TIMEOUT_S, interval_s=0.1, what="the engines' stats settled")
+    return seen[-1]
+
+
+def test_iteration_tokens_are_prompt_plus_generated_and_idle_kv_is_free(vllm_app) -> None:
+    """vLLM's count per step: the whole prompt when its first token comes, then each generated
+    token; over the prefill and decode engines of one request, prompt + max_tokens. Once it
+    ended no page is held: the cached ones count as free."""
+    base, body = vllm_app, {"prompt": "Once upon a time", "max_tokens": 7, "temperature": 0,
+                            "ignore_eos": True}
+    prompt_tokens = len(call(base, "tokenize", {"prompt": body["prompt"]})["tokens"])
+
+    def steps_sum() -> float:
+        return sum(s.value for s in families(base)["vllm:iteration_tokens_total"].samples
+                   if s.name.endswith("_sum"))
+
+    before = settled(steps_sum)  # the earlier tests' steps all posted
+    call(base, "v1/completions", body)
+    wait_until(lambda: steps_sum() - before == prompt_tokens + 7, TIMEOUT_S, interval_s=0.2,
+               what=f"{prompt_tokens} + 7 tokens in iteration_tokens_total")
+    wait_until(lambda: not any(engine_values(base, "vllm:kv_cache_usage_perc")), TIMEOUT_S,
+               interval_s=0.2, what="kv_cache_usage_perc back at 0 with the prompt cached")
+    assert any(engine_values(base, "vllm:prefix_cache_queries"))
 
 
 def gauges(base: str, prefix: str) -> list[float]:
@@ -208,6 +252,24 @@ def test_tokenize_returns_token_strs_when_asked(apps, mode) -> None:
     assert asked["token_strs"][-1] == "Ġworld"  # the tokenizer's pieces, not decoded text
 
 
+@in_both_modes
+def test_tokenize_leaves_a_continued_turn_open(apps, mode) -> None:
+    """The tokens the chat would run: with continue_final_message the last turn has no end
+    token (vLLM's), and its count is the chat's prompt_tokens."""
+    base, start = apps[mode], "The capital of France is"
+    body = {"messages": [*CHAT, {"role": "assistant", "content": start}],
+            "add_generation_prompt": False, "continue_final_message": True}
+    open_turn = call(base, "tokenize", {**body, "return_token_strs": True})
+    closed = call(base, "tokenize", {**body, "continue_final_message": False})
+    assert closed["tokens"][: open_turn["count"]] == open_turn["tokens"]
+    assert closed["count"] > open_turn["count"] and "<|im_end|>" not in open_turn["token_strs"][-3:]
+    assert open_turn["token_strs"][-1] == "Ġis"
+    usage = call(base, "v1/chat/completions", {**body, **GREEDY})["usage"]
+    assert usage["prompt_tokens"] == open_turn["count"]
+    both = call(base, "tokenize", {**body, "add_generation_prompt": True}, 400)["error"]
+    assert both["param"] == "continue_final_message"
+
+
 # ---- 7. endpoints -------------------------------------------------------------------------------
 @in_both_modes
 def test_version_ping_and_invocations(apps, mode) -> None:
@@ -249,3 +311,51 @@ def test_prompt_tokens_details_is_null_by_default(vllm_app) -> None:
     for _ in range(2):
         usage = call(vllm_app, "v1/chat/completions", body)["usage"]
         assert "prompt_tokens_details" in usage and usage["prompt_tokens_details"] is None
+
+
+# ---- 10. response objects -----------------------------------------------------------------------
+@in_both_modes
+def test_every_object_carries_service_tier_and_fingerprint_null(apps, mode) -> None:
+    base = apps[mode]
+    objects = [call(base, "v1/chat/completions", {"messages": CHAT, **GREEDY}),
+               call(base, "v1/completions", {"prompt": "Hi", **GREEDY}),
+               *stream(base, "chat/completions", {"messages": CHAT, **GREEDY}),
+               *stream(base, "completions", {"prompt": "Hi", **GREEDY})]
+    for o in objects:
+        assert o["service_tier"] is None and o["system_fingerprint"] is None, o
+
+
+# ---- 11. streaming and text ---------------------------------------------------------------------
+@in_both_modes
+def test_a_stream_sends_a_chunk_per_token(apps, mode) -> None:
+    body = {"prompt": "Once upon a time", "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+            "logprobs": 0}
+    chunks = stream(apps[mode], "completions", body)
+    assert [len(c["choices"][0]["logprobs"]["tokens"]) for c in chunks] == [1] * 12
+
+
+@in_both_modes
+def test_an_answer_cut_inside_a_character_ends_in_a_replacement_char(apps, mode) -> None:
+    """Token 10813 is the first two bytes of 🚀: cut after it (max_tokens 1), the text is the
+    token decoded, U+FFFD, as vLLM's, not an empty string."""
+    body = {"messages": CHAT, "max_tokens": 1, "temperature": 0, "logit_bias": {"10813": 100}}
+    whole = call(apps[mode], "v1/chat/completions", body)["choices"][0]
+    assert whole["message"]["content"] == "\ufffd" and whole["finish_reason"] == "length"
+    chunks = stream(apps[mode], "chat/completions", body)
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == "\ufffd"
+    text = call(apps[mode], "v1/completions",
+                {"prompt": "Hi", **{k: v for k, v in body.items() if k != "messages"}})
+    assert text["choices"][0]["text"] == "\ufffd"
+
+
+# ---- 12. validation of messages and bodies ------------------------------------------------------
+@in_both_modes
+def test_a_role_outside_openais_and_broken_json_are_400(apps, mode) -> None:
+    base = apps[mode]
+    wizard = {"messages": [{"role": "wizard", "content": "Hi"}], **GREEDY}
+    err = call(base, "v1/chat/completions", wizard, 400)["error"]
+    assert err["param"] == "messages" and "wizard" in err["message"]
+    r = httpx.post(f"{base}/v1/chat/completions", content=b'{"messages": [',
+                   headers={"content-type": "application/json"}, timeout=TIMEOUT_S)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] is None and "not valid JSON" in err["message"]

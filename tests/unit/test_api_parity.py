@@ -1,19 +1,23 @@
 """vLLM's shapes without a server: metric naming and buckets, the request timer's phases, the
-completions top_logprobs order, token ids as names, chat echo and validation messages."""
+engines' tokens per step and KV usage as vLLM counts them, the completions top_logprobs order,
+token ids as names, chat echo and validation messages, fields on every response object."""
 
 from __future__ import annotations
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
 from router.backend import RoleStats
-from router.errors import error_text
+from router.errors import BadRequestError, error_text
 from router.generation import chat_echo
 from router.metric_names import Naming, one_two_five
 from router.metrics import Metrics
+from router.params import check_supported
 from router.protocol import ChatCompletionRequest, CompletionRequest
 from router.responses import sampled_then_top
 from tests.unit.test_router_metrics import stats
+from workers import LLM, SamplingParams
 from workers.api import TokenLogprob
 from workers.engine.step_tokens import StepTokens
 
@@ -65,6 +69,29 @@ def test_tokens_per_step_render_as_vllms_iteration_tokens_histogram() -> None:
     assert 'vllm:iteration_tokens_total_sum{engine="decode",model_name="m"} 40036.0' in text
 
 
+def test_tokens_per_step_are_prompts_and_generated_tokens_as_vllm_counts_them() -> None:
+    """10 requests of 9 prompt tokens and 10 generated: 190 tokens over the steps, as vLLM's
+    iteration_tokens_total, with prompts split into chunks (the budget is 16 tokens a step);
+    after them no page is held, so kv_cache_usage_perc is 0 with the prompts still cached."""
+    llm = LLM(max_num_batched_tokens=16, page_size=4)
+    prompts = [list(range(100 + 10 * i, 109 + 10 * i)) for i in range(10)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+    assert [len(o.token_ids) for o in outs] == [10] * 10
+    steps = llm.engine.step_tokens
+    assert steps.sum == 10 * 9 + 10 * 10
+    assert steps.buckets[-1] >= 10  # one observation per step that produced tokens
+    posted = llm.engine.stats()
+    assert posted.kv_pages_used > 0 and posted.kv_pages_evictable == posted.kv_pages_used
+    text = Metrics("m", naming=Naming("vllm")).render([RoleStats("colocated", posted)]).decode()
+    assert 'vllm:kv_cache_usage_perc{engine="colocated",model_name="m"} 0.0' in text
+
+
+def test_kv_usage_counts_only_pages_requests_hold() -> None:
+    held = stats(1, 30, 0, 5).model_copy(update={"kv_pages_evictable": 20})
+    text = Metrics("m").render([RoleStats("decode", held)]).decode()
+    assert 'pdserve:kv_cache_usage_perc{model_name="m",role="decode"} 0.1' in text
+
+
 def test_the_sampled_token_comes_first_then_the_top_ones_best_first() -> None:
     t = TokenLogprob(token_id=5, logprob=-2.0, top={1: -0.5, 5: -2.0, 3: -0.1})
     assert sampled_then_top(t) == [(5, -2.0), (3, -0.1), (1, -0.5)]
@@ -90,3 +117,13 @@ def test_validation_messages_carry_pydantics_error_type() -> None:
     assert "[type=less_than_equal, input_value=9223372036854775808, input_type=int]" in text
     CompletionRequest(prompt="x", seed=2**63 - 1)
     CompletionRequest(prompt="x", seed=-(2**63))
+
+
+@pytest.mark.parametrize("field, value", [("use_beam_search", True), ("length_penalty", 0.5),
+                                          ("best_of", 3)])
+def test_beam_search_is_a_400_naming_its_field(field: str, value: object) -> None:
+    with pytest.raises(BadRequestError) as e:
+        check_supported(CompletionRequest(prompt="x", **{field: value}))
+    assert e.value.status == 400 and e.value.param == field
+    check_supported(CompletionRequest(prompt="x", use_beam_search=False, length_penalty=1.0,
+                                      best_of=1))  # neutral values pass

@@ -42,3 +42,19 @@ def test_stop_string_is_cut_and_never_streamed_early(tokenizer) -> None:
     assert matched == "STOP"
     assert "".join(chunks) == " one two three "
     assert all("ST" not in c for c in chunks)
+
+
+@pytest.mark.parametrize("cut", [1, 2, 5, 6])
+def test_an_output_cut_inside_a_character_ends_in_a_replacement_char(tokenizer, cut) -> None:
+    """Finished inside a character (max_tokens), the text is the token ids decoded, U+FFFD for
+    the partial bytes, as vLLM's; while running those bytes wait for the rest."""
+    tokens = tokenizer.encode(" 日本語")[:cut]
+    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("Say:"))
+    running = []
+    for token in tokens:
+        detok.add_token(token)
+        running.append(detok.take_new_text(finished=False))
+    assert "\ufffd" not in "".join(running)
+    ended = "".join(running) + detok.take_new_text(finished=True)
+    assert ended == tokenizer.decode(tokens) and ended.endswith("\ufffd")
+    assert detok.take_new_text(finished=True) == ""  # flushed once

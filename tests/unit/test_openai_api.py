@@ -292,6 +292,8 @@ BAD_CHAT = [
     ({**CHAT, "max_tokens": 9000}, "max_tokens"),
     ({**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      "messages.0.content"),
+    ({**CHAT, "messages": [{"role": "wizard", "content": "Hi"}]}, "messages"),  # OpenAI's roles
+    ({**CHAT, "use_beam_search": True}, "use_beam_search"),
 ]
 
 
@@ -319,7 +321,9 @@ async def test_bad_completion_requests_are_400(app) -> None:
             assert r.status_code == 400 and "error" in r.json(), body
         r = await c.post("/v1/completions", content=b"{not json", headers={
             "content-type": "application/json"})
-        assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequestError"
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["type"] == "BadRequestError"
+        assert err["param"] is None and "not valid JSON at character 1" in err["message"]
 
 
 async def test_text_that_is_not_unicode_is_400_saying_so(app) -> None:
@@ -365,19 +369,30 @@ async def test_unknown_model_is_404_and_the_server_keeps_serving(app) -> None:
     assert ok.choices[0].finish_reason == "length" and ok.usage.completion_tokens == 1
 
 
-async def test_api_key_guards_v1_only(engine) -> None:
-    keyed = build_openai_app(LocalBackend(engine), engine.engine.tokenizer, MODEL,
-                             engine.engine.max_model_len, api_key="sekret")
+async def test_api_key_guards_all_but_the_probes(engine) -> None:
+    """Generation and tokenization need the key (/invocations too, unless opened); the probes,
+    /metrics and /version do not, as in vLLM."""
+    tokenizer, max_len = engine.engine.tokenizer, engine.engine.max_model_len
+    keyed = build_openai_app(LocalBackend(engine), tokenizer, MODEL, max_len, api_key="sekret")
     for key in ("EMPTY", "sekret2"):
         with pytest.raises(openai.AuthenticationError):
             await client(keyed, key).models.list()
+    bad = {"messages": "not even valid"}  # a 400 once past the key: nothing generates
     async with http(keyed) as c:
-        r = await c.post("/v1/chat/completions", json={"messages": "not even valid"})
-        assert r.status_code == 401 and r.json()["error"]["code"] == 401
-        assert (await c.get("/health")).status_code == 200
-        assert (await c.get("/metrics")).status_code == 200
+        for path in ("/v1/chat/completions", "/invocations", "/tokenize", "/detokenize"):
+            r = await c.post(path, json=bad)
+            assert r.status_code == 401 and r.json()["error"]["code"] == 401, path
+            r = await c.post(path, json=bad, headers={"Authorization": "Bearer sekret"})
+            assert r.status_code == 400, path
+        for path in ("/health", "/ping", "/metrics", "/version"):
+            assert (await c.get(path)).status_code == 200, path
     models = await client(keyed, "sekret").models.list()
     assert [m.id for m in models.data] == [MODEL]
+    opened = build_openai_app(LocalBackend(engine), tokenizer, MODEL, max_len, api_key="sekret",
+                              open_invocations=True)
+    async with http(opened) as c:
+        assert (await c.post("/invocations", json=bad)).status_code == 400
+        assert (await c.post("/tokenize", json=bad)).status_code == 401
 
 
 # ---- the other endpoints -----------------------------------------------------------------------

@@ -247,3 +247,14 @@ async def test_a_follow_up_turn_renders_the_calls_and_the_results(app, backend,
             {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{x"}}]}]}
         r2 = await c.post("/v1/chat/completions", json=bad)
     assert r2.status_code == 400 and r2.json()["error"]["param"] == "messages.0.tool_calls"
+
+
+async def test_tokenize_renders_tools_as_the_chat_does(app, backend) -> None:
+    """/tokenize with `tools` counts the prompt the chat runs (vLLM's TokenizeChatRequest)."""
+    async with http(app) as c:
+        plain = (await c.post("/tokenize", json=CHAT)).json()
+        tools = (await c.post("/tokenize", json={**CHAT, "tools": TOOLS})).json()
+        r = await c.post("/v1/chat/completions", json={**CHAT, "tools": TOOLS})
+    assert r.status_code == 200, r.text
+    assert tools["count"] > plain["count"]
+    assert tuple(tools["tokens"]) == backend.seen[-1].prompt_token_ids

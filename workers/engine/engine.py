@@ -24,7 +24,7 @@ from workers.detokenizer import IncrementalDetokenizer
 from workers.engine.finish import check_finish, take_output, token_logprob
 from workers.engine.grammar_gate import GrammarGate
 from workers.engine.speculation import build_speculator
-from workers.engine.step_tokens import StepTokens
+from workers.engine.step_tokens import StepCount, StepTokens
 from workers.engine.tp_runner import create_runner
 from workers.kvcache.allocator import PageAllocator
 from workers.kvcache.manager import KVManager
@@ -203,7 +203,6 @@ class Engine:
         except Exception as e:
             self._die(e)
         self._running = _RunningStep(launched)
-        self.step_tokens.observe(sum(step.num_new_tokens))
         for seq, n in zip(step.seqs, step.num_new_tokens):
             prompt_left = max(0, seq.num_prompt_tokens - seq.num_computed_tokens)
             self.prompt_tokens_computed += min(n, prompt_left)
@@ -239,13 +238,17 @@ class Engine:
                     seq.prompt_logprobs.append(token_logprob(prompt, row, n))
         if result is not None:
             row = 0  # a sequence's rows: one, or one per position of a verify step
+            counted = StepCount()
             for seq in seqs:
                 seq.num_pending_tokens -= 1
                 rows = 1 + len(seq.draft_ids)
                 if self._alive(seq):  # else it left while this token was computed: drop it
-                    self._append_tokens(seq, result, row, rows)
+                    with counted.tokens_of(seq):
+                        self._append_tokens(seq, result, row, rows)
                     outputs.append(self._after_token(seq))
                 row += rows
+            if counted.sequences:
+                self.step_tokens.observe(counted.tokens)
         self._free_retired(running)
         return outputs
 
@@ -336,6 +339,7 @@ class Engine:
             kv_pages_used=self.kv.num_used_pages,
             kv_pages_pinned=self.kv.num_pinned_pages + self._pinned_own_pages(),
             kv_pages_cached=0 if self.kv.radix is None else self.kv.radix.num_cached_pages,
+            kv_pages_evictable=0 if self.kv.radix is None else self.kv.radix.num_evictable_pages,
             prefix_cache_queries=self.kv.prefix_queries,
             prefix_cache_hits=self.kv.prefix_hits,
             num_preemptions=self.scheduler.num_preemptions,

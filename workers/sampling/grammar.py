@@ -1,6 +1,6 @@
-"""Structured outputs to grammars, through llguidance (docs/notes/grammar-engine.md says why this
-engine): a `StructuredOutputs` spec is compiled into matchers in their start state, a few per spec
-and tokenizer (shards); each request gets a copy of one of them (`Constraint`,
+"""Structured outputs to grammars, through llguidance (docs/notes/structured-outputs.md says why
+this engine): a `StructuredOutputs` spec is compiled into matchers in their start state, a few
+per spec and tokenizer (shards); each request gets a copy of one of them (`Constraint`,
 workers/sampling/constraint.py).
 
 Compilation runs on a small thread pool (llguidance drops the GIL while it builds a grammar),
