@@ -11,9 +11,11 @@ import dataclasses
 import logging
 from typing import Any
 
+import ray
 from ray import serve
 from ray.serve import Application
 
+from cluster import resources
 from cluster.autoscaling_policy import SlaPolicy, Targets
 from cluster.config import AppConfig, AutoscalingConfig, PoolConfig, RouterConfig
 from cluster.ingress import OpenAIIngress
@@ -106,6 +108,9 @@ def _request_routers(cfg: AppConfig) -> tuple[dict[str, Any] | None, dict[str, A
 def build_app(args: dict[str, Any] | AppConfig) -> Application:
     """Validate the config file's `args` and bind the router and both pools."""
     cfg = AppConfig.model_validate(args)
+    if ray.is_initialized():  # `serve run`/`deploy` and `pdserve serve` build it connected
+        for warning in resources.report(cfg, resources.ray_nodes())[1]:
+            logger.warning("pdserve: %s", warning)
     transfer = cfg.kv_transfer.model_dump()
     prefill_router, decode_router = _request_routers(cfg)
     decode = serve.deployment(**_deployment_options("decode", cfg.decode, decode_router))(
