@@ -107,6 +107,9 @@ def test_a_read_rate_floor_is_labelled_as_such(tmp_path: Path) -> None:
     text = report.render_markdown(report.load_results(tmp_path))
     assert "| batch | context | engine ms | floor ms (read rate) | × floor (read rate) |" in text
     assert "over the `torch.sum` read rate" in text
+    unrecorded = dict(RESULT, benchmark="prefill", measured={}, floor_rate="read")
+    (tmp_path / "prefill_h200_2026-11-29.json").write_text(json.dumps(unrecorded))
+    assert "| floor ms (read rate) |" in report.render_markdown(report.load_results(tmp_path))
     (tmp_path / "prefill_h200_2026-11-29.json").write_text(json.dumps(RESULT))  # copy rate
     text = report.render_markdown(report.load_results(tmp_path))
     assert "read rate" not in text and "| floor ms | × floor |" in text
