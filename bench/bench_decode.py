@@ -3,10 +3,12 @@
 A step is what the engine runs per generated token on `batch` sequences of `context` tokens
 each. Its floor is the bytes it must read, the weights once (of the embedding only the batch's
 rows, unless tied to the LM head) plus every sequence's KV, over the copy bandwidth measured in
-the same process; with `--tp N` each rank reads its shard of both in parallel, so the floor is one
+the same process (`gpu_common.Floor`, which also gives it over the datasheet's rate); with
+`--tp N` each rank reads its shard of both in parallel, so the floor is one
 rank's bytes (the all-reduces between the ranks are part of the gap). Three ways of timing it:
 - `engine_ms`: the real `Engine.step()` loop (overlap scheduling, scheduler, detokeniser, stop
-  checks) on `batch` requests that have been prefilled to `context` tokens: wall time per step;
+  checks) on `batch` requests that have been prefilled to `context` tokens: wall time per step,
+  the median of `--repeats` runs (default 3; every run in `engine_ms_runs`);
 - `overlap_ms`: `ModelRunner.launch` of step n+1 before reading step n, back to back;
 - `sync_ms`: `ModelRunner.execute`, which waits for each step (the engine without overlap).
 Parts are timed too: the graph replay (forward, LM head and argmax; replays queued back to
@@ -33,11 +35,12 @@ from bench.gpu_common import (
     ENGINE_STEPS,
     ENGINE_WARMUP,
     PAGE_SIZE,
+    Floor,
+    add_repeats_argument,
     bench_parser,
-    copy_bandwidth_gbps,
     decode_config,
     engine_run,
-    read_bandwidth_gbps,
+    median_of,
     replay_ms,
     step_timeline,
     top_kernels,
@@ -146,13 +149,10 @@ def main() -> None:
     ap.add_argument("--cases", help="only these, e.g. 1x1024,64x2048")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (GPUs)")
     ap.add_argument("--trace", help="with --profile: a folder for Chrome traces of the replays")
+    add_repeats_argument(ap)
     args = ap.parse_args()
-    bandwidth = copy_bandwidth_gbps()
-    print(
-        f"copy bandwidth {bandwidth:.0f} GB/s (read + write); "
-        f"read-only {read_bandwidth_gbps():.0f} GB/s",
-        flush=True,
-    )
+    floor = Floor.measure()
+    print(f"copy bandwidth {floor.copy_gbps:.0f} GB/s (read + write)", flush=True)
     cases = CASES
     if args.cases:
         cases = [tuple(int(v) for v in c.split("x")) for c in args.cases.split(",")]
@@ -178,25 +178,29 @@ def main() -> None:
         runner.graphs = None
         eager_ms = wall_ms(lambda: runner.execute(step), warmup=2, iters=5)  # noqa: B023
         runner.graphs = graphs
-        in_engine = engine_ms(engine, batch, context) if (batch, context) in ENGINE_CASES else None
+        runs = []  # the engine loop, the goal cases' figure: --repeats runs
+        if (batch, context) in ENGINE_CASES:
+            runs = [round(engine_ms(engine, batch, context), 3) for _ in range(args.repeats)]
+        in_engine = median_of(runs) if runs else None
         nbytes = weight_bytes_read(runner, batch) + batch * context * kv_per_token
-        floor_ms = nbytes / bandwidth / 1e6
         best = in_engine if in_engine is not None else pipelined_ms
+        against = floor.columns(nbytes, best)
         row = dict(
             shape=args.shape,
             tp=args.tp,
             batch=batch,
             context=context,
-            engine_ms=None if in_engine is None else round(in_engine, 3),
+            engine_ms=in_engine,
+            engine_ms_runs=runs or None,
             overlap_ms=round(pipelined_ms, 3),
             sync_ms=round(sync_ms, 3),
             graph_replay_ms=None if replay is None else round(replay, 3),
             host_plan_ms=round(plan_ms, 3),
             flashinfer_plan_ms=round(fi_plan_ms, 3),
             eager_step_ms=round(eager_ms, 3),
-            floor_ms=round(floor_ms, 3),
-            x_floor=round(best / floor_ms, 3),
-            replay_x_floor=None if replay is None else round(replay / floor_ms, 3),
+            **against,
+            x_floor_runs=[floor.columns(nbytes, r)["x_floor"] for r in runs] or None,
+            replay_x_floor=None if replay is None else floor.columns(nbytes, replay)["x_floor"],
             tokens_per_s=round(batch / best * 1e3),
         )
         rows.append(row)
@@ -214,8 +218,7 @@ def main() -> None:
         torch.cuda.synchronize()
     name = "decode" if args.tp == 1 else f"decode-tp{args.tp}"
     model = f"{args.shape} shapes, random bf16 weights, page {page_size}, CUDA graphs"
-    measured = dict(copy_bandwidth_gbps=round(bandwidth))
-    write_result(args.out, name, rows, model=model, measured=measured)
+    write_result(args.out, name, rows, model=model, measured=floor.measured())
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from typing import Any
 import flashinfer
 import torch
 
-from bench.gpu_common import cuda_ms, read_bandwidth_gbps
+from bench.gpu_common import Floor, cuda_ms
 from bench.results_io import add_out_argument, write_result
 from workers.attention.flashinfer import new_workspace
 
@@ -77,8 +77,8 @@ def main() -> None:
     ap.add_argument("--cases", default="1x1024,1x4096,16x1024,64x2048")
     add_out_argument(ap)
     args = ap.parse_args()
-    read_gbps = read_bandwidth_gbps()
-    print(f"read bandwidth {read_gbps:.0f} GB/s (a reduction over 4 GiB)")
+    floor = Floor.measure()
+    print(f"copy bandwidth {floor.copy_gbps:.0f} GB/s (read + write, 4 GiB)")
     print(
         f"{'batch × context':>15} {'variant':>24} {'µs a layer':>10} {'floor µs':>8} {'× floor':>7}"
     )
@@ -86,7 +86,7 @@ def main() -> None:
     for case in args.cases.split(","):
         batch, context = (int(x) for x in case.split("x"))
         kv_bytes = batch * context * 2 * KV_HEADS * HEAD_DIM * 2
-        floor_us = kv_bytes / read_gbps / 1e3
+        floor_us = floor.columns(kv_bytes, 1.0, unit="us")["floor_us"]
         row: dict[str, Any] = dict(batch=batch, context=context)
         for name, (wrapper_opts, plan_opts) in VARIANTS.items():
             try:
@@ -99,12 +99,11 @@ def main() -> None:
             row[name.replace(",", "").replace(" ", "_").lower() + "_us"] = round(us, 2)
             torch.cuda.empty_cache()
         engine_us = row.get("tensor_cores_us")  # the engine's variant
-        row["floor_us"] = round(floor_us, 2)
-        row["x_floor"] = engine_us and round(engine_us / floor_us, 1)
+        if engine_us:
+            row.update(floor.columns(kv_bytes, engine_us, unit="us"))
         rows.append(row)
     model = "Llama-3-8B attention heads, page 16, a CUDA graph of 32 layers"
-    measured = dict(read_gbps=round(read_gbps))
-    write_result(args.out, "decode-attention", rows, model=model, measured=measured)
+    write_result(args.out, "decode-attention", rows, model=model, measured=floor.measured())
 
 
 if __name__ == "__main__":

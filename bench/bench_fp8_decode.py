@@ -4,8 +4,9 @@ Random Llama-3-8B weights in bf16 on one GPU; the KV pool in bf16 (`kv_cache_dty
 then in FP8 (`fp8_e4m3`), each engine in a process of its own (one H200 holds either pool at its
 largest case, not both). Per case (batch x context) and KV dtype: the overlapped step
 (`bench_decode.overlapped_ms`, the engine's pipelining without its scheduler), the CUDA graph
-replay and, for the goal's case, the engine's own loop (`bench_decode.engine_ms`; the step the
-ratios use where it was measured, as in `bench_decode`), against the floor: the weights once
+replay and, for the goal's case, the engine's own loop (`bench_decode.engine_ms`, the median of
+`--repeats` runs, each recorded; the step the ratios use where it was measured, as in
+`bench_decode`), against the floor: the weights once
 plus the sequences' KV bytes (half with FP8) at the copy rate measured in the same process.
 `fp8_vs_bf16` is the FP8 step over the bf16 step of the same case, measured in the same run.
 256 x 4096 runs in FP8 only: its bf16 KV (128 GiB) and the weights exceed one H200, its FP8 KV
@@ -17,10 +18,10 @@ pool with the kernel the GPU's table picks per batch size (the Triton kernel
 `--attention`: the attention alone instead, per layer (Llama-3-8B heads, page 16, FP8 KV, a
 CUDA graph over enough layers that L2 holds none of it): the Triton kernel against FlashInfer's
 FP8 decode (tensor cores, as the engine plans it), each against the floor of reading the FP8
-K/V once at the read rate measured in the same run; the data behind
-`fp8_decode.FLASHINFER_FASTER`. XQA too (`xqa_us`). `--sweep` adds the Triton kernel's launch
-choices (tile, warps, stages, splits of each sequence) and XQA's splits, and reports the fastest
-of each per case; `--write-table` writes them as this GPU's table
+K/V once at the copy rate measured in the same run (`gpu_common.Floor`, as every benchmark);
+the data behind `fp8_decode.FLASHINFER_FASTER`. XQA too (`xqa_us`). `--sweep` adds the Triton
+kernel's launch choices (tile, warps, stages, splits of each sequence) and XQA's splits, and
+reports the fastest of each per case; `--write-table` writes them as this GPU's table
 (`workers/kernels/tables/fp8_decode_<GPU>.json`, `tuning.py`): the Triton launches, and XQA
 where it was at least 5% faster.
 
@@ -45,11 +46,12 @@ import torch
 
 from bench.bench_decode import decode_step, engine_ms, overlapped_ms
 from bench.gpu_common import (
+    Floor,
+    add_repeats_argument,
     bench_parser,
-    copy_bandwidth_gbps,
     cuda_ms,
     decode_config,
-    read_bandwidth_gbps,
+    median_of,
     replay_ms,
     wall_ms,
     weight_bytes_read,
@@ -105,7 +107,7 @@ def worker(args: argparse.Namespace, kv_cache_dtype: str, cases: list[tuple[int,
     engine = Engine(decode_config(args, cases, **fields))
     runner = engine.runner
     fill_random(runner)
-    bandwidth = cpu_copy_gbps() if cpu else copy_bandwidth_gbps()
+    floor = Floor(cpu_copy_gbps()) if cpu else Floor.measure()
     kv_per_token = runner.kv_layout.page_bytes // runner.cfg.page_size
     for batch, context in cases:
         step = decode_step(runner, batch, context)
@@ -113,18 +115,21 @@ def worker(args: argparse.Namespace, kv_cache_dtype: str, cases: list[tuple[int,
         replay = None
         if runner.graphs is not None:
             replay = replay_ms(runner.graphs.graphs[batch].replay)
-        in_engine = engine_ms(engine, batch, context) if (batch, context) in ENGINE_CASES else None
+        runs = []  # the goal's figure: --repeats runs of the engine loop
+        if (batch, context) in ENGINE_CASES:
+            runs = [round(engine_ms(engine, batch, context), 3) for _ in range(args.repeats)]
+        in_engine = median_of(runs) if runs else None
         nbytes = weight_bytes_read(runner, batch) + batch * context * kv_per_token
-        floor_ms = nbytes / bandwidth / 1e6
         best = step_ms if in_engine is None else in_engine
         row = dict(
             kv_cache_dtype=kv_cache_dtype, batch=batch, context=context,
             kv_gib=round(batch * context * kv_per_token / 2**30, 2),
-            engine_ms=None if in_engine is None else round(in_engine, 3),
+            engine_ms=in_engine, engine_ms_runs=runs or None,
             overlap_ms=round(step_ms, 3),
             graph_replay_ms=None if replay is None else round(replay, 3),
-            floor_ms=round(floor_ms, 3), x_floor=round(best / floor_ms, 3),
-            copy_bandwidth_gbps=round(bandwidth),
+            **floor.columns(nbytes, best),
+            x_floor_runs=[floor.columns(nbytes, r)["x_floor"] for r in runs] or None,
+            copy_bandwidth_gbps=round(floor.copy_gbps),
         )  # fmt: skip
         print(ROW + json.dumps(row), flush=True)
 
@@ -260,13 +265,13 @@ def attention(args: argparse.Namespace, cases: list[tuple[int, int]]) -> None:
     FlashInfer's FP8 decode, per layer."""
     from workers.kernels import fp8_decode
 
-    read_gbps = read_bandwidth_gbps()
+    floor = Floor.measure()
     rows = []
     winners: dict[tuple[int, int], tuple[FP8DecodeLaunch, int]] = {}
     xqa_winners: dict[tuple[int, int], int] = {}  # XQA's splits where it is the faster, else 0
     for batch, context in cases:
-        floor_us = batch * context * 2 * KV_HEADS * HEAD_DIM / read_gbps / 1e3
-        row: dict[str, Any] = dict(batch=batch, context=context, floor_us=round(floor_us, 2))
+        kv_bytes = batch * context * 2 * KV_HEADS * HEAD_DIM
+        row: dict[str, Any] = dict(batch=batch, context=context)
         row["kernel_us"] = round(layer_us(batch, context, kernel_run(batch)), 2)
         row["flashinfer_us"] = round(layer_us(batch, context, flashinfer_run(batch)), 2)
         row["xqa_us"] = round(layer_us(batch, context, xqa_run(batch)), 2)
@@ -288,9 +293,9 @@ def attention(args: argparse.Namespace, cases: list[tuple[int, int]]) -> None:
             row["xqa_best_us"], row["xqa_best_splits"] = round(xqa_timed[splits], 2), splits
             faster = xqa_timed[splits] < XQA_MARGIN * timed[best]
             xqa_winners[batch, context] = splits if faster else 0
-        row["x_floor"] = round(row["kernel_us"] / floor_us, 3)
-        row["flashinfer_x_floor"] = round(row["flashinfer_us"] / floor_us, 3)
-        row["xqa_x_floor"] = round(row["xqa_us"] / floor_us, 3)
+        row.update(floor.columns(kv_bytes, row["kernel_us"], unit="us"))
+        row["flashinfer_x_floor"] = floor.columns(kv_bytes, row["flashinfer_us"], "us")["x_floor"]
+        row["xqa_x_floor"] = floor.columns(kv_bytes, row["xqa_us"], "us")["x_floor"]
         row["kernel_used"] = fp8_decode.used_at(batch)
         print("FP8-ATTENTION", row, flush=True)
         rows.append(row)
@@ -301,14 +306,14 @@ def attention(args: argparse.Namespace, cases: list[tuple[int, int]]) -> None:
         table_path(gpu, "fp8_decode").write_text(text)
         print(f"launch table {table_path(gpu, 'fp8_decode')}:\n{text}", flush=True)
     model = "Llama-3-8B attention heads (32/8, d128), page 16, FP8 KV, one layer's time"
-    write_result(args.out, "decode-fp8-attention", rows, model=model,
-                 measured=dict(read_gbps=round(read_gbps)))  # fmt: skip
+    write_result(args.out, "decode-fp8-attention", rows, model=model, measured=floor.measured())
 
 
 def main() -> None:
     ap = bench_parser(__doc__)
     ap.add_argument("--cases", help="only these, e.g. 1x4096,64x4096")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    add_repeats_argument(ap)
     ap.add_argument("--worker", choices=KV_DTYPES, help=argparse.SUPPRESS)
     ap.add_argument("--attention", action="store_true", help="the attention alone, per layer")
     ap.add_argument("--sweep", action="store_true", help="--attention: the kernel's launches")

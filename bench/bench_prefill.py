@@ -5,8 +5,8 @@ tokens: against an 8192^3 bf16 matmul measured in the same process, counting 2 F
 per token for every linear layer, causal attention (QK^T and PV: 4 * heads * head_dim per
 query-key pair, half the square) and the LM head for the last token of each prompt.
 1 x 32 and 1 x 256 tokens, a chat turn's time to first token: against reading the weights once
-at the read bandwidth measured in the same process (GEMMs that thin wait on their weights),
-as the engine runs them (on a decode CUDA graph, one row a token) and eagerly.
+at the copy rate measured in the same process, `gpu_common.Floor` (GEMMs that thin wait on
+their weights), as the engine runs them (on a decode CUDA graph, one row a token) and eagerly.
 
     python -m bench.bench_prefill --tokenizer-dir DIR [--shape llama3-8b] [--out DIR]
 """
@@ -16,11 +16,11 @@ from __future__ import annotations
 import random
 
 from bench.gpu_common import (
+    Floor,
     bench_parser,
     dummy_model_dir,
     engine_options,
     gemm_peak_tflops,
-    read_bandwidth_gbps,
     top_kernels,
     wall_ms,
     weight_bytes_read,
@@ -95,7 +95,7 @@ def main() -> None:
         print("PREFILL", row, flush=True)
         if args.profile and prompts == 1:
             print(top_kernels(lambda: runner.execute(step)), flush=True)  # noqa: B023
-    read_gbps = read_bandwidth_gbps()
+    floor = Floor.measure()
     for prompts, tokens in SHORT_CASES:
         step = prefill_step(runner, prompts, tokens)
         on_graph = runner.plan(step).graph
@@ -103,13 +103,12 @@ def main() -> None:
         graphs, runner.graphs = runner.graphs, None
         eager_ms = wall_ms(lambda: runner.execute(step), warmup=2, iters=10)  # noqa: B023
         runner.graphs = graphs
-        floor_ms = weight_bytes_read(runner, prompts * tokens) / read_gbps / 1e6
+        against = floor.columns(weight_bytes_read(runner, prompts * tokens), ms)
         row = dict(shape=args.shape, prompts=prompts, tokens=tokens, step_ms=round(ms, 2),
-                   on_graph=on_graph, eager_ms=round(eager_ms, 2), floor_ms=round(floor_ms, 2),
-                   x_floor=round(ms / floor_ms, 2))  # fmt: skip
+                   on_graph=on_graph, eager_ms=round(eager_ms, 2), **against)  # fmt: skip
         rows.append(row)
         print("PREFILL", row, flush=True)
-    measured = dict(gemm_peak_tflops=round(peak), read_gbps=round(read_gbps))
+    measured = dict(gemm_peak_tflops=round(peak), **floor.measured())
     model = f"{args.shape} shapes, random bf16 weights, one step, no cached prefix"
     write_result(args.out, "prefill", rows, model=model, measured=measured)
 

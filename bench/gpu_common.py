@@ -1,8 +1,9 @@
 """Shared pieces of the GPU benchmarks: model shapes, random-weight model dirs, the ceilings.
 
 Every benchmark measures its own ceilings in the same process it reports against: the device
-copy bandwidth (bytes read + written per second, one large copy) and the bf16 GEMM peak
-(8192^3 matmul on random data). Times are medians.
+copy bandwidth (bytes read + written per second, one large copy; every benchmark's HBM floor,
+`Floor`, beside the datasheet's rate) and the bf16 GEMM peak (8192^3 matmul on random data).
+Times are medians; a goal's figure is the median of `--repeats` runs, each run recorded.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import shutil
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -93,6 +95,12 @@ def bench_parser(doc: str, shape: str = "llama3-8b") -> argparse.ArgumentParser:
         help="an EngineConfig field, as `pdserve serve --set` (e.g. kernels.pdl=false)",
     )  # fmt: skip
     return ap
+
+
+def add_repeats_argument(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument(
+        "--repeats", type=int, default=3, help="runs of each goal case's engine loop: the median"
+    )
 
 
 def engine_options(args: argparse.Namespace, **fields: Any) -> dict[str, Any]:
@@ -209,12 +217,51 @@ def copy_bandwidth_gbps(gib: int = 4) -> float:
     return 2 * gib * 2**30 / ms / 1e6
 
 
-def read_bandwidth_gbps(gib: int = 4) -> float:
-    """Bytes read per second by a reduction over a large bf16 tensor (no writes), in GB/s: the
-    rate a weight-streaming kernel could reach at best."""
-    src = torch.empty(gib * 2**29, dtype=torch.bfloat16, device="cuda").normal_()
-    ms = cuda_ms(lambda: src.sum(dtype=torch.float32), warmup=2, iters=10)
-    return gib * 2**30 / ms / 1e6
+# HBM bandwidth on the datasheet, GB/s, by the GPU model in torch's device name.
+DATASHEET_GBPS = {"H200": 4800.0}
+
+
+def datasheet_gbps(device_name: str) -> float | None:
+    """The datasheet's HBM rate of the GPU `device_name` names (None: not listed)."""
+    return next((v for k, v in DATASHEET_GBPS.items() if k in device_name.split()), None)
+
+
+@dataclass(frozen=True)
+class Floor:
+    """The HBM floor of every benchmark: the bytes a step must read over the copy rate measured
+    in the same process (one rate for all, so ratios compare across files; a `torch.sum` read
+    rate came out 3-5% lower), and over the datasheet's rate for the GPU model, where listed."""
+
+    copy_gbps: float
+    datasheet_gbps: float | None = None
+
+    @classmethod
+    def measure(cls) -> Floor:
+        return cls(copy_bandwidth_gbps(), datasheet_gbps(torch.cuda.get_device_name()))
+
+    def columns(self, nbytes: float, taken: float, unit: str = "ms") -> dict[str, float | None]:
+        """`floor_<unit>` and `x_floor` of a step of `taken` <unit> (ms or us), and the same
+        against the datasheet's rate (None where it is not listed)."""
+        per_ms = {"ms": 1.0, "us": 1e3}[unit]
+        floor = nbytes / self.copy_gbps / 1e6 * per_ms
+        sheet = None if self.datasheet_gbps is None else nbytes / self.datasheet_gbps / 1e6 * per_ms
+        return {
+            f"floor_{unit}": round(floor, 3),
+            "x_floor": round(taken / floor, 3),
+            f"datasheet_floor_{unit}": None if sheet is None else round(sheet, 3),
+            "x_datasheet_floor": None if sheet is None else round(taken / sheet, 3),
+        }
+
+    def measured(self) -> dict[str, float]:
+        """The result file's `measured` entry (the datasheet's rate where it is listed)."""
+        out = {"copy_bandwidth_gbps": float(round(self.copy_gbps))}
+        if self.datasheet_gbps is not None:
+            out["datasheet_gbps"] = self.datasheet_gbps
+        return out
+
+
+def median_of(runs: list[float]) -> float:
+    return round(statistics.median(runs), 3)
 
 
 def gemm_peak_tflops(n: int = 8192) -> float:

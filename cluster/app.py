@@ -11,14 +11,15 @@ import dataclasses
 import logging
 from typing import Any
 
+import ray
 from ray import serve
 from ray.serve import Application
 
+from cluster import resources
 from cluster.autoscaling_policy import SlaPolicy, Targets
 from cluster.config import AppConfig, AutoscalingConfig, PoolConfig, RouterConfig
 from cluster.ingress import OpenAIIngress
-from workers.serve.decode import DecodeWorker
-from workers.serve.prefill import PrefillWorker
+from cluster.startup import DecodeReplica, PrefillReplica
 
 logger = logging.getLogger(__name__)
 
@@ -104,17 +105,21 @@ def _request_routers(cfg: AppConfig) -> tuple[dict[str, Any] | None, dict[str, A
 
 
 def build_app(args: dict[str, Any] | AppConfig) -> Application:
-    """Validate the config file's `args` and bind the router and both pools."""
+    """Validate the config file's `args` and bind the router and both pools (whose replicas
+    load their engines once the router runs: cluster/startup.py)."""
     cfg = AppConfig.model_validate(args)
+    if ray.is_initialized():  # `serve run`/`deploy` and `pdserve serve` build it connected
+        for warning in resources.report(cfg, resources.ray_nodes())[1]:
+            logger.warning("pdserve: %s", warning)
     transfer = cfg.kv_transfer.model_dump()
     prefill_router, decode_router = _request_routers(cfg)
     decode = serve.deployment(**_deployment_options("decode", cfg.decode, decode_router))(
-        DecodeWorker
+        DecodeReplica
     ).bind(cfg.decode.engine(cfg.engine).model_dump(), transfer, cfg.kv_events_period())
     prefill = None
     if cfg.mode == "disaggregated":
         prefill = serve.deployment(**_deployment_options("prefill", cfg.prefill, prefill_router))(
-            PrefillWorker
+            PrefillReplica
         ).bind(cfg.prefill.engine(cfg.engine).model_dump(), transfer, cfg.kv_events_period())
     router = serve.deployment(
         name="router",

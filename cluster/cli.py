@@ -1,8 +1,11 @@
 """`pdserve`: check a Serve config file, list every knob, or serve with overrides.
 
     pdserve check configs/llama.yaml      validate each pdserve application's `args` (AppConfig)
-                                          without deploying: exit 1 naming every bad field (a
-                                          KubeRay RayService: its serveConfigV2)
+                  [--address ADDR|none]   without deploying: exit 1 naming every bad field (a
+                                          KubeRay RayService: its serveConfigV2); print each
+                                          pool's resources against the Ray cluster's (ADDR,
+                                          default $RAY_ADDRESS or one started on this machine)
+                                          and warn of replicas it cannot place
     pdserve schema [--markdown]           every knob of AppConfig with its default and meaning: JSON
                                           schema, or the markdown of docs/configuration.md
     pdserve serve CONFIG [--set engine.model=/models/x --set decode.num_replicas=2 ...]
@@ -30,6 +33,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from cluster import resources
 from cluster.config import AppConfig
 from cluster.schema_doc import schema_markdown
 
@@ -69,21 +73,52 @@ def serve_configs(path: Path) -> list[dict[str, Any]]:
     return docs
 
 
-def check(paths: list[Path]) -> int:
-    """Validate every pdserve application's args in `paths`; print what is wrong."""
+def cluster_nodes(address: str) -> tuple[list[resources.Resources] | None, str]:
+    """The Ray cluster's nodes' resources, connecting to `address` ("none": not at all), and
+    a line saying where they come from."""
+    if address == "none":
+        return None, "Ray cluster: not connected (--address none): demand only"
+    import ray
+
+    if not ray.is_initialized():
+        try:
+            ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
+        except ConnectionError as e:
+            return None, f"Ray cluster: not connected ({e}): demand only"
+    where = ray.get_runtime_context().gcs_address
+    nodes = resources.ray_nodes()
+    totals = {k: v for k, v in ray.cluster_resources().items() if "node:" not in k}
+    return nodes, f"Ray cluster at {where}: ray.cluster_resources() = {totals}"
+
+
+def check(paths: list[Path], address: str = "none") -> int:
+    """Validate every pdserve application's args in `paths`; print what is wrong, and what
+    each valid application asks of the Ray cluster at `address` (warnings do not fail it)."""
     status = 0
+    valid: list[tuple[str, AppConfig]] = []
     for path in paths:
         apps = [app for config in serve_configs(path) for app in pdserve_apps(config)]
         if not apps:
             print(f"{path}: no application imports {IMPORT_PATH}")
             status = 1
         for app in apps:
+            name = f"{path}: application {app.get('name')!r}"
             try:
-                AppConfig.model_validate(app.get("args") or {})
-                print(f"{path}: application {app.get('name')!r}: ok")
+                valid.append((name, AppConfig.model_validate(app.get("args") or {})))
+                print(f"{name}: ok")
             except ValidationError as e:
-                print(f"{path}: application {app.get('name')!r}: {e}")
+                print(f"{name}: {e}")
                 status = 1
+    if valid:
+        nodes, source = cluster_nodes(address)
+        print(source)
+        for name, cfg in valid:
+            lines, warnings = resources.report(cfg, nodes)
+            print(f"{name}: resources")
+            for line in lines:
+                print(f"  {line}")
+            for warning in warnings:
+                print(f"  WARNING: {warning}")
     return status
 
 
@@ -163,6 +198,10 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="command", required=True)
     p_check = sub.add_parser("check", help="validate Serve config files without deploying")
     p_check.add_argument("configs", nargs="+", type=Path)
+    p_check.add_argument("--address", default=os.environ.get("RAY_ADDRESS", "auto"),
+                         help="Ray cluster whose resources to check against (default: "
+                         "$RAY_ADDRESS, else one started on this machine; none: do not "
+                         "connect)")  # fmt: skip
     p_schema = sub.add_parser("schema", help="print every knob of the application config")
     p_schema.add_argument("--markdown", action="store_true",
                           help="as markdown (docs/configuration.md), not JSON schema")  # fmt: skip
@@ -174,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     p_serve.add_argument("--port", type=int, help="HTTP port (the config's http_options.port)")
     args = ap.parse_args(argv)
     if args.command == "check":
-        return check(args.configs)
+        return check(args.configs, args.address)
     if args.command == "schema":
         sys.stdout.write(schema_markdown() if args.markdown else schema() + "\n")
         return 0

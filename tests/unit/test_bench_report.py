@@ -88,3 +88,82 @@ def test_the_command_shows_folders_and_files_without_where_they_lay(
     monkeypatch.setattr("sys.argv", argv)
     monkeypatch.delitem(sys.modules, "__main__")
     assert command_line() == "python bench/x.py --tokenizer-dir DIR --model model.gguf --k 4"
+
+
+def test_a_goal_figure_shows_its_median_and_the_runs_range(tmp_path: Path) -> None:
+    row = {"batch": 64, "context": 4096, "engine_ms": 8.694, "engine_ms_runs": [8.7, 8.694, 8.712],
+           "x_floor": 1.144, "x_floor_runs": [1.144, 1.143, 1.147]}  # fmt: skip
+    result = dict(RESULT, rows=[row, {"batch": 1, "context": 64, "engine_ms": 3.9}])
+    (tmp_path / "decode_h200_2026-12-04.json").write_text(json.dumps(result))
+    text = report.render_markdown(report.load_results(tmp_path))
+    assert "| batch | context | engine ms | × floor |" in text  # runs beside their median
+    assert "| 64 | 4096 | 8.694 (8.694–8.712) | 1.144 (1.143–1.147) |" in text
+    assert "| 1 | 64 | 3.900 | — |" in text
+
+
+def test_a_read_rate_floor_is_labelled_as_such(tmp_path: Path) -> None:
+    old = dict(RESULT, benchmark="prefill", measured={"read_gbps": 4100})
+    (tmp_path / "prefill_h200_2026-11-29.json").write_text(json.dumps(old))
+    text = report.render_markdown(report.load_results(tmp_path))
+    assert "| batch | context | engine ms | floor ms (read rate) | × floor (read rate) |" in text
+    assert "over the `torch.sum` read rate" in text
+    unrecorded = dict(RESULT, benchmark="prefill", measured={}, floor_rate="read")
+    (tmp_path / "prefill_h200_2026-11-29.json").write_text(json.dumps(unrecorded))
+    assert "| floor ms (read rate) |" in report.render_markdown(report.load_results(tmp_path))
+    (tmp_path / "prefill_h200_2026-11-29.json").write_text(json.dumps(RESULT))  # copy rate
+    text = report.render_markdown(report.load_results(tmp_path))
+    assert "read rate" not in text and "| floor ms | × floor |" in text
+
+
+def serving(*rows: tuple[float, str, float, float]) -> dict:
+    """A serving result of (offered rate, mode, completed rate, goodput) rows."""
+    fields = ("rate_per_s", "mode", "request_per_s", "goodput_req_per_s")
+    out = [dict(zip(fields, r), median_tpot_ms=5.0) for r in rows]
+    return dict(RESULT, benchmark="serving", rows=out, _file="serving_h200x2_2026-12-04.json")
+
+
+def test_the_serving_headline_is_at_the_highest_rate_colocated_sustains() -> None:
+    result = serving(
+        (30, "disaggregated", 26.0, 20.0), (30, "colocated", 24.0, 3.0),  # overload
+        (20, "disaggregated", 19.6, 18.0), (20, "colocated", 19.1, 12.0),  # 95.5%: sustained
+        (10, "disaggregated", 9.9, 9.8), (10, "colocated", 9.8, 9.5),
+    )  # fmt: skip
+    assert report.sustained_rate(result) == 20
+    label, figure = report.serving_headline(result) or ("", "")
+    assert label == "Serving at 20 requests/s offered: disaggregated against colocated"
+    assert figure.startswith("goodput 18.0 against 12.0 requests/s")
+    # the overload rows kept, below the sustained ones
+    assert [r["rate_per_s"] for r in report.serving_rows(result)] == [20, 20, 10, 10, 30, 30]
+    text = "\n".join(report.section(result, [], "results"))
+    assert "colocated sustains up to 20 requests/s" in text
+    assert text.index("| 10 | colocated |") < text.index("| 30 | disaggregated |")
+
+
+def test_without_a_sustained_rate_the_headline_says_overload() -> None:
+    result = serving((28, "disaggregated", 19.2, 12.0), (28, "colocated", 18.2, 2.5),
+                     (20, "disaggregated", 17.0, 16.5), (20, "colocated", 16.5, 6.5))  # fmt: skip
+    assert report.sustained_rate(result) is None
+    label, figure = report.serving_headline(result) or ("", "")
+    assert label.startswith("Serving at 20 requests/s offered")
+    assert "colocated completed 82% of it: it sustains no rate measured" in label
+    assert "every row is in overload" in "\n".join(report.section(result, [], "results"))
+
+
+def test_every_floor_is_the_copy_rate_and_the_datasheet_beside_it() -> None:
+    from bench.gpu_common import Floor, datasheet_gbps
+
+    assert datasheet_gbps("NVIDIA H200") == 4800 and datasheet_gbps("NVIDIA A10") is None
+    cols = Floor(copy_gbps=4000, datasheet_gbps=4800).columns(4e9, 1.5)
+    assert cols == {"floor_ms": 1.0, "x_floor": 1.5, "datasheet_floor_ms": 0.833,
+                    "x_datasheet_floor": 1.8}  # fmt: skip
+    assert Floor(4000).columns(4e6, 1.5, unit="us")["x_datasheet_floor"] is None
+    assert Floor(4000).columns(4e6, 1.5, unit="us")["floor_us"] == 1.0
+
+
+def test_the_decode_headline_shows_the_runs_range() -> None:
+    row = {"batch": 1, "context": 1024, "engine_ms": 3.9, "engine_ms_runs": [3.9, 3.88, 3.95],
+           "floor_ms": 3.6, "x_floor": 1.08, "x_floor_runs": [1.08, 1.078, 1.097]}  # fmt: skip
+    result = dict(RESULT, rows=[row], _file="decode_h200_2026-12-04.json")
+    assert "3.90 (3.88–3.95) ms, 1.080 (1.078–1.097)× the HBM floor" in report.render_headline(
+        [result]
+    )

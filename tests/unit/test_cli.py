@@ -23,7 +23,7 @@ def test_the_console_script_is_the_cli() -> None:
 def test_check_passes_the_shipped_configs(capsys: pytest.CaptureFixture[str]) -> None:
     paths = [REPO / "configs" / "local.yaml", REPO / "configs" / "llama.yaml"]
     paths.append(REPO / "deploy" / "kuberay" / "rayservice.yaml")  # its serveConfigV2
-    assert cli.main(["check", *map(str, paths)]) == 0
+    assert cli.main(["check", "--address", "none", *map(str, paths)]) == 0
     assert capsys.readouterr().out.count(": ok") == 3
 
 
@@ -36,7 +36,7 @@ def test_check_reads_a_rayservice_serve_config(
     service["spec"]["serveConfigV2"] = yaml.safe_dump(config)
     path = tmp_path / "rayservice.yaml"
     path.write_text(yaml.safe_dump(service))
-    assert cli.main(["check", str(path)]) == 1
+    assert cli.main(["check", "--address", "none", str(path)]) == 1
     assert "engine.page_sise" in capsys.readouterr().out
 
 
@@ -45,7 +45,7 @@ def test_check_names_a_misspelt_field(tmp_path: Path, capsys: pytest.CaptureFixt
     config["applications"][0]["args"]["decode"]["num_replica"] = 2
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(config))
-    assert cli.main(["check", str(path)]) == 1
+    assert cli.main(["check", "--address", "none", str(path)]) == 1
     assert "decode.num_replica" in capsys.readouterr().out
 
 
@@ -54,7 +54,7 @@ def test_check_fails_a_file_without_a_pdserve_app(
 ) -> None:
     path = tmp_path / "other.yaml"
     path.write_text(yaml.safe_dump({"applications": [{"import_path": "x:y", "args": {}}]}))
-    assert cli.main(["check", str(path)]) == 1
+    assert cli.main(["check", "--address", "none", str(path)]) == 1
     assert "no application imports cluster.app:build_app" in capsys.readouterr().out
 
 

@@ -157,12 +157,17 @@ async def test_health_is_503_while_a_pool_has_no_live_replica(tokenizer) -> None
     watch = PoolWatch("pd", ["prefill", "decode"], status=lambda: status(replicas))
     app = app_with(GatedBackend(), tokenizer, health=watch)
     async with http(app) as c:
+        r = await c.get("/health")  # before the first check nothing is known to be up
+        assert r.status_code == 503 and "not been read yet" in r.json()["error"]["message"]
         watch.check()
         assert (await c.get("/health")).status_code == 200
         replicas["prefill"] = 0
         watch.check()
         r = await c.get("/health")
-        assert r.status_code == 503 and "prefill" in r.json()["error"]["message"]
+        assert r.status_code == 503
+        assert r.json()["error"]["message"] == (
+            "no live replica in the prefill pool (prefill: {'STARTING': 1})"
+        )
         replicas["prefill"] = 2
         watch.check()
         assert (await c.get("/health")).status_code == 200

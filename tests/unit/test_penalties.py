@@ -55,7 +55,7 @@ def random_case(seed: int) -> tuple[list[SamplingParams], list[list[int]], list[
 @pytest.mark.parametrize("seed", range(5))
 def test_batched_adjustments_equal_the_row_by_row_rules(seed: int) -> None:
     params, prompts, outputs = random_case(seed)
-    logits = torch.randn(len(params), VOCAB) * 3
+    logits = torch.randn(len(params), VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
     before = logits.clone()
     adjust = LogitAdjustments.build(params, prompts, outputs, VOCAB)
     assert adjust is not None
@@ -70,7 +70,7 @@ def test_a_pending_token_is_taken_from_the_device() -> None:
     """With overlap scheduling the newest output token is still on the device: counted the same
     as if it were in the output list."""
     params, prompts, outputs = random_case(7)
-    logits = torch.randn(len(params), VOCAB)
+    logits = torch.randn(len(params), VOCAB, generator=torch.Generator().manual_seed(7))
     sampled = torch.tensor([11, 42, 5])  # the step in flight's ids; rows 0 and 3 pending
     pending: list[int | None] = [2, None, None, 1, None, None]
     late = LogitAdjustments.build(params, prompts, outputs, VOCAB, in_flight=(sampled, pending))
@@ -92,7 +92,7 @@ def test_greedy_and_sampling_use_the_adjusted_logits_and_raw_logprobs() -> None:
 
 
 def test_held_back_tokens_get_no_probability_in_their_row_only() -> None:
-    logits = torch.randn(3, VOCAB)
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(3))
     params = [SamplingParams(), SamplingParams(), SamplingParams(frequency_penalty=1.0)]
     held: list[frozenset[int]] = [frozenset(), frozenset({2, 7}), frozenset({7})]
     adjust = LogitAdjustments.build(params, [[1]] * 3, [[3]] * 3, VOCAB, held_back=held)

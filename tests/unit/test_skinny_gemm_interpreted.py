@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.conftest import REPO
+from tests.tolerance import assert_within_steps, reduction_atol
 
 pytest.importorskip("triton")
 
@@ -42,8 +43,10 @@ def check() -> None:
         assert out.shape == (m, n) and out.dtype == dtype
         gate, up = (p.to(dtype).double() for p in (x.double() @ w.double().T).chunk(2, -1))
         expect = F.silu(gate).to(dtype).double() * up
-        err = float((out.double() - expect).abs().max() / expect.abs().max())
-        assert err < 2 * 2**-11, (fields, err)
+        # One fp16 rounding of the product dominates K = 200's float32 sums.
+        atol = reduction_atol(k, float(expect.abs().max()), dtype)
+        err = float((out.double() - expect).abs().max())
+        assert err < atol, (fields, err, atol)
 
 
 def interpreted(check_name: str) -> None:
@@ -101,9 +104,17 @@ def check_rotary() -> None:
                 qs.view(m, hq, dim), ks.view(m, hkv, dim), vs.view(m, hkv, dim), cos, sin,
                 pools[1], slot_pages, slot_offsets, k_scale, v_scale,
             )  # fmt: skip
-            assert torch.equal(q.view(m, hq, dim), expect), (fields, kv_dtype)
-            # Both pools started as one copy: the epilogue wrote what rotary_store wrote, no more.
-            assert torch.equal(pools[0].view(torch.uint8), pools[1].view(torch.uint8))
+            # The same float32 arithmetic, but the interpreter's order of it may differ by CPU:
+            # a value rounded to fp16 (q) or FP8 (the pool) may land one step apart.
+            assert_within_steps(q.view(m, hq, dim), expect)
+            written = torch.zeros(pages * page_size, dtype=torch.bool)
+            written[slots] = True
+            written = written.view(pages, 1, page_size, 1, 1).expand_as(pools[0])
+            assert_within_steps(pools[0][written], pools[1][written])
+            # Both pools started as one copy: the epilogue wrote rotary_store's slots, no more.
+            assert torch.equal(
+                pools[0][~written].view(torch.uint8), pools[1][~written].view(torch.uint8)
+            )
 
 
 def test_rotary_epilogue_interpreted() -> None:
