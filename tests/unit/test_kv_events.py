@@ -42,7 +42,7 @@ def test_the_cache_reports_every_page_it_stores_and_evicts_by_the_routers_names(
         if radix.allocator.num_free >= pages:
             cached(tokens, radix)
             prompts.append(tokens)
-        stored, removed = radix.events.drain()
+        stored, removed, _ = radix.events.drain()
         held = (held | set(stored)) - set(removed)
         assert held == set(radix.page_names())
     for tokens in prompts:  # the router's names of a prompt are the cache's
@@ -56,8 +56,10 @@ def test_a_net_batch_keeps_the_last_word_on_each_page() -> None:
     log.stored([1, 2, 3])
     log.removed([2, 4])
     log.stored([4])
-    assert log.drain() == ([1, 3, 4], [2])
-    assert log.drain() == ([], [])
+    log.offloaded([3, 5], 1)
+    log.offloaded([5], 2)
+    assert log.drain() == ([1, 4], [2], [(3, 1), (5, 2)])
+    assert log.drain() == ([], [], [])
 
 
 def test_index_follows_store_evict_and_drops_a_restarted_replica() -> None:
@@ -194,15 +196,20 @@ def test_kv_event_metrics_per_role_and_pool(monkeypatch: pytest.MonkeyPatch) -> 
     from router.routing import kv_feed
     from workers.protocol import EngineStats
 
-    monkeypatch.setattr(kv_feed, "index_pages", lambda: {"prefill": 120, "decode": 7})
+    monkeypatch.setattr(
+        kv_feed, "index_pages", lambda: {"prefill": [120, 30, 5], "decode": [7, 0, 0]}
+    )
     metrics = Metrics("m")
     zero = {k: 0 for k, field in EngineStats.model_fields.items() if field.is_required()}
     prefill = EngineStats.model_validate(zero | {"kv_events_published": 42})
     metrics.engines.update([RoleStats("prefill", prefill)])
     text = metrics.render().decode()
     assert 'pdserve:kv_events_published_total{model_name="m",role="prefill"} 42.0' in text
-    assert 'pdserve:router_index_pages{model_name="m",pool="prefill"} 120.0' in text
-    assert 'pdserve:router_index_pages{model_name="m",pool="decode"} 7.0' in text
+    index = 'pdserve:router_index_pages{model_name="m",pool='
+    assert index + '"prefill",tier="device"} 120.0' in text
+    assert index + '"prefill",tier="host"} 30.0' in text
+    assert index + '"prefill",tier="disk"} 5.0' in text
+    assert index + '"decode",tier="device"} 7.0' in text
 
 
 def test_a_publisher_batches_the_cache_changes_and_resends_all_on_a_new_hub() -> None:

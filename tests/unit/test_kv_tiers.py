@@ -1,0 +1,147 @@
+"""KV tiers below the device pool (host memory, disk) on the CPU: greedy tokens identical with
+and without them, pages really evicted and loaded back (the hit counters), FP8 pages, disk files
+reused by a restarted engine and ignored by another model's, and no leak after aborts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from tests.engine_checks import drain_and_check_released
+from workers import LLM, SamplingParams
+from workers.config import EngineConfig, KVOffloadConfig
+from workers.protocol import GenerateRequest
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+DOCS = [[100 + 37 * d + i for i in range(40)] for d in range(6)]  # 10 pages of 4 tokens each
+TURN1 = [doc + [7, 8, 9] for doc in DOCS]
+TURN2 = [doc + [11, 12, 13, 14] for doc in DOCS]
+POOL = dict(page_size=4, num_kv_pages=30, max_num_batched_tokens=64)  # 29 pages < 6 documents
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_llama: str) -> tuple[list[list[int]], list[list[int]]]:
+    ref = LLM(tiny_llama, enable_prefix_caching=False, max_num_batched_tokens=4096)
+    return ([o.token_ids for o in ref.generate(TURN1, GREEDY)],
+            [o.token_ids for o in ref.generate(TURN2, GREEDY)])  # fmt: skip
+
+
+def pages_gb(llm_or_model: str, num_pages: int, **options: object) -> float:
+    """`num_pages` pages of the model's pool, in GiB (a tier's size)."""
+    layout = LLM(llm_or_model, num_kv_pages=2, page_size=4, **options).engine.runner.pool.layout
+    return num_pages * layout.page_bytes / 2**30
+
+
+def two_turns(llm: LLM, expected: tuple[list[list[int]], list[list[int]]]) -> list[int]:
+    """Run both turns, check the tokens, return the second turn's cached tokens."""
+    assert [o.token_ids for o in llm.generate(TURN1, GREEDY)] == expected[0]
+    second = llm.generate(TURN2, GREEDY)
+    assert [o.token_ids for o in second] == expected[1]
+    return [o.num_cached_tokens for o in second]
+
+
+def test_without_tiers_second_turns_miss(tiny_llama: str, expected) -> None:  # noqa: ANN001
+    cached = two_turns(LLM(tiny_llama, **POOL), expected)
+    assert sum(cached) < 40  # the pool holds under three documents: most were evicted
+
+
+def test_host_tier_serves_second_turns_token_identical(tiny_llama: str, expected) -> None:  # noqa: ANN001
+    llm = LLM(tiny_llama, **POOL, kv_offload=KVOffloadConfig(cpu_gb=pages_gb(tiny_llama, 100)))
+    cached = two_turns(llm, expected)
+    stats = llm.engine.stats()
+    assert all(c == 40 for c in cached), cached  # every document, from either tier
+    assert stats.kv_host_hit_tokens >= 40 * 3 and stats.kv_onloads >= 3
+    assert stats.kv_onload_bytes > 0 and stats.kv_offload_bytes > 0
+    assert stats.kv_host_pages > 0 and stats.kv_disk_pages == 0
+    drain_and_check_released(llm.engine)
+
+
+def test_disk_tier_below_a_small_host_tier_token_identical(
+    tiny_llama: str,
+    expected,
+    tmp_path: Path,  # noqa: ANN001
+) -> None:
+    tiers = KVOffloadConfig(cpu_gb=pages_gb(tiny_llama, 6), disk_dir=str(tmp_path),
+                            disk_gb=pages_gb(tiny_llama, 200))  # fmt: skip
+    llm = LLM(tiny_llama, **POOL, kv_offload=tiers)
+    cached = two_turns(llm, expected)
+    stats = llm.engine.stats()
+    assert all(c == 40 for c in cached), cached
+    assert stats.kv_disk_hit_tokens > 0 and stats.kv_disk_pages > 0
+    assert stats.kv_host_pages <= 6
+    drain_and_check_released(llm.engine)
+
+
+def test_fp8_pages_stay_fp8_through_the_host_tier(tiny_llama: str) -> None:
+    fp8 = dict(kv_cache_dtype="fp8_e4m3")
+    ref = LLM(tiny_llama, enable_prefix_caching=False, max_num_batched_tokens=4096, **fp8)
+    expected = ([o.token_ids for o in ref.generate(TURN1, GREEDY)],
+                [o.token_ids for o in ref.generate(TURN2, GREEDY)])  # fmt: skip
+    gb = pages_gb(tiny_llama, 100, **fp8)
+    llm = LLM(tiny_llama, **POOL, **fp8, kv_offload=KVOffloadConfig(cpu_gb=gb))
+    assert all(c == 40 for c in two_turns(llm, expected))
+    tiers = llm.engine.kv.tiers
+    assert tiers is not None and tiers.page_bytes == llm.engine.runner.pool.layout.page_bytes
+    assert llm.engine.stats().kv_host_hit_tokens > 0  # one byte an element: FP8 as it was
+
+
+def test_a_restarted_engine_reuses_its_disk_files_and_others_ignore_them(
+    tiny_llama: str,
+    expected,
+    tmp_path: Path,  # noqa: ANN001
+) -> None:
+    tiers = KVOffloadConfig(cpu_gb=pages_gb(tiny_llama, 4), disk_dir=str(tmp_path),
+                            disk_gb=pages_gb(tiny_llama, 200))  # fmt: skip
+    first = LLM(tiny_llama, **POOL, kv_offload=tiers)
+    assert [o.token_ids for o in first.generate(TURN1, GREEDY)] == expected[0]
+    assert first.engine.kv.tiers is not None
+    first.engine.kv.tiers.flush()
+    files = sorted(tmp_path.iterdir())
+    assert len(files) >= 30
+    # Another page size, another model dtype: the files are not theirs, left alone.
+    for other in (dict(POOL, page_size=8), dict(POOL, kv_cache_dtype="fp8_e4m3")):
+        llm = LLM(tiny_llama, **other, kv_offload=tiers)
+        assert llm.engine.kv.tiers is not None and llm.engine.kv.tiers.disk is not None
+        assert len(llm.engine.kv.tiers.disk) == 0
+    assert sorted(tmp_path.iterdir()) == files
+    # The same configuration restarted: the second turns find the documents on disk.
+    again = LLM(tiny_llama, **POOL, kv_offload=tiers)
+    assert again.engine.stats().kv_disk_pages == len(files)
+    second = again.generate(TURN2, GREEDY)
+    assert [o.token_ids for o in second] == expected[1]
+    # Pages go down on eviction only: the documents the first pool still held are not on disk.
+    assert [o.num_cached_tokens for o in second][:3] == [40] * 3
+    assert again.engine.stats().kv_disk_hit_tokens >= 40 * 3
+
+
+def test_aborts_mid_load_leak_no_page(tiny_llama: str) -> None:
+    llm = LLM(tiny_llama, **POOL, kv_offload=KVOffloadConfig(cpu_gb=pages_gb(tiny_llama, 100)))
+    llm.generate(TURN1, GREEDY)  # the early documents go down to host memory
+    engine, tiers = llm.engine, llm.engine.kv.tiers
+    assert tiers is not None
+    for i, prompt in enumerate(TURN2):
+        engine.add_request(GenerateRequest(request_id=f"a{i}", prompt_token_ids=prompt,
+                                           params=GREEDY))  # fmt: skip
+    engine.step()  # admits what it can, starts the loads of the others
+    assert engine.scheduler.loading and tiers.num_loading
+    for i in range(len(TURN2)):
+        engine.abort(f"a{i}")
+    assert not engine.has_work() or not engine.scheduler.loading
+    tiers.flush()
+    engine.kv.finished_onloads()  # the loads end unwatched: their pages join the tree
+    assert tiers.num_loading == 0
+    assert all(e.pins == 0 for e in tiers.host.entries.values())
+    drain_and_check_released(engine)
+    assert engine.allocator.num_free + engine.kv.radix.num_cached_pages == 29  # type: ignore[union-attr]
+
+
+def test_offload_config_is_checked() -> None:
+    with pytest.raises(ValidationError, match="disk_dir and kv_offload.disk_gb go together"):
+        KVOffloadConfig(cpu_gb=1, disk_dir="/tmp/x")
+    with pytest.raises(ValidationError, match="greater than 0"):
+        KVOffloadConfig(cpu_gb=0)
+    with pytest.raises(ValidationError, match="needs enable_prefix_caching"):
+        EngineConfig(enable_prefix_caching=False, kv_offload={"cpu_gb": 1})
+    assert EngineConfig().kv_offload is None
