@@ -24,6 +24,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from router.backend import RoleStats
+from router.kv_tier_metrics import TIER_GAUGES, tier_families
 from router.metric_names import Naming
 from workers.api import ITERATION_TOKENS_BUCKETS
 
@@ -60,7 +61,7 @@ LIST_FIELDS = {"iteration_tokens", "spec_accepted_per_pos"}  # summed element-wi
 # EngineStats fields that describe the present (gauges): a dead replica's are left out
 GAUGE_FIELDS = frozenset(
     {"num_running", "num_waiting", "kv_pages_total", "kv_pages_used", "kv_pages_pinned"}
-)
+) | TIER_GAUGES
 
 
 def role_totals(snapshot: Iterable[RoleStats]) -> dict[str, dict[str, float]]:
@@ -185,3 +186,4 @@ class EngineStatsCollector(Collector):
         yield from (running, waiting, usage, pinned, kv_tokens, *counters.values(), nixl_bytes,
                     nixl_time, cache, steps)
         yield from spec_families(self.snapshot, sums, self.model_name, name)
+        yield from tier_families(sums, self.model_name, name)
