@@ -234,3 +234,52 @@ def test_a_publisher_batches_the_cache_changes_and_resends_all_on_a_new_hub() ->
         assert snapshot.snapshot and set(snapshot.stored) == set(radix.page_names())
     finally:
         publisher.close()
+
+
+def test_evicted_pages_are_reported_in_the_tier_that_keeps_them() -> None:
+    """A radix cache over tiers of 2 host pages (no disk): the pages it evicts are reported
+    offloaded to host memory, and those the host tier then drops, removed; a reader of the
+    events holds exactly the pages of the device and host tiers, with their tiers."""
+    import torch
+
+    from workers.config import KVOffloadConfig
+    from workers.kvcache.tiers.offloader import HOST, TieredStore
+
+    pool = torch.arange(25 * 8, dtype=torch.float32).view(25, 8)  # 25 pages of 32 bytes
+    tiers = TieredStore(pool, KVOffloadConfig(cpu_gb=2 * 32 / 2**30), PS, {})
+    radix = RadixCache(PS, PageAllocator(25))
+    radix.below, tiers.on_device = tiers, radix.holds
+    radix.events = KVEventLog()
+    held: dict[int, int] = {}
+    for base in range(4):
+        tokens = [base] * PS * 3
+        cached(tokens, radix)
+        radix.evict(2)  # two of this prompt's three pages go down
+        stored, removed, offloaded = radix.events.drain()
+        held |= dict.fromkeys(stored, 0) | dict(offloaded)
+        held = {n: t for n, t in held.items() if n not in removed}
+        device = {n: 0 for n in radix.page_names()}
+        host = dict(tiers.names())
+        assert held == device | host and set(host.values()) == {HOST} and len(host) == 2
+        assert tiers.host.data[tiers.host.entries[offloaded[0][0]].slot].tolist() != [0] * 32
+
+
+def test_kv_tier_metrics_per_role_and_tier() -> None:
+    from router.backend import RoleStats
+    from router.metrics import Metrics
+    from workers.protocol import EngineStats
+
+    metrics = Metrics("m")
+    zero = {k: 0 for k, field in EngineStats.model_fields.items() if field.is_required()}
+    tiers = {"kv_host_pages": 12, "kv_disk_bytes": 4096, "kv_host_hit_tokens": 160,
+             "kv_onload_bytes": 1 << 20, "kv_onloads": 3, "kv_onload_time_s": 0.25,
+             "num_swap_preemptions": 2}  # fmt: skip
+    metrics.engines.update([RoleStats("prefill", EngineStats.model_validate(zero | tiers))])
+    text = metrics.render().decode()
+    role = 'model_name="m",role="prefill"'
+    assert f'pdserve:kv_tier_pages{{{role},tier="host"}} 12.0' in text
+    assert f'pdserve:kv_tier_bytes{{{role},tier="disk"}} 4096.0' in text
+    assert f'pdserve:kv_tier_hit_tokens_total{{{role},tier="host"}} 160.0' in text
+    assert f"pdserve:kv_onload_bytes_total{{{role}}} 1.048576e+06" in text
+    assert f"pdserve:kv_onload_time_seconds_count{{{role}}} 3.0" in text
+    assert f"pdserve:num_swap_preemptions_total{{{role}}} 2.0" in text

@@ -145,3 +145,19 @@ def test_offload_config_is_checked() -> None:
     with pytest.raises(ValidationError, match="needs enable_prefix_caching"):
         EngineConfig(enable_prefix_caching=False, kv_offload={"cpu_gb": 1})
     assert EngineConfig().kv_offload is None
+
+
+def test_preempted_sequences_swap_to_host_memory_and_back(tiny_llama: str) -> None:
+    """Four sequences outgrow the pool (4 x 15 pages > 29): the preempted ones' pages go down
+    to host memory and are loaded back, not recomputed; the tokens are those of a large pool."""
+    prompts = [[500 + 31 * i + j for j in range(20)] for i in range(4)]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    ref = LLM(tiny_llama, max_num_batched_tokens=4096)
+    expected = [o.token_ids for o in ref.generate(prompts, params)]
+    llm = LLM(tiny_llama, **POOL, kv_offload=KVOffloadConfig(cpu_gb=pages_gb(tiny_llama, 100)))
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    stats = llm.engine.stats()
+    assert stats.num_swap_preemptions == stats.num_preemptions > 0
+    assert stats.kv_host_hit_tokens > 0
+    assert stats.prompt_tokens_computed == sum(map(len, prompts))  # none recomputed
+    drain_and_check_released(llm.engine)
