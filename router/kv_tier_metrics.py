@@ -45,7 +45,7 @@ def tier_families(
     )
     load_time = SummaryMetricFamily(
         naming("kv_onload_time_seconds"),
-        "Time of a request's load from the tiers below, queued to done",
+        "Time of a request's load from the tiers below (its copies, not its wait for them)",
         labels=labels,
     )
     swaps = CounterMetricFamily(

@@ -278,7 +278,8 @@ class EngineStats(BaseModel):
     # KV events: page stores and evictions this replica published to the routers
     kv_events_published: int = 0
     # KV tiers below the device pool (EngineConfig.kv_offload): pages and bytes each holds now,
-    # prompt tokens found there, bytes moved down (device -> host) and up (loads), load time
+    # prompt tokens found there, bytes moved down (device -> host) and up (loads), the loads'
+    # copy time
     kv_host_pages: int = 0
     kv_host_bytes: int = 0
     kv_disk_pages: int = 0

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -47,8 +47,7 @@ class OnloadJob:
     prefix_pages: list[int]
     pages: list[int]  # device pages the loads fill, owned by the job
     sources: list[tuple[int, TierEntry]]  # (tier, entry) per page, in order
-    started: float = field(default_factory=time.perf_counter)
-    future: Future[int] | None = None
+    future: Future[tuple[int, float]] | None = None
     error: BaseException | None = None
 
 
@@ -219,8 +218,9 @@ class TieredStore:
         job.future = self._io.submit(self._run, job)
         self._jobs.append(job)
 
-    def _run(self, job: OnloadJob) -> int:
-        """On the I/O thread: fill the job's device pages."""
+    def _run(self, job: OnloadJob) -> tuple[int, float]:
+        """On the I/O thread: fill the job's device pages; (bytes, seconds) it took."""
+        start = time.perf_counter()
         try:
             if self._copy is not None:
                 self._copy.synchronize()  # host rows still arriving from the device
@@ -236,7 +236,7 @@ class TieredStore:
                     self.raw[page].copy_(src, non_blocking=self.cuda)
             if self._load is not None:
                 self._load.synchronize()
-            return len(job.pages) * self.page_bytes
+            return len(job.pages) * self.page_bytes, time.perf_counter() - start
         finally:
             self._done.set()
 
@@ -252,8 +252,9 @@ class TieredStore:
             assert job.future is not None
             job.error = job.future.exception()
             if job.error is None:
-                self.onload_bytes += job.future.result()
-                self.onload_time_s += time.perf_counter() - job.started
+                nbytes, seconds = job.future.result()
+                self.onload_bytes += nbytes
+                self.onload_time_s += seconds  # the copies' own time: the loads' bandwidth
                 self.num_onloads += 1
             else:
                 logger.error("loading KV pages from a lower tier failed: %s", job.error)
