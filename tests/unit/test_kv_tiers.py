@@ -4,6 +4,7 @@ reused by a restarted engine and ignored by another model's, and no leak after a
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -11,8 +12,10 @@ from pydantic import ValidationError
 
 from tests.engine_checks import drain_and_check_released
 from workers import LLM, SamplingParams
-from workers.config import EngineConfig, KVOffloadConfig
-from workers.protocol import GenerateRequest
+from workers.config import EngineConfig, KVOffloadConfig, KVTransferConfig
+from workers.disagg.decode import DecodeEngine
+from workers.disagg.prefill import PrefillEngine
+from workers.protocol import GenerateRequest, RequestOutput
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 DOCS = [[100 + 37 * d + i for i in range(40)] for d in range(6)]  # 10 pages of 4 tokens each
@@ -161,3 +164,47 @@ def test_preempted_sequences_swap_to_host_memory_and_back(tiny_llama: str) -> No
     assert stats.kv_host_hit_tokens > 0
     assert stats.prompt_tokens_computed == sum(map(len, prompts))  # none recomputed
     drain_and_check_released(llm.engine)
+
+
+def test_pages_loaded_from_host_memory_cross_the_handoff(tiny_llama: str, expected) -> None:  # noqa: ANN001
+    """Prefill and decode engines in one process, NIXL over DRAM; the prefill pool (29 pages)
+    holds fewer than three documents. The second turns' documents come back from the prefill
+    replica's host tier, and the decode replica's tokens are the colocated reference's."""
+    gb = pages_gb(tiny_llama, 100)
+    cfg = EngineConfig(model=tiny_llama, **POOL, kv_offload=KVOffloadConfig(cpu_gb=gb))
+    transfer = KVTransferConfig(lease_s=60.0)
+    prefill = PrefillEngine(cfg, transfer, "p")
+    decode = DecodeEngine(EngineConfig(model=tiny_llama, page_size=4), transfer, "d")
+    try:
+        decode.agent.add_peer(prefill.agent.metadata())
+        for turn, prompts in enumerate((TURN1, TURN2)):
+            for i, prompt in enumerate(prompts):
+                assert handoff(prefill, decode, f"t{turn}-{i}", prompt) == expected[turn][i]
+        stats = prefill.stats()
+        assert stats.kv_host_hit_tokens >= 40 * 3 and stats.kv_onloads >= 3
+        assert decode.stats().num_recomputed == 0
+    finally:
+        decode.agent.close()
+        prefill.agent.close()
+
+
+def handoff(prefill: PrefillEngine, decode: DecodeEngine, rid: str, ids: list[int]) -> list[int]:
+    """One request prefilled on `prefill` and decoded on `decode`: its tokens."""
+    req = GenerateRequest(request_id=rid, prompt_token_ids=ids, params=GREEDY)
+    prefill.add_request(req)
+    deadline = time.monotonic() + 60
+    first: RequestOutput | None = None
+    while first is None:
+        assert time.monotonic() < deadline, "no first token"
+        first = next(iter(prefill.step()), None)
+    decode.add_remote(req, first)
+    tokens = list(first.token_ids)
+    while len(tokens) < GREEDY.max_tokens:
+        assert time.monotonic() < deadline, "the decode did not finish"
+        prefill.poll()
+        tokens += [t for c in decode.poll() + decode.step() for t in c.token_ids]
+    while prefill.has_work() or prefill.stats().num_handoffs_pending:
+        assert time.monotonic() < deadline, "the lease was not released"
+        prefill.poll()
+        prefill.step()
+    return tokens
