@@ -264,8 +264,6 @@ class EngineConfig(BaseModel):
     def _offload_fits(self) -> EngineConfig:
         if self.kv_offload is not None and not self.enable_prefix_caching:
             raise ValueError("kv_offload needs enable_prefix_caching: the tiers hold its pages")
-        if self.kv_offload is not None and self.tensor_parallel_size > 1:
-            raise ValueError("kv_offload does not support tensor_parallel_size > 1 yet")
         return self
 
     def resolved_device(self) -> torch.device:

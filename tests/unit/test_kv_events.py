@@ -242,11 +242,11 @@ def test_evicted_pages_are_reported_in_the_tier_that_keeps_them() -> None:
     events holds exactly the pages of the device and host tiers, with their tiers."""
     import torch
 
-    from workers.config import KVOffloadConfig
+    from workers.kvcache.tiers.data import TierData
     from workers.kvcache.tiers.offloader import HOST, TieredStore
 
     pool = torch.arange(25 * 8, dtype=torch.float32).view(25, 8)  # 25 pages of 32 bytes
-    tiers = TieredStore(pool, KVOffloadConfig(cpu_gb=2 * 32 / 2**30), PS, {})
+    tiers = TieredStore(TierData(pool, 2, None), PS, None)
     radix = RadixCache(PS, PageAllocator(25))
     radix.below, tiers.on_device = tiers, radix.holds
     radix.events = KVEventLog()
@@ -261,7 +261,7 @@ def test_evicted_pages_are_reported_in_the_tier_that_keeps_them() -> None:
         device = {n: 0 for n in radix.page_names()}
         host = dict(tiers.names())
         assert held == device | host and set(host.values()) == {HOST} and len(host) == 2
-        assert tiers.host.data[tiers.host.entries[offloaded[0][0]].slot].tolist() != [0] * 32
+        assert tiers.data.rows[tiers.host.entries[offloaded[0][0]].slot].tolist() != [0] * 32
 
 
 def test_kv_tier_metrics_per_role_and_tier() -> None:

@@ -22,10 +22,11 @@ DOCS = [[100 + 37 * d + i for i in range(40)] for d in range(6)]  # 10 pages of 
 TURN1 = [doc + [7, 8, 9] for doc in DOCS]
 TURN2 = [doc + [11, 12, 13, 14] for doc in DOCS]
 POOL = dict(page_size=4, num_kv_pages=30, max_num_batched_tokens=64)  # 29 pages < 6 documents
+Expected = tuple[list[list[int]], list[list[int]]]  # the two turns' greedy tokens
 
 
 @pytest.fixture(scope="module")
-def expected(tiny_llama: str) -> tuple[list[list[int]], list[list[int]]]:
+def expected(tiny_llama: str) -> Expected:
     ref = LLM(tiny_llama, enable_prefix_caching=False, max_num_batched_tokens=4096)
     return ([o.token_ids for o in ref.generate(TURN1, GREEDY)],
             [o.token_ids for o in ref.generate(TURN2, GREEDY)])  # fmt: skip
@@ -37,7 +38,7 @@ def pages_gb(llm_or_model: str, num_pages: int, **options: object) -> float:
     return num_pages * layout.page_bytes / 2**30
 
 
-def two_turns(llm: LLM, expected: tuple[list[list[int]], list[list[int]]]) -> list[int]:
+def two_turns(llm: LLM, expected: Expected) -> list[int]:
     """Run both turns, check the tokens, return the second turn's cached tokens."""
     assert [o.token_ids for o in llm.generate(TURN1, GREEDY)] == expected[0]
     second = llm.generate(TURN2, GREEDY)
@@ -45,12 +46,12 @@ def two_turns(llm: LLM, expected: tuple[list[list[int]], list[list[int]]]) -> li
     return [o.num_cached_tokens for o in second]
 
 
-def test_without_tiers_second_turns_miss(tiny_llama: str, expected) -> None:  # noqa: ANN001
+def test_without_tiers_second_turns_miss(tiny_llama: str, expected: Expected) -> None:
     cached = two_turns(LLM(tiny_llama, **POOL), expected)
     assert sum(cached) < 40  # the pool holds under three documents: most were evicted
 
 
-def test_host_tier_serves_second_turns_token_identical(tiny_llama: str, expected) -> None:  # noqa: ANN001
+def test_host_tier_serves_second_turns_token_identical(tiny_llama: str, expected: Expected) -> None:
     llm = LLM(tiny_llama, **POOL, kv_offload=KVOffloadConfig(cpu_gb=pages_gb(tiny_llama, 100)))
     cached = two_turns(llm, expected)
     stats = llm.engine.stats()
@@ -63,8 +64,8 @@ def test_host_tier_serves_second_turns_token_identical(tiny_llama: str, expected
 
 def test_disk_tier_below_a_small_host_tier_token_identical(
     tiny_llama: str,
-    expected,
-    tmp_path: Path,  # noqa: ANN001
+    expected: Expected,
+    tmp_path: Path,
 ) -> None:
     tiers = KVOffloadConfig(cpu_gb=pages_gb(tiny_llama, 6), disk_dir=str(tmp_path),
                             disk_gb=pages_gb(tiny_llama, 200))  # fmt: skip
@@ -92,8 +93,8 @@ def test_fp8_pages_stay_fp8_through_the_host_tier(tiny_llama: str) -> None:
 
 def test_a_restarted_engine_reuses_its_disk_files_and_others_ignore_them(
     tiny_llama: str,
-    expected,
-    tmp_path: Path,  # noqa: ANN001
+    expected: Expected,
+    tmp_path: Path,
 ) -> None:
     tiers = KVOffloadConfig(cpu_gb=pages_gb(tiny_llama, 4), disk_dir=str(tmp_path),
                             disk_gb=pages_gb(tiny_llama, 200))  # fmt: skip
@@ -166,7 +167,9 @@ def test_preempted_sequences_swap_to_host_memory_and_back(tiny_llama: str) -> No
     drain_and_check_released(llm.engine)
 
 
-def test_pages_loaded_from_host_memory_cross_the_handoff(tiny_llama: str, expected) -> None:  # noqa: ANN001
+def test_pages_loaded_from_host_memory_cross_the_handoff(
+    tiny_llama: str, expected: Expected
+) -> None:
     """Prefill and decode engines in one process, NIXL over DRAM; the prefill pool (29 pages)
     holds fewer than three documents. The second turns' documents come back from the prefill
     replica's host tier, and the decode replica's tokens are the colocated reference's."""
@@ -208,3 +211,29 @@ def handoff(prefill: PrefillEngine, decode: DecodeEngine, rid: str, ids: list[in
         prefill.poll()
         prefill.step()
     return tokens
+
+
+def test_two_tp_ranks_keep_their_shards_in_their_own_tiers(
+    ray_cluster,
+    tiny_llama: str,
+    expected: Expected,
+    tmp_path: Path,
+) -> None:
+    """TP=2 over gloo (rank 1 a Ray actor): rank 1 replays rank 0's spills, demotions and loads
+    on its own shard, host rows and page files; the tokens are the single rank's."""
+    tiers = KVOffloadConfig(cpu_gb=pages_gb(tiny_llama, 6), disk_dir=str(tmp_path),
+                            disk_gb=pages_gb(tiny_llama, 200))  # fmt: skip
+    llm = LLM(tiny_llama, **POOL, tensor_parallel_size=2, kv_offload=tiers)
+    try:
+        cached = two_turns(llm, expected)
+        stats = llm.engine.stats()
+        assert all(c == 40 for c in cached), cached
+        # rank 1's files hold what its host rows got from its pool: wrong bytes, wrong tokens
+        assert stats.kv_disk_hit_tokens >= 40 * 3
+        assert llm.engine.kv.tiers is not None
+        llm.engine.kv.tiers.flush()
+        ranks = {p.name.split("-")[0] for p in tmp_path.iterdir()}
+        assert len(ranks) == 2  # each rank's files under its own name
+        drain_and_check_released(llm.engine)
+    finally:
+        llm.close()

@@ -61,7 +61,7 @@ class Engine:
         self.tokenizer = load_tokenizer(self.runner.model_dir)
         self.max_model_len = self.runner.max_model_len
         self.allocator = PageAllocator(self.runner.pool.num_pages)
-        tiers = TieredStore.for_pool(self.runner.pool, cfg, self.runner.dtype)
+        tiers = TieredStore.for_pool(self.runner.pool, cfg, self.runner.dtype, self.runner)
         self.kv = KVManager(self.allocator, cfg.page_size, cfg.enable_prefix_caching, tiers)
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         eos = {*self.runner.model_config.eos_token_ids, self.tokenizer.eos_token_id} - {None}

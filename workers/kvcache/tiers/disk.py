@@ -1,4 +1,4 @@
-"""The disk tier: one file per KV page under `kv_offload.disk_dir`.
+"""The disk tier's files: one per KV page under `kv_offload.disk_dir`.
 
 A file is `PDKV`, its header's length (4 bytes, little-endian), the header (JSON: who wrote it
 (`meta`: model, weights, dtypes, page layout, TP rank) and the page's name, parent and tokens),
@@ -21,28 +21,23 @@ from typing import Any
 
 import torch
 
-from workers.kvcache.tiers.index import TierEntry, TierIndex
+from workers.kvcache.tiers.index import TierEntry
 
 logger = logging.getLogger(__name__)
 MAGIC = b"PDKV"
 
 
-class DiskTier(TierIndex):
-    def __init__(
-        self, directory: str, capacity: int, page_bytes: int, meta: dict[str, Any]
-    ) -> None:
-        if capacity < 1:
-            raise ValueError(
-                f"kv_offload.disk_gb holds no page: a page is {page_bytes / 2**20:.2f} MiB"
-            )
-        super().__init__(capacity)
+class PageFiles:
+    """One rank's page files (its `meta` names the TP rank): written, read and deleted on the
+    tiers' I/O thread."""
+
+    def __init__(self, directory: str, page_bytes: int, meta: dict[str, Any]) -> None:
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.page_bytes = page_bytes
         self.meta = json.loads(json.dumps(meta))  # as a header reads back (tuples: lists)
         digest = hashlib.blake2b(json.dumps(meta, sort_keys=True).encode(), digest_size=8)
         self.prefix = digest.hexdigest()
-        self.num_ignored = self._scan()
 
     def path(self, name: int) -> Path:
         return self.dir / f"{self.prefix}-{name & (2**64 - 1):016x}.kv"
@@ -79,8 +74,9 @@ class DiskTier(TierIndex):
     def delete(self, entry: TierEntry) -> None:
         self.path(entry.name).unlink(missing_ok=True)
 
-    def _scan(self) -> int:
-        """Take this replica's files from an earlier run; return how many were not ours."""
+    def scan(self, capacity: int) -> list[TierEntry]:
+        """This replica's pages from an earlier run, oldest first, at most `capacity` (the
+        newest); files whose header is not this replica's are left alone."""
         found, ignored = [], 0
         for path in self.dir.glob(f"{self.prefix}-*.kv"):
             header = _header(path)
@@ -93,12 +89,10 @@ class DiskTier(TierIndex):
                 (path.stat().st_mtime, TierEntry(h["name"], h["parent"], tuple(h["tokens"])))
             )
         found.sort(key=lambda f: f[0])
-        for _, entry in found[-self.capacity :]:
-            self.add(entry)
         if found or ignored:
-            logger.info("disk KV tier %s: %d pages reused, %d files of others ignored",
-                        self.dir, len(self), ignored)  # fmt: skip
-        return ignored
+            logger.info("disk KV tier %s: %d pages reused, %d files with our name ignored",
+                        self.dir, min(len(found), capacity), ignored)  # fmt: skip
+        return [entry for _, entry in found[-capacity:]] if capacity else []
 
 
 def _header(path: Path) -> tuple[dict[str, Any], int] | None:

@@ -1,5 +1,6 @@
 """The tiers under the device pool: evicted pages go down (device -> host -> disk), prefix hits
-come back up through asynchronous loads.
+come back up through asynchronous loads. This is the index and its decisions; the bytes move in
+`TierData` (every TP rank has one and replays the same ops).
 
 - `spill()` (called by the radix cache as it evicts, on the engine thread) copies pages into
   host memory, least recently used last in, the prefix's deeper pages the oldest. A full host
@@ -7,23 +8,18 @@ come back up through asynchronous loads.
   tier deletes its oldest file. Pages are immutable once full, so a page is written to a tier
   once and later evictions of it only refresh its age there (write-back, no write-through).
 - `lookup()` finds the pages that continue a device match, host before disk, page by page.
-- `start()` queues an `OnloadJob` on the I/O thread: it reads host rows or files and copies them
-  into device pages the job owns (on a GPU on its own stream, synchronised before the job counts
-  as done), while the engine keeps stepping other requests. `poll()` hands finished jobs back.
-Only the engine thread touches the indexes; the I/O thread reads and writes bytes. Entries a job
-reads are pinned until it ends, and disk writes, reads and deletes run in order on one thread,
-so a read of a page queued for writing finds its file.
+- `start()` queues an `OnloadJob`: each rank's I/O thread copies host rows or files into the
+  device pages the job owns, while the engine keeps stepping other requests. `poll()` hands back
+  the jobs every rank finished.
+Entries a job reads are pinned until it ends.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
-import threading
-import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -31,12 +27,13 @@ import torch
 from workers.config import EngineConfig, KVOffloadConfig
 from workers.kvcache.kv_events import KVEventLog
 from workers.kvcache.pool import KVPool
-from workers.kvcache.tiers.disk import DiskTier
+from workers.kvcache.tiers.data import DISK, HOST, Delete, Demote, Down, LoadOp, TierData, TierOp
+from workers.kvcache.tiers.disk import PageFiles
 from workers.kvcache.tiers.host import HostTier
-from workers.kvcache.tiers.index import TierEntry
+from workers.kvcache.tiers.index import TierEntry, TierIndex
 
 logger = logging.getLogger(__name__)
-HOST, DISK = 1, 2  # tiers below the device (0), as KV events name them
+__all__ = ["DISK", "HOST", "OnloadJob", "TieredStore"]
 
 
 @dataclass(eq=False)
@@ -47,29 +44,57 @@ class OnloadJob:
     prefix_pages: list[int]
     pages: list[int]  # device pages the loads fill, owned by the job
     sources: list[tuple[int, TierEntry]]  # (tier, entry) per page, in order
-    future: Future[tuple[int, float]] | None = None
-    error: BaseException | None = None
+    key: int = 0
+    waiting: int = 1  # ranks that have not finished it
+    error: str | None = None
+    nbytes: int = 0
+    seconds: float = field(default=0.0)
+
+
+def tier_meta(pool: KVPool, cfg: EngineConfig, model_dtype: torch.dtype, rank: int) -> dict:
+    """What makes a rank's page bytes its own: model, weights, dtypes, scales, layout, rank."""
+    layout = pool.layout
+    return {
+        "model": cfg.model,
+        "weights": cfg.load_format if cfg.load_format == "auto" else f"dummy:{cfg.seed}",
+        "model_dtype": str(model_dtype).removeprefix("torch."),
+        "kv_dtype": layout.dtype,
+        "kv_scales": [pool.scales.k, pool.scales.v],
+        "page_size": layout.page_size,
+        "layout": [layout.num_layers, layout.num_kv_heads, layout.head_dim],
+        "kv_head_offset": layout.kv_head_offset,
+        "tp_rank": rank,
+        "tp_size": cfg.tensor_parallel_size,
+    }
+
+
+def tier_data(pool: KVPool, cfg: KVOffloadConfig, meta: dict[str, Any]) -> TierData:
+    """A rank's `TierData` for `cfg` under `pool`."""
+    page_bytes = pool.layout.page_bytes
+    files = None if cfg.disk_dir is None else PageFiles(cfg.disk_dir, page_bytes, meta)
+    return TierData(pool.pages, int(cfg.cpu_gb * 2**30) // page_bytes, files)
 
 
 class TieredStore:
     def __init__(
-        self, pages: torch.Tensor, cfg: KVOffloadConfig, page_size: int, meta: dict[str, Any]
+        self, data: TierData, page_size: int, disk_gb: float | None, peers: Any = None
     ) -> None:
-        self.raw = pages.view(torch.uint8).view(pages.shape[0], -1)  # a page a row, any dtype
+        self.data = data
+        self.peers = peers  # ranks 1..N-1 (`RankTiers`, tensor parallel): they replay every op
         self.page_size = page_size
-        self.page_bytes = self.raw.shape[1]
-        self.cuda = self.raw.device.type == "cuda"
-        self.host = HostTier(int(cfg.cpu_gb * 2**30) // self.page_bytes, self.page_bytes, self.cuda)
-        self.disk = None
-        if cfg.disk_dir is not None and cfg.disk_gb is not None:
-            cap = int(cfg.disk_gb * 2**30) // self.page_bytes
-            self.disk = DiskTier(cfg.disk_dir, cap, self.page_bytes, meta)
-        self._io = ThreadPoolExecutor(1, thread_name_prefix="kv-tiers")
-        self._copy = torch.cuda.Stream(self.raw.device) if self.cuda else None  # offloads
-        self._load = torch.cuda.Stream(self.raw.device) if self.cuda else None  # onloads
-        self._jobs: list[OnloadJob] = []
-        self._writes: list[tuple[Future[None], TierEntry]] = []
-        self._done = threading.Event()  # a job ended (wakes `wait`)
+        self.page_bytes = data.page_bytes
+        self.host = HostTier(data.rows.shape[0], self.page_bytes)
+        self.disk: TierIndex | None = None
+        if data.files is not None and disk_gb is not None:
+            self.disk = TierIndex(int(disk_gb * 2**30) // self.page_bytes)
+            if self.disk.capacity < 1:
+                mib = self.page_bytes / 2**20
+                raise ValueError(f"kv_offload.disk_gb holds no page: a page is {mib:.2f} MiB")
+            for entry in data.files.scan(self.disk.capacity):
+                self.disk.add(entry)
+        self._ops: list[TierOp] = []
+        self._jobs: dict[int, OnloadJob] = {}
+        self._keys = itertools.count()
         self.on_device: Callable[[int], bool] = lambda name: False
         self.hit_tokens = {HOST: 0, DISK: 0}
         self.offload_bytes = self.onload_bytes = self.disk_write_bytes = 0
@@ -78,26 +103,31 @@ class TieredStore:
 
     @classmethod
     def for_pool(
-        cls, pool: KVPool, cfg: EngineConfig, model_dtype: torch.dtype, tp_rank: int = 0
+        cls, pool: KVPool, cfg: EngineConfig, model_dtype: torch.dtype, runner: Any = None
     ) -> TieredStore | None:
-        """The tiers `cfg.kv_offload` asks for under `pool` (None when off). Disk files are
-        tagged with what makes their bytes this replica's: model, weights, dtypes, layout."""
-        if cfg.kv_offload is None:
+        """The tiers `cfg.kv_offload` asks for under `pool` (None when off); with a TP driver
+        `runner`, its ranks get theirs."""
+        off = cfg.kv_offload
+        if off is None:
             return None
-        layout = pool.layout
-        meta = {
-            "model": cfg.model,
-            "weights": cfg.load_format if cfg.load_format == "auto" else f"dummy:{cfg.seed}",
-            "model_dtype": str(model_dtype).removeprefix("torch."),
-            "kv_dtype": layout.dtype,
-            "kv_scales": [pool.scales.k, pool.scales.v],
-            "page_size": layout.page_size,
-            "layout": [layout.num_layers, layout.num_kv_heads, layout.head_dim],
-            "kv_head_offset": layout.kv_head_offset,
-            "tp_rank": tp_rank,
-            "tp_size": cfg.tensor_parallel_size,
-        }
-        return cls(pool.pages, cfg.kv_offload, layout.page_size, meta)
+        data = tier_data(pool, off, tier_meta(pool, cfg, model_dtype, 0))
+        peers = None
+        if cfg.tensor_parallel_size > 1:
+            from workers.engine.tier_ranks import RankTiers  # engine side: imports the runner
+
+            peers = RankTiers(runner)
+        return cls(data, pool.layout.page_size, off.disk_gb, peers)
+
+    def _do(self, op: TierOp) -> None:
+        self.data.apply([op])
+        if self.peers is not None:
+            self._ops.append(op)
+
+    def _send(self) -> None:
+        """Ranks 1..N-1 replay the ops so far (before the step that may reuse the pages)."""
+        if self.peers is not None and self._ops:
+            ops, self._ops = self._ops, []
+            self.peers.apply(ops)
 
     # ---- down -------------------------------------------------------------------------------
     def spill(
@@ -121,23 +151,14 @@ class TieredStore:
                     continue
                 entry = TierEntry(*key, slot=slot)
                 self.host.add(entry)
-                self._copy_down(slot, pages[i])  # now: a later page of this batch may demote it
+                self._do(Down(slot, pages[i]))  # now: a later page here may demote it
+                self.offload_bytes += self.page_bytes
             self.host.touch(entry)
             kept[i] = True
             if events is not None:
                 events.offloaded([names[i]], HOST)
+        self._send()
         return kept
-
-    def _copy_down(self, slot: int, page: int) -> None:
-        self.offload_bytes += self.page_bytes
-        if self._copy is None:
-            self.host.data[slot].copy_(self.raw[page])
-            return
-        compute = torch.cuda.current_stream(self.raw.device)
-        self._copy.wait_stream(compute)  # the steps that wrote the page
-        with torch.cuda.stream(self._copy):
-            self.host.data[slot].copy_(self.raw[page], non_blocking=True)
-        compute.wait_stream(self._copy)  # a step reusing the page waits for its copy
 
     def _host_slot(self, events: KVEventLog | None) -> int | None:
         """A free host row, moving the least recently used page down to make one."""
@@ -155,12 +176,9 @@ class TieredStore:
         disk = self.disk
         on_disk = disk is not None and entry.name in disk
         if disk is not None and not on_disk and self._disk_room(disk, events):
-            if self._copy is not None:
-                self._copy.synchronize()  # its row may still be arriving from the device
-            data = self.host.data[entry.slot].clone()
             moved = TierEntry(entry.name, entry.parent, entry.tokens)
             disk.add(moved)
-            self._writes.append((self._io.submit(disk.write, moved, data), moved))
+            self._do(Demote(entry.slot, moved))
             self.disk_write_bytes += self.page_bytes
             on_disk = True
         if events is not None and not self.on_device(entry.name):
@@ -169,14 +187,14 @@ class TieredStore:
             else:
                 events.removed([entry.name])
 
-    def _disk_room(self, disk: DiskTier, events: KVEventLog | None) -> bool:
+    def _disk_room(self, disk: TierIndex, events: KVEventLog | None) -> bool:
         """Delete the oldest files until one more page fits; False if none can go."""
         while len(disk) >= disk.capacity:
             victim = next(disk.victims(), None)
             if victim is None:
                 return False
             disk.remove(victim)
-            self._io.submit(disk.delete, victim)
+            self._do(Delete(victim))
             gone = victim.name not in self.host and not self.on_device(victim.name)
             if events is not None and gone:
                 events.removed([victim.name])
@@ -215,69 +233,50 @@ class TieredStore:
         for tier, entry in job.sources:
             (self.host if tier == HOST else self.disk).touch(entry)  # type: ignore[union-attr]
             self.hit_tokens[tier] += self.page_size
-        job.future = self._io.submit(self._run, job)
-        self._jobs.append(job)
-
-    def _run(self, job: OnloadJob) -> tuple[int, float]:
-        """On the I/O thread: fill the job's device pages; (bytes, seconds) it took."""
-        start = time.perf_counter()
-        try:
-            if self._copy is not None:
-                self._copy.synchronize()  # host rows still arriving from the device
-            stream = torch.cuda.stream(self._load) if self._load is not None else nullcontext()
-            with stream:
-                for page, (tier, entry) in zip(job.pages, job.sources, strict=True):
-                    disk = self.disk
-                    src = (
-                        self.host.data[entry.slot]
-                        if disk is None or tier == HOST
-                        else disk.read(entry)
-                    )
-                    self.raw[page].copy_(src, non_blocking=self.cuda)
-            if self._load is not None:
-                self._load.synchronize()
-            return len(job.pages) * self.page_bytes, time.perf_counter() - start
-        finally:
-            self._done.set()
+        job.key = next(self._keys)
+        job.waiting = 1 + (0 if self.peers is None else self.peers.size)
+        self._jobs[job.key] = job
+        copies = tuple((p, t, e) for p, (t, e) in zip(job.pages, job.sources, strict=True))
+        self._do(LoadOp(job.key, copies))
+        self._send()
 
     def poll(self) -> list[OnloadJob]:
-        """Jobs that ended since the last poll (a failed one has `error` set)."""
-        self._writes = [w for w in self._writes if not self._write_done(*w)]
-        ended = [j for j in self._jobs if j.future is not None and j.future.done()]
-        if not ended:
+        """Jobs every rank finished since the last poll (a failed one has `error` set)."""
+        if not self._jobs and not self.data.has_writes:
             return []
-        self._jobs = [j for j in self._jobs if j not in ended]
+        results = [self.data.finished()]
+        if self.peers is not None and self._jobs:
+            results += self.peers.finished()
+        for done, failed_writes in results:
+            for entry in failed_writes:  # a rank lacks the file: no rank's copy is usable
+                if self.disk is not None and self.disk.get(entry.name, entry.parent, entry.tokens):
+                    self.disk.remove(self.disk.entries[entry.name])
+            for key, result in done.items():
+                job = self._jobs[key]
+                job.waiting -= 1
+                job.error = job.error or result.error
+                job.nbytes += result.nbytes
+                job.seconds = max(job.seconds, result.seconds)
+        ended = [j for j in self._jobs.values() if j.waiting == 0]
         for job in ended:
+            del self._jobs[job.key]
             self.unpin(job.sources)
-            assert job.future is not None
-            job.error = job.future.exception()
             if job.error is None:
-                nbytes, seconds = job.future.result()
-                self.onload_bytes += nbytes
-                self.onload_time_s += seconds  # the copies' own time: the loads' bandwidth
+                self.onload_bytes += job.nbytes
+                self.onload_time_s += job.seconds  # the copies' own time: the loads' bandwidth
                 self.num_onloads += 1
             else:
                 logger.error("loading KV pages from a lower tier failed: %s", job.error)
         return ended
 
-    def _write_done(self, future: Future[None], entry: TierEntry) -> bool:
-        if not future.done():
-            return False
-        if future.exception() is not None and self.disk is not None and entry.name in self.disk:
-            logger.error("writing a KV page to disk failed: %s", future.exception())
-            self.disk.remove(entry)
-        return True
-
     def wait(self, timeout_s: float) -> None:
-        """Block until some job ends or `timeout_s` passes (when nothing else can run)."""
+        """Block until a job may have ended, at most `timeout_s` (when nothing else can run)."""
         if self._jobs:
-            self._done.clear()
-            if not any(j.future is not None and j.future.done() for j in self._jobs):
-                self._done.wait(timeout_s)
+            self.data.wait(timeout_s)
 
     def disown(self, owner: object) -> None:
         """`owner` left: its jobs end unwatched (their pages still join the tree)."""
-        for job in self._jobs:
+        for job in self._jobs.values():
             if job.owner is owner:
                 job.owner = None
 
@@ -308,5 +307,7 @@ class TieredStore:
         }
 
     def flush(self) -> None:
-        """Wait for every queued write, delete and load (one thread runs them in order)."""
-        self._io.submit(lambda: None).result()
+        """Wait for every queued write, delete and load, on every rank."""
+        self.data.flush()
+        if self.peers is not None:
+            self.peers.flush()
