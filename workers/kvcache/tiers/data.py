@@ -79,6 +79,7 @@ class TierData:
         self._io = ThreadPoolExecutor(1, thread_name_prefix="kv-tiers")
         self._copy = torch.cuda.Stream(self.raw.device) if self.cuda else None
         self._load = torch.cuda.Stream(self.raw.device) if self.cuda else None
+        self._arriving: dict[int, torch.cuda.Event] = {}  # GPU: host row -> its copy's end
         self._loads: dict[int, Future[LoadResult]] = {}
         self._writes: list[tuple[Future[None], TierEntry]] = []
         self._done = threading.Event()  # a load ended (wakes `wait`)
@@ -103,12 +104,19 @@ class TierData:
         self._copy.wait_stream(compute)  # the steps that wrote the page
         with torch.cuda.stream(self._copy):
             self.rows[slot].copy_(self.raw[page], non_blocking=True)
+            self._arriving[slot] = torch.cuda.Event()
+            self._arriving[slot].record()
         compute.wait_stream(self._copy)  # a step reusing the page waits for its copy
+
+    def _row_ready(self, slot: int) -> None:
+        """Wait until host row `slot`'s copy from the device is done (GPU; usually long since)."""
+        event = self._arriving.get(slot)
+        if event is not None:
+            event.synchronize()
 
     def _demote(self, slot: int, entry: TierEntry) -> None:
         assert self.files is not None
-        if self._copy is not None:
-            self._copy.synchronize()  # the row may still be arriving from the device
+        self._row_ready(slot)
         row = self.rows[slot].clone()
         self._writes.append((self._io.submit(self.files.write, entry, row), entry))
 
@@ -116,12 +124,11 @@ class TierData:
         """On the I/O thread: fill the load's device pages."""
         start = time.perf_counter()
         try:
-            if self._copy is not None:
-                self._copy.synchronize()  # host rows still arriving from the device
             stream = torch.cuda.stream(self._load) if self._load is not None else nullcontext()
             with stream:
                 for page, tier, entry in op.copies:
                     if tier == HOST:
+                        self._row_ready(entry.slot)
                         src = self.rows[entry.slot]
                     else:
                         assert self.files is not None
