@@ -135,6 +135,8 @@ def main() -> None:
     for key, value in (GPU_SIZES if cuda else CPU_SIZES).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if args.shape is not None and args.tokenizer_dir is None:
+        ap.error("--shape needs --tokenizer-dir (the tokenizer files of a model of that family)")
     if args.shape is not None:
         from pathlib import Path
 

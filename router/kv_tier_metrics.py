@@ -24,33 +24,21 @@ def tier_families(
 ) -> Iterable[Metric]:
     labels = ["model_name", naming.engine_label]
     per_tier = [*labels, "tier"]
-    pages = GaugeMetricFamily(
-        naming("kv_tier_pages"), "KV pages each tier below the device holds", labels=per_tier
-    )
-    nbytes = GaugeMetricFamily(
-        naming("kv_tier_bytes"), "KV bytes each tier below the device holds", labels=per_tier
-    )
-    hits = CounterMetricFamily(
-        naming("kv_tier_hit_tokens"),
-        "Prompt tokens found in a tier below the device and loaded back",
-        labels=per_tier,
-    )
-    down = CounterMetricFamily(
-        naming("kv_offload_bytes"),
-        "KV bytes copied from the device pool to host memory",
-        labels=labels,
-    )
-    up = CounterMetricFamily(
-        naming("kv_onload_bytes"), "KV bytes loaded back into the device pool", labels=labels
+    below = "each tier below the device holds"
+    pages = GaugeMetricFamily(naming("kv_tier_pages"), f"KV pages {below}", labels=per_tier)
+    nbytes = GaugeMetricFamily(naming("kv_tier_bytes"), f"KV bytes {below}", labels=per_tier)
+    hits, down, up, swaps = (
+        CounterMetricFamily(naming(name), doc, labels=tags)
+        for name, doc, tags in (
+            ("kv_tier_hit_tokens", "Prompt tokens found in a tier below the device", per_tier),
+            ("kv_offload_bytes", "KV bytes copied from the device pool to host memory", labels),
+            ("kv_onload_bytes", "KV bytes loaded back into the device pool", labels),
+            ("num_swap_preemptions", "Preemptions whose KV went to the tiers below", labels),
+        )
     )
     load_time = SummaryMetricFamily(
         naming("kv_onload_time_seconds"),
         "Time of a request's load from the tiers below (its copies, not its wait for them)",
-        labels=labels,
-    )
-    swaps = CounterMetricFamily(
-        naming("num_swap_preemptions"),
-        "Preemptions whose KV went to the tiers below instead of being dropped",
         labels=labels,
     )
     for role, s in sorted(sums.items()):

@@ -4,18 +4,17 @@ reused by a restarted engine and ignored by another model's, and no leak after a
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
-from tests.engine_checks import drain_and_check_released
+from tests.engine_checks import drain_and_check_released, prefill_then_decode
 from workers import LLM, SamplingParams
 from workers.config import EngineConfig, KVOffloadConfig, KVTransferConfig
 from workers.disagg.decode import DecodeEngine
 from workers.disagg.prefill import PrefillEngine
-from workers.protocol import GenerateRequest, RequestOutput
+from workers.protocol import GenerateRequest
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 DOCS = [[100 + 37 * d + i for i in range(40)] for d in range(6)]  # 10 pages of 4 tokens each
@@ -36,6 +35,12 @@ def pages_gb(llm_or_model: str, num_pages: int, **options: object) -> float:
     """`num_pages` pages of the model's pool, in GiB (a tier's size)."""
     layout = LLM(llm_or_model, num_kv_pages=2, page_size=4, **options).engine.runner.pool.layout
     return num_pages * layout.page_bytes / 2**30
+
+
+def disk_tiers(model: str, host_pages: int, directory: Path) -> KVOffloadConfig:
+    """A host tier of `host_pages` pages over a 200-page disk tier in `directory`."""
+    return KVOffloadConfig(cpu_gb=pages_gb(model, host_pages), disk_dir=str(directory),
+                           disk_gb=pages_gb(model, 200))  # fmt: skip
 
 
 def two_turns(llm: LLM, expected: Expected) -> list[int]:
@@ -63,12 +68,9 @@ def test_host_tier_serves_second_turns_token_identical(tiny_llama: str, expected
 
 
 def test_disk_tier_below_a_small_host_tier_token_identical(
-    tiny_llama: str,
-    expected: Expected,
-    tmp_path: Path,
+    tiny_llama: str, expected: Expected, tmp_path: Path
 ) -> None:
-    tiers = KVOffloadConfig(cpu_gb=pages_gb(tiny_llama, 6), disk_dir=str(tmp_path),
-                            disk_gb=pages_gb(tiny_llama, 200))  # fmt: skip
+    tiers = disk_tiers(tiny_llama, 6, tmp_path)
     llm = LLM(tiny_llama, **POOL, kv_offload=tiers)
     cached = two_turns(llm, expected)
     stats = llm.engine.stats()
@@ -92,12 +94,9 @@ def test_fp8_pages_stay_fp8_through_the_host_tier(tiny_llama: str) -> None:
 
 
 def test_a_restarted_engine_reuses_its_disk_files_and_others_ignore_them(
-    tiny_llama: str,
-    expected: Expected,
-    tmp_path: Path,
+    tiny_llama: str, expected: Expected, tmp_path: Path
 ) -> None:
-    tiers = KVOffloadConfig(cpu_gb=pages_gb(tiny_llama, 4), disk_dir=str(tmp_path),
-                            disk_gb=pages_gb(tiny_llama, 200))  # fmt: skip
+    tiers = disk_tiers(tiny_llama, 4, tmp_path)
     first = LLM(tiny_llama, **POOL, kv_offload=tiers)
     assert [o.token_ids for o in first.generate(TURN1, GREEDY)] == expected[0]
     assert first.engine.kv.tiers is not None
@@ -182,7 +181,9 @@ def test_pages_loaded_from_host_memory_cross_the_handoff(
         decode.agent.add_peer(prefill.agent.metadata())
         for turn, prompts in enumerate((TURN1, TURN2)):
             for i, prompt in enumerate(prompts):
-                assert handoff(prefill, decode, f"t{turn}-{i}", prompt) == expected[turn][i]
+                req = GenerateRequest(request_id=f"t{turn}-{i}", prompt_token_ids=prompt,
+                                      params=GREEDY)  # fmt: skip
+                assert prefill_then_decode(prefill, decode, req) == expected[turn][i]
         stats = prefill.stats()
         assert stats.kv_host_hit_tokens >= 40 * 3 and stats.kv_onloads >= 3
         assert decode.stats().num_recomputed == 0
@@ -191,49 +192,25 @@ def test_pages_loaded_from_host_memory_cross_the_handoff(
         prefill.agent.close()
 
 
-def handoff(prefill: PrefillEngine, decode: DecodeEngine, rid: str, ids: list[int]) -> list[int]:
-    """One request prefilled on `prefill` and decoded on `decode`: its tokens."""
-    req = GenerateRequest(request_id=rid, prompt_token_ids=ids, params=GREEDY)
-    prefill.add_request(req)
-    deadline = time.monotonic() + 60
-    first: RequestOutput | None = None
-    while first is None:
-        assert time.monotonic() < deadline, "no first token"
-        first = next(iter(prefill.step()), None)
-    decode.add_remote(req, first)
-    tokens = list(first.token_ids)
-    while len(tokens) < GREEDY.max_tokens:
-        assert time.monotonic() < deadline, "the decode did not finish"
-        prefill.poll()
-        tokens += [t for c in decode.poll() + decode.step() for t in c.token_ids]
-    while prefill.has_work() or prefill.stats().num_handoffs_pending:
-        assert time.monotonic() < deadline, "the lease was not released"
-        prefill.poll()
-        prefill.step()
-    return tokens
+def test_page_files_a_replica_cannot_trust_are_ignored(tmp_path: Path) -> None:
+    """Under this replica's file name: a page written whole is taken back; a torn one, one whose
+    header names another writer, and a file that is no page file are left alone."""
+    import torch
 
+    from workers.kvcache.tiers.disk import PageFiles
+    from workers.kvcache.tiers.index import TierEntry
 
-def test_two_tp_ranks_keep_their_shards_in_their_own_tiers(
-    ray_cluster,
-    tiny_llama: str,
-    expected: Expected,
-    tmp_path: Path,
-) -> None:
-    """TP=2 over gloo (rank 1 a Ray actor): rank 1 replays rank 0's spills, demotions and loads
-    on its own shard, host rows and page files; the tokens are the single rank's."""
-    tiers = KVOffloadConfig(cpu_gb=pages_gb(tiny_llama, 6), disk_dir=str(tmp_path),
-                            disk_gb=pages_gb(tiny_llama, 200))  # fmt: skip
-    llm = LLM(tiny_llama, **POOL, tensor_parallel_size=2, kv_offload=tiers)
-    try:
-        cached = two_turns(llm, expected)
-        stats = llm.engine.stats()
-        assert all(c == 40 for c in cached), cached
-        # rank 1's files hold what its host rows got from its pool: wrong bytes, wrong tokens
-        assert stats.kv_disk_hit_tokens >= 40 * 3
-        assert llm.engine.kv.tiers is not None
-        llm.engine.kv.tiers.flush()
-        ranks = {p.name.split("-")[0] for p in tmp_path.iterdir()}
-        assert len(ranks) == 2  # each rank's files under its own name
-        drain_and_check_released(llm.engine)
-    finally:
-        llm.close()
+    meta = {"model": "m", "page_size": 4, "tp_rank": 0}
+    files = PageFiles(str(tmp_path), 16, meta)
+    for name in (1, 2, 3):
+        files.write(TierEntry(name, 0, (name,) * 4), torch.full((16,), name, dtype=torch.uint8))
+    torn = files.path(2)
+    torn.write_bytes(torn.read_bytes()[:-1])
+    other = PageFiles(str(tmp_path / "x"), 16, dict(meta, tp_rank=1))
+    other.write(TierEntry(3, 0, (3,) * 4), torch.zeros(16, dtype=torch.uint8))
+    files.path(3).write_bytes(other.path(3).read_bytes())  # our name, another rank's header
+    (tmp_path / f"{files.prefix}-ffff.kv").write_bytes(b"not a page")
+    [entry] = PageFiles(str(tmp_path), 16, meta).scan(capacity=10)
+    assert (entry.name, entry.tokens) == (1, (1,) * 4)
+    assert files.read(entry).tolist() == [1] * 16
+    assert len(list(tmp_path.glob("*.kv"))) == 4  # nothing deleted
