@@ -214,3 +214,28 @@ def test_page_files_a_replica_cannot_trust_are_ignored(tmp_path: Path) -> None:
     assert (entry.name, entry.tokens) == (1, (1,) * 4)
     assert files.read(entry).tolist() == [1] * 16
     assert len(list(tmp_path.glob("*.kv"))) == 4  # nothing deleted
+
+
+def test_a_decode_replica_loads_a_conversation_back_from_its_host_tier(
+    tiny_llama: str, expected: Expected
+) -> None:
+    """The decode pool (29 pages) holds fewer than three conversations; with a host tier the
+    second turns find their documents there and read only the rest from the prefill replica."""
+    transfer = KVTransferConfig(lease_s=60.0)
+    prefill = PrefillEngine(EngineConfig(model=tiny_llama, page_size=4), transfer, "p")
+    tiers = KVOffloadConfig(cpu_gb=pages_gb(tiny_llama, 100))
+    decode = DecodeEngine(EngineConfig(model=tiny_llama, **POOL, kv_offload=tiers), transfer, "d")
+    try:
+        decode.agent.add_peer(prefill.agent.metadata())
+        for turn, prompts in enumerate((TURN1, TURN2)):
+            for i, prompt in enumerate(prompts):
+                req = GenerateRequest(request_id=f"t{turn}-{i}", prompt_token_ids=prompt,
+                                      params=GREEDY)  # fmt: skip
+                assert prefill_then_decode(prefill, decode, req) == expected[turn][i]
+        stats = decode.stats()
+        assert stats.kv_host_hit_tokens >= 40 * 3 and stats.num_recomputed == 0
+        assert stats.kv_pages_reused >= 10 * 3  # the documents' pages, not read again
+        drain_and_check_released(decode)
+    finally:
+        decode.agent.close()
+        prefill.agent.close()

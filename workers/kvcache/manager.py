@@ -64,10 +64,13 @@ class KVManager:
 
     def start_onload(self, seq: Sequence) -> bool:
         """Start loading the pages of `seq`'s prompt that continue its device match from the
-        tiers below; False (nothing started) when they hold none or no device page is free."""
+        tiers below (True: started, or still loading); False when they hold none or no device
+        page is free."""
         tiers, radix = self.tiers, self.radix
         if tiers is None or radix is None or seq.wants_prompt_logprobs or seq in self._onloaded:
             return False
+        if tiers.is_loading_for(seq):
+            return True
         match = radix.match_prefix(seq.token_ids, max_tokens=seq.num_tokens - 1)
         start, end = len(match.pages), (seq.num_tokens - 1) // self.page_size
         parent = match.node.names[-1] if match.node.names else ROOT

@@ -280,6 +280,9 @@ class TieredStore:
             if job.owner is owner:
                 job.owner = None
 
+    def is_loading_for(self, owner: object) -> bool:
+        return any(job.owner is owner for job in self._jobs.values())
+
     @property
     def num_loading(self) -> int:
         return len(self._jobs)
