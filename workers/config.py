@@ -158,7 +158,10 @@ class KVOffloadConfig(BaseModel):
         gt=0, description="host memory for evicted KV pages (pinned on a GPU), per TP rank"
     )
     disk_dir: str | None = Field(
-        None, description="a directory for KV page files below host memory; None: no disk tier"
+        None,
+        description="a directory for KV page files below host memory (a restarted replica "
+        "reuses the files its model, dtypes and layout wrote; replicas sharing it may delete "
+        "each other's when full, costing a recompute); None: no disk tier",
     )
     disk_gb: float | None = Field(None, gt=0, description="the disk tier's size (with disk_dir)")
 
