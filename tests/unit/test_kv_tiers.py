@@ -239,3 +239,21 @@ def test_a_decode_replica_loads_a_conversation_back_from_its_host_tier(
     finally:
         decode.agent.close()
         prefill.agent.close()
+
+
+def test_a_failed_load_is_computed_instead_and_its_files_forgotten(
+    tiny_llama: str, expected: Expected, tmp_path: Path
+) -> None:
+    llm = LLM(tiny_llama, **POOL, kv_offload=disk_tiers(tiny_llama, 4, tmp_path))
+    assert [o.token_ids for o in llm.generate(TURN1, GREEDY)] == expected[0]
+    tiers = llm.engine.kv.tiers
+    assert tiers is not None and tiers.disk is not None
+    tiers.flush()
+    before = set(tiers.disk.entries)
+    for path in tmp_path.glob("*.kv"):
+        path.unlink()  # another replica sharing the directory deleted them
+    second = llm.generate(TURN2, GREEDY)
+    assert [o.token_ids for o in second] == expected[1]
+    assert llm.engine.stats().kv_disk_hit_tokens > 0  # tried, failed, computed
+    assert len(before & set(tiers.disk.entries)) < len(before)  # the pages that failed
+    drain_and_check_released(llm.engine)

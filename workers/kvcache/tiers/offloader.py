@@ -267,7 +267,16 @@ class TieredStore:
                 self.num_onloads += 1
             else:
                 logger.error("loading KV pages from a lower tier failed: %s", job.error)
+                self._forget_files(job.sources)
         return ended
+
+    def _forget_files(self, sources: list[tuple[int, TierEntry]]) -> None:
+        """A load failed: its disk pages are not trusted again (a file gone or torn)."""
+        for tier, entry in sources:
+            disk = self.disk
+            gone = disk is not None and disk.entries.get(entry.name) is entry
+            if tier == DISK and gone and entry.pins == 0:
+                disk.remove(entry)  # type: ignore[union-attr]
 
     def wait(self, timeout_s: float) -> None:
         """Block until a job may have ended, at most `timeout_s` (when nothing else can run)."""
