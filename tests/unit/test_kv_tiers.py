@@ -257,3 +257,25 @@ def test_a_failed_load_is_computed_instead_and_its_files_forgotten(
     assert llm.engine.stats().kv_disk_hit_tokens > 0  # tried, failed, computed
     assert len(before & set(tiers.disk.entries)) < len(before)  # the pages that failed
     drain_and_check_released(llm.engine)
+
+
+def test_two_tp_ranks_keep_their_shards_in_their_own_tiers(
+    ray_cluster: None, tiny_llama: str, expected: Expected, tmp_path: Path
+) -> None:
+    """TP=2 over gloo (rank 1 a Ray actor): rank 1 replays rank 0's spills, demotions and loads
+    on its own shard, host rows and page files; the tokens are the single rank's."""
+    llm = LLM(tiny_llama, **POOL, tensor_parallel_size=2,
+              kv_offload=disk_tiers(tiny_llama, 6, tmp_path))  # fmt: skip
+    try:
+        cached = two_turns(llm, expected)
+        stats = llm.engine.stats()
+        assert all(c == 40 for c in cached), cached
+        # rank 1's files hold what its host rows got from its pool: wrong bytes, wrong tokens
+        assert stats.kv_disk_hit_tokens >= 40 * 3
+        assert llm.engine.kv.tiers is not None
+        llm.engine.kv.tiers.flush()
+        ranks = {p.name.split("-")[0] for p in tmp_path.iterdir()}
+        assert len(ranks) == 2  # each rank's files under its own name
+        drain_and_check_released(llm.engine)
+    finally:
+        llm.close()
