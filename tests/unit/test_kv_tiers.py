@@ -14,7 +14,7 @@ from workers import LLM, SamplingParams
 from workers.config import EngineConfig, KVOffloadConfig, KVTransferConfig
 from workers.disagg.decode import DecodeEngine
 from workers.disagg.prefill import PrefillEngine
-from workers.protocol import GenerateRequest
+from workers.protocol import EngineStats, GenerateRequest
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 DOCS = [[100 + 37 * d + i for i in range(40)] for d in range(6)]  # 10 pages of 4 tokens each
@@ -166,17 +166,14 @@ def test_preempted_sequences_swap_to_host_memory_and_back(tiny_llama: str) -> No
     drain_and_check_released(llm.engine)
 
 
-def test_pages_loaded_from_host_memory_cross_the_handoff(
-    tiny_llama: str, expected: Expected
-) -> None:
-    """Prefill and decode engines in one process, NIXL over DRAM; the prefill pool (29 pages)
-    holds fewer than three documents. The second turns' documents come back from the prefill
-    replica's host tier, and the decode replica's tokens are the colocated reference's."""
-    gb = pages_gb(tiny_llama, 100)
-    cfg = EngineConfig(model=tiny_llama, **POOL, kv_offload=KVOffloadConfig(cpu_gb=gb))
+def disaggregated_turns(
+    prefill_cfg: EngineConfig, decode_cfg: EngineConfig, expected: Expected
+) -> tuple[EngineStats, EngineStats]:
+    """Both turns through prefill and decode engines in one process (NIXL over DRAM), each
+    request's tokens checked against the colocated reference: the engines' stats."""
     transfer = KVTransferConfig(lease_s=60.0)
-    prefill = PrefillEngine(cfg, transfer, "p")
-    decode = DecodeEngine(EngineConfig(model=tiny_llama, page_size=4), transfer, "d")
+    prefill = PrefillEngine(prefill_cfg, transfer, "p")
+    decode = DecodeEngine(decode_cfg, transfer, "d")
     try:
         decode.agent.add_peer(prefill.agent.metadata())
         for turn, prompts in enumerate((TURN1, TURN2)):
@@ -184,12 +181,27 @@ def test_pages_loaded_from_host_memory_cross_the_handoff(
                 req = GenerateRequest(request_id=f"t{turn}-{i}", prompt_token_ids=prompt,
                                       params=GREEDY)  # fmt: skip
                 assert prefill_then_decode(prefill, decode, req) == expected[turn][i]
-        stats = prefill.stats()
-        assert stats.kv_host_hit_tokens >= 40 * 3 and stats.kv_onloads >= 3
-        assert decode.stats().num_recomputed == 0
+        drain_and_check_released(decode)
+        return prefill.stats(), decode.stats()
     finally:
         decode.agent.close()
         prefill.agent.close()
+
+
+def test_pages_loaded_from_host_memory_cross_the_handoff(
+    tiny_llama: str, expected: Expected
+) -> None:
+    """The prefill pool (29 pages) holds fewer than three documents: the second turns'
+    documents come back from the prefill replica's host tier, and the decode replica's tokens
+    are the colocated reference's."""
+    tiers = KVOffloadConfig(cpu_gb=pages_gb(tiny_llama, 100))
+    prefill, decode = disaggregated_turns(
+        EngineConfig(model=tiny_llama, **POOL, kv_offload=tiers),
+        EngineConfig(model=tiny_llama, page_size=4),
+        expected,
+    )
+    assert prefill.kv_host_hit_tokens >= 40 * 3 and prefill.kv_onloads >= 3
+    assert decode.num_recomputed == 0
 
 
 def test_page_files_a_replica_cannot_trust_are_ignored(tmp_path: Path) -> None:
@@ -221,24 +233,14 @@ def test_a_decode_replica_loads_a_conversation_back_from_its_host_tier(
 ) -> None:
     """The decode pool (29 pages) holds fewer than three conversations; with a host tier the
     second turns find their documents there and read only the rest from the prefill replica."""
-    transfer = KVTransferConfig(lease_s=60.0)
-    prefill = PrefillEngine(EngineConfig(model=tiny_llama, page_size=4), transfer, "p")
     tiers = KVOffloadConfig(cpu_gb=pages_gb(tiny_llama, 100))
-    decode = DecodeEngine(EngineConfig(model=tiny_llama, **POOL, kv_offload=tiers), transfer, "d")
-    try:
-        decode.agent.add_peer(prefill.agent.metadata())
-        for turn, prompts in enumerate((TURN1, TURN2)):
-            for i, prompt in enumerate(prompts):
-                req = GenerateRequest(request_id=f"t{turn}-{i}", prompt_token_ids=prompt,
-                                      params=GREEDY)  # fmt: skip
-                assert prefill_then_decode(prefill, decode, req) == expected[turn][i]
-        stats = decode.stats()
-        assert stats.kv_host_hit_tokens >= 40 * 3 and stats.num_recomputed == 0
-        assert stats.kv_pages_reused >= 10 * 3  # the documents' pages, not read again
-        drain_and_check_released(decode)
-    finally:
-        decode.agent.close()
-        prefill.agent.close()
+    _, decode = disaggregated_turns(
+        EngineConfig(model=tiny_llama, page_size=4),
+        EngineConfig(model=tiny_llama, **POOL, kv_offload=tiers),
+        expected,
+    )
+    assert decode.kv_host_hit_tokens >= 40 * 3 and decode.num_recomputed == 0
+    assert decode.kv_pages_reused >= 10 * 3  # the documents' pages, not read again
 
 
 def test_a_failed_load_is_computed_instead_and_its_files_forgotten(
