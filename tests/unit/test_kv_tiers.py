@@ -136,6 +136,7 @@ def test_aborts_mid_load_leak_no_page(tiny_llama: str) -> None:
     engine.kv.finished_onloads()  # the loads end unwatched: their pages join the tree
     assert tiers.num_loading == 0
     assert all(e.pins == 0 for e in tiers.host.entries.values())
+    assert tiers.host.num_free + len(tiers.host) == tiers.host.capacity  # no host row leaked
     drain_and_check_released(engine)
     assert engine.allocator.num_free + engine.kv.radix.num_cached_pages == 29  # type: ignore[union-attr]
 
