@@ -194,7 +194,7 @@ class Sim:
         batches = []
         for r in self.replicas:
             assert r.kv.radix is not None and r.kv.radix.events is not None
-            stored, removed = r.kv.radix.events.drain()
+            stored, removed, _ = r.kv.radix.events.drain()
             if stored or removed:
                 batches.append(KVEventBatch(r.name, "0", stored, removed))
         for other in self.routers:

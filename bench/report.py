@@ -49,6 +49,7 @@ ORDER = (
     "kv-transfer-dtypes",
     "kv-staged",
     "prefix-cache",
+    "kv-tiers",
     "routing",
     "routing-decision",
     "kv-channel",

@@ -24,6 +24,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from router.backend import RoleStats
+from router.kv_tier_metrics import TIER_GAUGES, tier_families
 from router.metric_names import Naming
 from workers.api import ITERATION_TOKENS_BUCKETS
 
@@ -62,7 +63,7 @@ LIST_FIELDS = {"iteration_tokens", "spec_accepted_per_pos", "engine_deaths"}
 GAUGE_FIELDS = frozenset(
     {"num_running", "num_waiting", "kv_pages_total", "kv_pages_used", "kv_pages_pinned",
      "kv_pages_evictable"}
-)
+) | TIER_GAUGES
 
 
 def role_totals(snapshot: Iterable[RoleStats]) -> dict[str, dict[str, float]]:
@@ -209,3 +210,4 @@ class EngineStatsCollector(Collector):
                     nixl_time, cache, steps)
         yield from spec_families(self.snapshot, sums, self.model_name, name)
         yield engine_deaths(self.snapshot, self.model_name, name)
+        yield from tier_families(sums, self.model_name, name)

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import time
+from typing import TYPE_CHECKING
+
 from workers.engine.engine import Engine
+from workers.protocol import GenerateRequest, RequestOutput
+
+if TYPE_CHECKING:
+    from workers.disagg.decode import DecodeEngine
+    from workers.disagg.prefill import PrefillEngine
 
 
 def drain_and_check_released(engine: Engine) -> None:
@@ -16,3 +24,23 @@ def drain_and_check_released(engine: Engine) -> None:
     assert radix is not None
     radix.check_invariants()
     assert engine.allocator.num_free + radix.num_cached_pages == engine.allocator.num_usable
+
+
+def prefill_then_decode(
+    prefill: PrefillEngine, decode: DecodeEngine, req: GenerateRequest, timeout_s: float = 60
+) -> list[int]:
+    """`req` prefilled on `prefill` and decoded on `decode` (in-process engines, NIXL over
+    DRAM, the decode holding the prefill's agent as a peer): its tokens."""
+    prefill.add_request(req)
+    deadline = time.monotonic() + timeout_s
+    first: RequestOutput | None = None
+    while first is None:
+        assert time.monotonic() < deadline, "no first token"
+        first = next(iter(prefill.step()), None)
+    decode.add_remote(req, first)
+    tokens = list(first.token_ids)
+    while len(tokens) < req.params.max_tokens:
+        assert time.monotonic() < deadline, "the decode did not finish"
+        prefill.poll()
+        tokens += [t for c in decode.poll() + decode.step() for t in c.token_ids]
+    return tokens

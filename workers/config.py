@@ -148,6 +148,32 @@ class SpeculativeConfig(BaseModel):
         return self
 
 
+class KVOffloadConfig(BaseModel):
+    """KV tiers below the device pool (docs/architecture.md, "KV tiers"): pages the prefix cache
+    evicts go to host memory, then to files under `disk_dir`, instead of away; a prefix match
+    finds them there and loads them back before the prefill. Each tier keeps its least recently
+    used pages; the bottom tier drops."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    cpu_gb: float = Field(
+        gt=0, description="host memory for evicted KV pages (pinned on a GPU), per TP rank"
+    )
+    disk_dir: str | None = Field(
+        None,
+        description="a directory for KV page files below host memory (a restarted replica "
+        "reuses the files its model, dtypes and layout wrote; replicas sharing it may delete "
+        "each other's when full, costing a recompute); None: no disk tier",
+    )
+    disk_gb: float | None = Field(None, gt=0, description="the disk tier's size (with disk_dir)")
+
+    @model_validator(mode="after")
+    def _disk_complete(self) -> KVOffloadConfig:
+        if (self.disk_dir is None) != (self.disk_gb is None):
+            raise ValueError("kv_offload.disk_dir and kv_offload.disk_gb go together: set both")
+        return self
+
+
 class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -235,6 +261,16 @@ class EngineConfig(BaseModel):
     speculative: SpeculativeConfig | None = Field(
         None, description="speculative decoding in the decode steps; None: off"
     )
+    kv_offload: KVOffloadConfig | None = Field(
+        None, description="host memory and disk tiers below the KV pool; None: off (evicted "
+        "prefix pages are dropped)",
+    )  # fmt: skip
+
+    @model_validator(mode="after")
+    def _offload_fits(self) -> EngineConfig:
+        if self.kv_offload is not None and not self.enable_prefix_caching:
+            raise ValueError("kv_offload needs enable_prefix_caching: the tiers hold its pages")
+        return self
 
     def resolved_device(self) -> torch.device:
         import torch  # here: the routers read this schema and never load torch

@@ -287,6 +287,20 @@ class EngineStats(BaseModel):
     spec_accepted_per_pos: list[int] = []
     # KV events: page stores and evictions this replica published to the routers
     kv_events_published: int = 0
+    # KV tiers below the device pool (EngineConfig.kv_offload): pages and bytes each holds now,
+    # prompt tokens found there, bytes moved down (device -> host) and up (loads), the loads'
+    # copy time
+    kv_host_pages: int = 0
+    kv_host_bytes: int = 0
+    kv_disk_pages: int = 0
+    kv_disk_bytes: int = 0
+    kv_host_hit_tokens: int = 0
+    kv_disk_hit_tokens: int = 0
+    kv_offload_bytes: int = 0
+    kv_onload_bytes: int = 0
+    kv_onload_time_s: float = 0.0
+    kv_onloads: int = 0
+    num_swap_preemptions: int = 0  # preemptions whose pages went down the tiers
     # the engine's death (`EngineDeadError`): the exception type that killed it -> 1; the
     # routers skip a replica that posted one
     engine_deaths: dict[str, int] = {}

@@ -5,7 +5,8 @@ for every policy that subscribed to a pool.
 Serve builds one request router per pool in each process that holds a handle (the ingress
 replicas); each subscribes here, and applies its queue on its own loop before each decision
 (`drain`), so the index is touched by one thread only. `index_pages()` is what
-`pdserve:router_index_pages` reports: the (page, replica) entries each pool's index holds.
+`pdserve:router_index_pages` reports: the (page, replica) entries each pool's index holds, per
+tier of the replicas' KV (device, host, disk).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from router.metric_names import Naming
+from router.routing.prefix_index import TIERS
 from workers.api import KVEventBatch, read_kv_events
 
 logger = logging.getLogger(__name__)
@@ -34,7 +36,7 @@ class KVEventFeed:
         self.app, self.period_s = app, period_s
         self._queues: dict[str, list[queue.SimpleQueue[KVEventBatch]]] = defaultdict(list)
         self._lock = threading.Lock()
-        self.index_pages: dict[str, int] = {}  # pool -> entries its index holds (metrics)
+        self.index_pages: dict[str, list[int]] = {}  # pool -> its index's entries per tier
         self._subscribed = 0  # subscriptions so far; a read for fewer must be a snapshot
         self.reads = 0  # reads answered by the hub (how far behind a router can be: one period)
         self._stopped = threading.Event()
@@ -109,17 +111,18 @@ def feed_of(app: str) -> KVEventFeed | None:
     return _feeds.get(app)
 
 
-def index_pages() -> dict[str, int]:
-    """Pool -> (page, replica) entries its router's index holds, over this process's feeds."""
-    totals: dict[str, int] = defaultdict(int)
+def index_pages() -> dict[str, list[int]]:
+    """Pool -> (page, replica) entries its router's index holds per tier (`TIERS`), over this
+    process's feeds."""
+    totals: dict[str, list[int]] = defaultdict(lambda: [0] * len(TIERS))
     for feed in list(_feeds.values()):
-        for pool, pages in feed.index_pages.items():
-            totals[pool] += pages
+        for pool, pages in list(feed.index_pages.items()):
+            totals[pool] = [a + b for a, b in zip(totals[pool], pages, strict=True)]
     return dict(totals)
 
 
 class IndexPagesCollector(Collector):
-    """`router_index_pages{pool}`: the (page, replica) entries this router's index holds."""
+    """`router_index_pages{pool,tier}`: the (page, replica) entries this router's index holds."""
 
     def __init__(self, model_name: str, naming: Naming) -> None:
         self.model_name, self.naming = model_name, naming
@@ -128,8 +131,9 @@ class IndexPagesCollector(Collector):
         family = GaugeMetricFamily(
             self.naming("router_index_pages"),
             "(page, replica) entries of the router's KV index, from the replicas' KV events",
-            labels=["model_name", "pool"],
+            labels=["model_name", "pool", "tier"],
         )
-        for pool, pages in sorted(index_pages().items()):
-            family.add_metric([self.model_name, pool], pages)
+        for pool, per_tier in sorted(index_pages().items()):
+            for tier, pages in zip(TIERS, per_tier, strict=True):
+                family.add_metric([self.model_name, pool, tier], pages)
         yield family

@@ -145,7 +145,8 @@ class PrefixAwarePolicy:
             below = len(holders)
             for r in holders:
                 if r not in cost and r in loads:
-                    cost[r] = c = uncached + w * loads.get(r)
+                    lower = self.index.load_cost(names, i + 1, r) * ps  # tokens' worth of loads
+                    cost[r] = c = uncached + lower + w * loads.get(r)
                     best = min(best, c)
         cost.setdefault(pick, n + w * least_load)
         return sorted(cost, key=lambda r: (cost[r], r != pick, loads.position(r)))

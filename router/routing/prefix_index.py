@@ -12,11 +12,17 @@ Two ways to feed it:
 - approximate (`pages_per_replica=n`): only `guess()`, with an LRU of n pages per replica:
   what this router sent, blind to other routers, evictions and restarts.
 
-Invariants: `_pages[r]` (replica r's pages, LRU order, oldest first) and `_owners[name]` always
-agree, and no owner set is empty. A cache holds whole prefixes (the radix tree evicts leaves
-first; `guess()` touches a prompt's pages last page first, so a prefix is never older than its
-extensions), so a replica holding page i holds pages 0..i and the deepest page a replica holds
-is its match: `depth()` walks back from the last page.
+Tiers: a replica with KV tiers (`EngineConfig.kv_offload`) reports pages its device pool evicted
+to host memory (tier 1) or disk (tier 2) as offloaded; the index keeps each page's tier, and
+`load_cost()` prices the lower-tier pages of a match at `TIER_COST` of a recompute each: a page
+in host memory is worth far more than nothing, but less than one in HBM.
+
+Invariants: `_pages[r]` (replica r's pages -> tier, LRU order, oldest first) and `_owners[name]`
+always agree, no owner set is empty, and `tier_entries[t]` counts the entries in tier t. A cache
+holds whole prefixes (the radix tree evicts leaves first; `guess()` touches a prompt's pages
+last page first, so a prefix is never older than its extensions), so a replica holding page i
+holds pages 0..i and the deepest page a replica holds is its match: `depth()` walks back from
+the last page.
 """
 
 from __future__ import annotations
@@ -28,6 +34,12 @@ from typing import Any
 from workers.api import KVEventBatch
 
 _NONE: frozenset[Any] = frozenset()
+TIERS = ("device", "host", "disk")
+# A lower-tier page's load against its recompute, per token: an H200 prefills Llama-3-8B at
+# ~20 us a token, and moves its KV (128 KiB a token in bf16) from pinned host memory at ~50
+# GB/s (~2.6 us: 0.13) and from an NVMe disk at ~5 GB/s (~26 us: above 1, but a disk read
+# queues behind no prefill; 0.5 keeps a disk hit ahead of a cold replica of equal load).
+TIER_COST = (0.0, 0.15, 0.5)
 
 
 def uncached_tokens(prompt_len: int, matched_pages: int, page_size: int) -> int:
@@ -48,11 +60,12 @@ class PrefixIndex:
         self.pages_per_replica = pages_per_replica
         self.confirm_s = confirm_s
         self._clock = clock
-        self._pages: dict[Hashable, OrderedDict[int, None]] = {}
+        self._pages: dict[Hashable, OrderedDict[int, int]] = {}
         self._owners: dict[int, set[Hashable]] = {}
         self._incarnation: dict[Hashable, str] = {}
         self._unconfirmed: OrderedDict[tuple[Hashable, int], float] = OrderedDict()
         self.num_entries = 0  # (page, replica) entries held, over all replicas
+        self.tier_entries = [0] * len(TIERS)  # of which in each tier
 
     @property
     def exact(self) -> bool:
@@ -79,6 +92,18 @@ class PrefixIndex:
                 return i + 1
         return 0
 
+    def load_cost(self, names: Sequence[int], depth: int, replica: Hashable) -> float:
+        """The load cost, in tokens' recomputes a page, of the lower-tier pages among the first
+        `depth` of `names` on `replica` (a cache evicts a prefix's deepest pages first, so they
+        are the tail: the walk stops at the first page in HBM)."""
+        lru, cost = self._pages.get(replica), 0.0
+        for i in range(depth - 1, -1, -1):
+            tier = 0 if lru is None else lru.get(names[i], 0)
+            if tier == 0:
+                break
+            cost += TIER_COST[tier]
+        return cost
+
     def guess(self, replica: Hashable, names: Sequence[int]) -> None:
         """`replica` was sent a prompt of these page names: it will soon cache them."""
         lru = self._pages.setdefault(replica, OrderedDict())
@@ -103,8 +128,10 @@ class PrefixIndex:
         lru = self._pages.setdefault(replica, OrderedDict())
         for name in batch.stored:
             self._unconfirmed.pop((replica, name), None)
-            if name not in lru:
-                self._add(replica, lru, name)
+            self._set_tier(replica, lru, name, 0)
+        for name, tier in batch.offloaded:
+            self._unconfirmed.pop((replica, name), None)
+            self._set_tier(replica, lru, name, tier)
         for name in batch.removed:
             if name in lru:
                 self._remove(replica, lru, name)
@@ -123,33 +150,50 @@ class PrefixIndex:
 
     def forget(self, replica: Hashable) -> None:
         """Drop everything known about `replica` (it died, left the pool or restarted)."""
-        for name in self._pages.pop(replica, ()):
-            self._disown(name, replica)
+        for name, tier in self._pages.pop(replica, {}).items():
+            self._disown(name, replica, tier)
         self._incarnation.pop(replica, None)
         stale = [key for key in self._unconfirmed if key[0] == replica]
         for key in stale:
             del self._unconfirmed[key]
 
-    def _add(self, replica: Hashable, lru: OrderedDict[int, None], name: int) -> None:
-        lru[name] = None
+    def _set_tier(
+        self, replica: Hashable, lru: OrderedDict[int, int], name: int, tier: int
+    ) -> None:
+        old = lru.get(name)
+        if old is None:
+            self._add(replica, lru, name, tier)
+        elif old != tier:
+            lru[name] = tier
+            self.tier_entries[old] -= 1
+            self.tier_entries[tier] += 1
+
+    def _add(self, replica: Hashable, lru: OrderedDict[int, int], name: int, tier: int = 0) -> None:
+        lru[name] = tier
         self._owners.setdefault(name, set()).add(replica)
         self.num_entries += 1
+        self.tier_entries[tier] += 1
 
-    def _remove(self, replica: Hashable, lru: OrderedDict[int, None], name: int) -> None:
-        del lru[name]
-        self._disown(name, replica)
+    def _remove(self, replica: Hashable, lru: OrderedDict[int, int], name: int) -> None:
+        self._disown(name, replica, lru.pop(name))
 
-    def _disown(self, name: int, replica: Hashable) -> None:
+    def _disown(self, name: int, replica: Hashable, tier: int) -> None:
         owners = self._owners[name]
         owners.discard(replica)
         self.num_entries -= 1
+        self.tier_entries[tier] -= 1
         if not owners:
             del self._owners[name]
 
     def check_invariants(self) -> None:
         pairs = {(n, r) for r, lru in self._pages.items() for n in lru}
         assert pairs == {(n, r) for n, rs in self._owners.items() for r in rs}
-        assert len(pairs) == self.num_entries
+        assert len(pairs) == self.num_entries == sum(self.tier_entries)
+        tiers = [0] * len(TIERS)
+        for lru in self._pages.values():
+            for tier in lru.values():
+                tiers[tier] += 1
+        assert tiers == self.tier_entries
         assert all(self._owners.values()), "empty owner set"
         if self.pages_per_replica is not None:
             assert all(len(lru) <= self.pages_per_replica for lru in self._pages.values())

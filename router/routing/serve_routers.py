@@ -144,7 +144,7 @@ class PrefillRouter(_PolicyRouter):
             batch = self._events.get_nowait()
             if batch.replica not in self._gone:
                 self.policy.apply(batch)
-        self._feed.index_pages[self._pool] = self.policy.index.num_entries
+        self._feed.index_pages[self._pool] = list(self.policy.index.tier_entries)
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any

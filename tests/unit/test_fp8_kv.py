@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import time
 from pathlib import Path
 
 import pytest
@@ -15,13 +14,13 @@ from safetensors.torch import save_file
 
 from router.backend import RoleStats
 from router.metrics import Metrics
-from tests.engine_checks import drain_and_check_released
+from tests.engine_checks import drain_and_check_released, prefill_then_decode
 from workers import LLM, SamplingParams
 from workers.config import EngineConfig, KVTransferConfig
 from workers.disagg.decode import DecodeEngine
 from workers.disagg.prefill import PrefillEngine
 from workers.kvcache.kv_dtype import FP8_MAX, KVScales, dequantize, quantize
-from workers.protocol import EngineStats, GenerateRequest, KVLayout, RequestOutput
+from workers.protocol import EngineStats, GenerateRequest, KVLayout
 from workers.transfer import KVLayoutMismatchError
 from workers.transfer.head_slices import head_sources
 
@@ -89,18 +88,7 @@ def test_fp8_pages_cross_the_handoff_as_they_are(tiny_llama: str) -> None:
         decode.agent.add_peer(prefill.agent.metadata())
         ids = list(range(500, 540))
         req = GenerateRequest(request_id="h", prompt_token_ids=ids, params=GREEDY)
-        prefill.add_request(req)
-        deadline = time.monotonic() + 60
-        first: RequestOutput | None = None
-        while first is None:
-            assert time.monotonic() < deadline, "no first token"
-            first = next(iter(prefill.step()), None)
-        decode.add_remote(req, first)
-        tokens = list(first.token_ids)
-        while len(tokens) < GREEDY.max_tokens:
-            assert time.monotonic() < deadline, "the decode did not finish"
-            prefill.poll()
-            tokens += [t for c in decode.poll() + decode.step() for t in c.token_ids]
+        tokens = prefill_then_decode(prefill, decode, req)
         stats = decode.stats()
         assert stats.num_recomputed == 0 and stats.kv_pages_read == 3
         bf16_page = prefill.agent.layout.model_copy(update={"dtype": "bfloat16"}).page_bytes

@@ -42,7 +42,7 @@ def test_the_cache_reports_every_page_it_stores_and_evicts_by_the_routers_names(
         if radix.allocator.num_free >= pages:
             cached(tokens, radix)
             prompts.append(tokens)
-        stored, removed = radix.events.drain()
+        stored, removed, _ = radix.events.drain()
         held = (held | set(stored)) - set(removed)
         assert held == set(radix.page_names())
     for tokens in prompts:  # the router's names of a prompt are the cache's
@@ -56,8 +56,10 @@ def test_a_net_batch_keeps_the_last_word_on_each_page() -> None:
     log.stored([1, 2, 3])
     log.removed([2, 4])
     log.stored([4])
-    assert log.drain() == ([1, 3, 4], [2])
-    assert log.drain() == ([], [])
+    log.offloaded([3, 5], 1)
+    log.offloaded([5], 2)
+    assert log.drain() == ([1, 4], [2], [(3, 1), (5, 2)])
+    assert log.drain() == ([], [], [])
 
 
 def test_index_follows_store_evict_and_drops_a_restarted_replica() -> None:
@@ -194,15 +196,20 @@ def test_kv_event_metrics_per_role_and_pool(monkeypatch: pytest.MonkeyPatch) -> 
     from router.routing import kv_feed
     from workers.protocol import EngineStats
 
-    monkeypatch.setattr(kv_feed, "index_pages", lambda: {"prefill": 120, "decode": 7})
+    monkeypatch.setattr(
+        kv_feed, "index_pages", lambda: {"prefill": [120, 30, 5], "decode": [7, 0, 0]}
+    )
     metrics = Metrics("m")
     zero = {k: 0 for k, field in EngineStats.model_fields.items() if field.is_required()}
     prefill = EngineStats.model_validate(zero | {"kv_events_published": 42})
     metrics.engines.update([RoleStats("prefill", prefill)])
     text = metrics.render().decode()
     assert 'pdserve:kv_events_published_total{model_name="m",role="prefill"} 42.0' in text
-    assert 'pdserve:router_index_pages{model_name="m",pool="prefill"} 120.0' in text
-    assert 'pdserve:router_index_pages{model_name="m",pool="decode"} 7.0' in text
+    index = 'pdserve:router_index_pages{model_name="m",pool='
+    assert index + '"prefill",tier="device"} 120.0' in text
+    assert index + '"prefill",tier="host"} 30.0' in text
+    assert index + '"prefill",tier="disk"} 5.0' in text
+    assert index + '"decode",tier="device"} 7.0' in text
 
 
 def test_a_publisher_batches_the_cache_changes_and_resends_all_on_a_new_hub() -> None:
@@ -227,3 +234,52 @@ def test_a_publisher_batches_the_cache_changes_and_resends_all_on_a_new_hub() ->
         assert snapshot.snapshot and set(snapshot.stored) == set(radix.page_names())
     finally:
         publisher.close()
+
+
+def test_evicted_pages_are_reported_in_the_tier_that_keeps_them() -> None:
+    """A radix cache over tiers of 2 host pages (no disk): the pages it evicts are reported
+    offloaded to host memory, and those the host tier then drops, removed; a reader of the
+    events holds exactly the pages of the device and host tiers, with their tiers."""
+    import torch
+
+    from workers.kvcache.tiers.data import TierData
+    from workers.kvcache.tiers.offloader import HOST, TieredStore
+
+    pool = torch.arange(25 * 8, dtype=torch.float32).view(25, 8)  # 25 pages of 32 bytes
+    tiers = TieredStore(TierData(pool, 2, None), PS, None)
+    radix = RadixCache(PS, PageAllocator(25))
+    radix.below, tiers.on_device = tiers, radix.holds
+    radix.events = KVEventLog()
+    held: dict[int, int] = {}
+    for base in range(4):
+        tokens = [base] * PS * 3
+        cached(tokens, radix)
+        radix.evict(2)  # two of this prompt's three pages go down
+        stored, removed, offloaded = radix.events.drain()
+        held |= dict.fromkeys(stored, 0) | dict(offloaded)
+        held = {n: t for n, t in held.items() if n not in removed}
+        device = {n: 0 for n in radix.page_names()}
+        host = dict(tiers.names())
+        assert held == device | host and set(host.values()) == {HOST} and len(host) == 2
+        assert tiers.data.rows[tiers.host.entries[offloaded[0][0]].slot].tolist() != [0] * 32
+
+
+def test_kv_tier_metrics_per_role_and_tier() -> None:
+    from router.backend import RoleStats
+    from router.metrics import Metrics
+    from workers.protocol import EngineStats
+
+    metrics = Metrics("m")
+    zero = {k: 0 for k, field in EngineStats.model_fields.items() if field.is_required()}
+    tiers = {"kv_host_pages": 12, "kv_disk_bytes": 4096, "kv_host_hit_tokens": 160,
+             "kv_onload_bytes": 1 << 20, "kv_onloads": 3, "kv_onload_time_s": 0.25,
+             "num_swap_preemptions": 2}  # fmt: skip
+    metrics.engines.update([RoleStats("prefill", EngineStats.model_validate(zero | tiers))])
+    text = metrics.render().decode()
+    role = 'model_name="m",role="prefill"'
+    assert f'pdserve:kv_tier_pages{{{role},tier="host"}} 12.0' in text
+    assert f'pdserve:kv_tier_bytes{{{role},tier="disk"}} 4096.0' in text
+    assert f'pdserve:kv_tier_hit_tokens_total{{{role},tier="host"}} 160.0' in text
+    assert f"pdserve:kv_onload_bytes_total{{{role}}} 1.048576e+06" in text
+    assert f"pdserve:kv_onload_time_seconds_count{{{role}}} 3.0" in text
+    assert f"pdserve:num_swap_preemptions_total{{{role}}} 2.0" in text

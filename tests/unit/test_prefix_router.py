@@ -8,6 +8,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
+
 from router.routing import DecodeLoadPolicy, PrefixAwarePolicy, PrefixIndex
 from router.routing.policy import InFlight
 from workers.api import page_hashes
@@ -343,3 +345,25 @@ def test_a_replica_whose_engine_died_is_skipped_at_once() -> None:
             assert pending.routing_context.should_backoff  # Serve backs off, not spins
 
     asyncio.run(run())
+
+
+def test_a_prefix_in_hbm_beats_one_in_host_memory_which_beats_a_recompute() -> None:
+    """Three replicas hold one prompt's 32 pages: r0 in HBM, r1 with its last 16 in host memory,
+    r2 with them on disk; r3 holds nothing. Equal load: r0, r1, r2, r3 in that order, and the
+    index counts its entries per tier."""
+    from workers.api import KVEventBatch
+
+    policy = PrefixAwarePolicy(PS)
+    policy.retain(REPLICAS)
+    prompt = system_prompt(0) + question(0)
+    names = page_hashes(prompt, PS)[:32]
+    policy.apply(KVEventBatch("r0", "i", names))
+    for replica, tier in (("r1", 1), ("r2", 2)):
+        policy.apply(KVEventBatch(replica, "i", names))
+        policy.apply(KVEventBatch(replica, "i", offloaded=[(n, tier) for n in names[16:]]))
+    assert policy.rank(prompt) == ["r0", "r1", "r2", "r3"]
+    assert policy.index.tier_entries == [32 + 16 + 16, 16, 16]
+    assert policy.index.load_cost(names, 32, "r1") == pytest.approx(16 * 0.15)
+    policy.apply(KVEventBatch("r1", "i", removed=names[16:]))  # dropped from host memory
+    assert policy.index.depth(names, "r1") == 16 and policy.index.tier_entries[1] == 0
+    policy.index.check_invariants()

@@ -174,6 +174,8 @@ class DecodeEngine(HandoffEngine):
         seq, n = p.seq, p.kv.num_tokens
         if self.faults is not None and not self._injected(p, outputs):
             return
+        if self.kv.start_onload(seq):
+            return  # its cached pages come up from the KV tiers first: read at a later poll
         self.kv.match_prefix(seq)
         seq.num_computed_tokens = min(seq.num_computed_tokens, n)
         first = seq.num_tree_pages

@@ -28,6 +28,7 @@ from workers.engine.step_tokens import StepCount, StepTokens
 from workers.engine.tp_runner import create_runner
 from workers.kvcache.allocator import PageAllocator
 from workers.kvcache.manager import KVManager
+from workers.kvcache.tiers.offloader import TieredStore
 from workers.model.files import load_tokenizer
 from workers.parallel.group import SINGLE, TPGroup
 from workers.protocol import EngineDeadError, EngineStats, GenerateRequest, RequestOutput
@@ -62,7 +63,8 @@ class Engine:
         self.tokenizer = load_tokenizer(self.runner.model_dir)
         self.max_model_len = self.runner.max_model_len
         self.allocator = PageAllocator(self.runner.pool.num_pages)
-        self.kv = KVManager(self.allocator, cfg.page_size, cfg.enable_prefix_caching)
+        tiers = TieredStore.for_pool(self.runner.pool, cfg, self.runner.dtype, self.runner)
+        self.kv = KVManager(self.allocator, cfg.page_size, cfg.enable_prefix_caching, tiers)
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         eos = {*self.runner.model_config.eos_token_ids, self.tokenizer.eos_token_id} - {None}
         self.eos_token_ids = frozenset(eos)
@@ -343,6 +345,7 @@ class Engine:
             prefix_cache_queries=self.kv.prefix_queries,
             prefix_cache_hits=self.kv.prefix_hits,
             num_preemptions=self.scheduler.num_preemptions,
+            num_swap_preemptions=self.scheduler.num_swap_preemptions,
             num_handoffs_pending=self._num_handoffs_pending(),
             prompt_tokens_computed=self.prompt_tokens_computed,
             generation_tokens=self.generation_tokens,
@@ -350,5 +353,6 @@ class Engine:
             iteration_tokens_sum=self.step_tokens.sum,
             engine_deaths={} if self.dead is None else {type(self.dead.__cause__).__name__: 1},
             **({} if self.spec is None else self.spec.stats()),
+            **({} if self.kv.tiers is None else self.kv.tiers.stats()),
         )
 

@@ -8,6 +8,9 @@ prompt's pages with it too (through `workers.api`), so both sides agree by const
 
 `KVEventLog` collects the net change since the last `drain()`: a page stored then evicted
 within one batch is reported evicted (the reader holds sets, so only the last word matters).
+With KV tiers (`workers/kvcache/tiers`) a page the device pool evicts may be offloaded instead:
+kept in host memory (tier 1) or on disk (tier 2), where a request still finds it, at the cost of
+a load; its event names the tier it is in now (the highest that holds it).
 `KVEventBatch` is what a replica publishes: its changes with its incarnation id, so a reader
 drops what it knew of a replica whose incarnation changed (a restart with an empty cache).
 """
@@ -39,30 +42,36 @@ class KVEventBatch:
     stored: list[int] = field(default_factory=list)
     removed: list[int] = field(default_factory=list)
     snapshot: bool = False
+    offloaded: list[tuple[int, int]] = field(default_factory=list)  # (name, tier 1 or 2)
 
     def __len__(self) -> int:
-        return len(self.stored) + len(self.removed)
+        return len(self.stored) + len(self.removed) + len(self.offloaded)
 
 
 class KVEventLog:
     """Net page changes of one cache since the last `drain()` (touched by one thread)."""
 
     def __init__(self) -> None:
-        self._net: dict[int, bool] = {}  # name -> stored (True) or evicted (False)
+        self._net: dict[int, int] = {}  # name -> tier holding it (0: the device), or -1: gone
         self.num_events = 0  # changes recorded, ever
 
     def stored(self, names: Iterable[int]) -> None:
-        for name in names:
-            self._net[name] = True
-            self.num_events += 1
+        self._mark(names, 0)
 
     def removed(self, names: Iterable[int]) -> None:
+        self._mark(names, -1)
+
+    def offloaded(self, names: Iterable[int], tier: int) -> None:
+        self._mark(names, tier)
+
+    def _mark(self, names: Iterable[int], tier: int) -> None:
         for name in names:
-            self._net[name] = False
+            self._net[name] = tier
             self.num_events += 1
 
-    def drain(self) -> tuple[list[int], list[int]]:
-        """(stored, removed) since the last drain."""
+    def drain(self) -> tuple[list[int], list[int], list[tuple[int, int]]]:
+        """(stored, removed, offloaded as (name, tier)) since the last drain."""
         net, self._net = self._net, {}
-        stored = [n for n, s in net.items() if s]
-        return stored, [n for n, s in net.items() if not s]
+        stored = [n for n, t in net.items() if t == 0]
+        removed = [n for n, t in net.items() if t < 0]
+        return stored, removed, [(n, t) for n, t in net.items() if t > 0]

@@ -23,6 +23,9 @@ Invariants:
 - Names: `node.names[i]` is `page_hashes` of the prefix ending with the node's page i (chained
   from its parent's last name), so the tree and the router name pages alike. With `events` set,
   every page the tree adopts is reported stored and every page it frees evicted.
+- Tiers: with `below` set (a `TieredStore`), evicted pages are offered to the tiers below
+  before they are freed; the pages a tier kept are reported there by the tiers, the rest evicted.
+  `holds(name)` says whether a page is in the tree (the tiers report a page's highest tier).
 """
 
 from __future__ import annotations
@@ -30,9 +33,13 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from workers.kvcache.allocator import PageAllocator
 from workers.kvcache.kv_events import ROOT, KVEventLog, page_hashes
+
+if TYPE_CHECKING:
+    from workers.kvcache.tiers.offloader import TieredStore
 
 
 class RadixNode:
@@ -72,6 +79,8 @@ class RadixCache:
         self.allocator = allocator
         self.root = RadixNode(None, [], [], [])
         self.events: KVEventLog | None = None  # set by a replica that publishes KV events
+        self.below: TieredStore | None = None  # the KV tiers evicted pages go down to
+        self._names: set[int] = set()
         self._clock = 0
         self._heap: list[tuple[int, int, RadixNode]] = []  # (last_access, push order, leaf)
         self._pushes = 0
@@ -91,6 +100,9 @@ class RadixCache:
     def num_evictable_pages(self) -> int:
         return self._num_cached - self._num_locked
 
+    def holds(self, name: int) -> bool:
+        return name in self._names
+
     def page_names(self) -> list[int]:
         """The names of every cached page (a replica's snapshot for a new reader)."""
         names, stack = list[int](), [self.root]
@@ -99,6 +111,10 @@ class RadixCache:
             names += node.names
             stack.extend(node.children.values())
         return names
+
+    def lower_names(self) -> list[tuple[int, int]]:
+        """(name, tier) of the pages only the tiers below hold (a snapshot's rest)."""
+        return [] if self.below is None else self.below.names()
 
     def match_prefix(self, token_ids: Sequence[int], max_tokens: int | None = None) -> PrefixMatch:
         """Longest cached prefix of `token_ids` in whole pages, at most `max_tokens` tokens."""
@@ -237,6 +253,7 @@ class RadixCache:
         leaf = RadixNode(parent, tokens, pages, names)
         if self.events is not None:
             self.events.stored(names)
+        self._names.update(names)
         parent.children[tuple(tokens[: self.page_size])] = leaf
         self._num_nodes += 1
         self._num_cached += len(pages)
@@ -247,23 +264,32 @@ class RadixCache:
         assert parent is not None
         del parent.children[tuple(leaf.tokens[: self.page_size])]
         leaf.parent = None
-        self.allocator.free(leaf.pages)
-        if self.events is not None:
-            self.events.removed(leaf.names)
+        self._free(leaf.pages, leaf.names, leaf.tokens, _last_name(parent))
         self._num_nodes -= 1
         self._num_cached -= len(leaf.pages)
         if parent is not self.root and not parent.children and parent.ref == 0:
             self._push(parent)
 
     def _truncate(self, leaf: RadixNode, keep_pages: int) -> None:
-        self.allocator.free(leaf.pages[keep_pages:])
-        if self.events is not None:
-            self.events.removed(leaf.names[keep_pages:])
+        cut = keep_pages * self.page_size
+        parent = leaf.names[keep_pages - 1]
+        self._free(leaf.pages[keep_pages:], leaf.names[keep_pages:], leaf.tokens[cut:], parent)
         leaf.names = leaf.names[:keep_pages]
         self._num_cached -= len(leaf.pages) - keep_pages
         leaf.pages = leaf.pages[:keep_pages]
         leaf.tokens = leaf.tokens[: keep_pages * self.page_size]
         self._push(leaf)
+
+    def _free(self, pages: list[int], names: list[int], tokens: list[int], parent: int) -> None:
+        """Evicted pages: offered to the tiers below (which copy them), then freed."""
+        self._names.difference_update(names)
+        below = self.below
+        kept = [False] * len(pages) if below is None else below.spill(
+            pages, names, tokens, parent, self.events
+        )  # fmt: skip
+        self.allocator.free(pages)
+        if self.events is not None:
+            self.events.removed([n for n, k in zip(names, kept, strict=True) if not k])
 
     def _touch(self, node: RadixNode) -> None:
         self._clock += 1

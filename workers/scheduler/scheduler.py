@@ -6,6 +6,11 @@ while the step's token budget and the running-seat limit last. A long prompt is 
 steps; many prompts share one step. When a running sequence needs a page and none can be
 freed, the newest running sequence is preempted: its computed pages go to the prefix cache,
 it returns to the head of the queue, and it is recomputed later. Nothing is ever dropped.
+
+With KV tiers, a waiting sequence whose prompt pages sit in host memory or on disk waits aside
+(`loading`) while they are loaded, and rejoins the head of the queue when they are in; others
+are scheduled meanwhile. A preempted sequence's pages then go down the tiers as the pool evicts
+them (a swap to host memory) and come back the same way, instead of being recomputed.
 """
 
 from __future__ import annotations
@@ -27,18 +32,22 @@ class Scheduler:
         self.budget = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the newest is last
+        self.loading: dict[Sequence, None] = {}  # waiting for pages from the KV tiers
         self.num_preemptions = 0
+        self.num_swap_preemptions = 0  # of which swapped to the KV tiers, not recomputed
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
 
     def remove(self, seq: Sequence) -> None:
         """Take `seq` out of the queues (finished or aborted); its pages are the caller's."""
         if seq in self.running:
             self.running.remove(seq)
+        elif seq in self.loading:
+            del self.loading[seq]
         elif seq in self.waiting:
             self.waiting.remove(seq)
 
@@ -71,8 +80,15 @@ class Scheduler:
             step.seqs.append(seq)
             step.num_new_tokens.append(n)
             budget -= n
+        loaded = [s for s in self.kv.finished_onloads() if s in self.loading]
+        for seq in reversed(loaded):  # back to the head of the queue, in their order
+            del self.loading[seq]
+            self.waiting.appendleft(seq)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if self.kv.start_onload(seq):
+                self.loading[self.waiting.popleft()] = None
+                continue
             self.kv.match_prefix(seq)
             n = min(seq.num_uncomputed_tokens, budget)
             if not self.kv.reserve(seq, seq.num_computed_tokens + n):
@@ -84,6 +100,8 @@ class Scheduler:
             step.seqs.append(seq)
             step.num_new_tokens.append(n)
             budget -= n
+        if not step.seqs and self.loading and self.kv.tiers is not None:
+            self.kv.tiers.wait(0.01)  # nothing to run until a load ends: do not spin
         return step if step.seqs else None
 
     def _reserve(self, seq: Sequence, n: int, step: StepInput, preempt: bool) -> bool:
@@ -101,13 +119,15 @@ class Scheduler:
     def _preempt(self, seq: Sequence | None) -> None:
         if seq is None:  # only sequences already in this step hold pages: cannot happen when
             raise RuntimeError("KV pool too small for a single sequence")  # admission checks
-        logger.info("preempting %s (%d tokens) for recomputation", seq.request_id, seq.num_tokens)
+        how = "recomputation" if self.kv.tiers is None else "a swap to the KV tiers"
+        logger.info("preempting %s (%d tokens) for %s", seq.request_id, seq.num_tokens, how)
         self.running.remove(seq)
         self.kv.release(seq, cache=True)  # only when no step is running: nothing is pending
         seq.draft_ids.clear()  # recomputed from its known tokens alone
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+        self.num_swap_preemptions += self.kv.tiers is not None
 
     def finished_step(self, step: StepInput) -> None:
         for seq, n in zip(step.seqs, step.num_new_tokens):

@@ -45,8 +45,13 @@ def hub_name(app: str) -> str:
 class _Replica:
     pool: str
     incarnation: str
-    pages: set[int] = field(default_factory=set)
+    pages: dict[int, int] = field(default_factory=dict)  # name -> tier (0: the device)
     seen: float = 0.0
+
+    def snapshot(self, name: str) -> KVEventBatch:
+        device = sorted(n for n, tier in self.pages.items() if tier == 0)
+        lower = [(n, tier) for n, tier in self.pages.items() if tier]
+        return KVEventBatch(name, self.incarnation, device, snapshot=True, offloaded=lower)
 
 
 @dataclass
@@ -75,8 +80,10 @@ class KVEventHub:
         entry = self._replicas.get(batch.replica)
         if entry is None or entry.incarnation != batch.incarnation or batch.snapshot:
             entry = self._replicas[batch.replica] = _Replica(pool, batch.incarnation)
-        entry.pages.update(batch.stored)
-        entry.pages.difference_update(batch.removed)
+        entry.pages.update(dict.fromkeys(batch.stored, 0))
+        entry.pages.update(batch.offloaded)  # (name, tier) pairs
+        for page in batch.removed:
+            entry.pages.pop(page, None)
         entry.seen = now
         if len(batch) or batch.snapshot:
             self._log.append((pool, batch))
@@ -97,10 +104,7 @@ class KVEventHub:
         if epoch == self.epoch and first <= cursor <= self._next:
             batches = list(self._log)[cursor - first :]
             return KVEventRead(self.epoch, self._next, batches, snapshot=False)
-        snapshot = [
-            (r.pool, KVEventBatch(name, r.incarnation, sorted(r.pages), snapshot=True))
-            for name, r in self._replicas.items()
-        ]
+        snapshot = [(r.pool, r.snapshot(name)) for name, r in self._replicas.items()]
         return KVEventRead(self.epoch, self._next, snapshot, snapshot=True)
 
 

@@ -32,7 +32,7 @@ class KVEventPublisher:
         radix.events = KVEventLog()
         self._outbox = KVEventLog()
         self._lock = threading.Lock()
-        self._snapshot: list[int] | None = None
+        self._snapshot: KVEventBatch | None = None
         self._want_snapshot = threading.Event()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
@@ -41,8 +41,16 @@ class KVEventPublisher:
     def collect(self) -> None:
         """On the engine loop thread (the only one touching the cache): take its changes."""
         assert self._radix.events is not None
-        stored, removed = self._radix.events.drain()
-        snapshot = self._radix.page_names() if self._want_snapshot.is_set() else None
+        stored, removed, offloaded = self._radix.events.drain()
+        snapshot = None
+        if self._want_snapshot.is_set():
+            snapshot = KVEventBatch(
+                self.replica,
+                self.incarnation,
+                self._radix.page_names(),
+                snapshot=True,
+                offloaded=self._radix.lower_names(),
+            )
         with self._lock:
             if snapshot is not None:
                 self._want_snapshot.clear()
@@ -50,6 +58,8 @@ class KVEventPublisher:
             else:
                 self._outbox.stored(stored)
                 self._outbox.removed(removed)
+                for name, tier in offloaded:
+                    self._outbox.offloaded([name], tier)
 
     def close(self) -> None:
         self._stopped.set()
@@ -57,10 +67,10 @@ class KVEventPublisher:
     def _next_batch(self) -> KVEventBatch:
         with self._lock:
             snapshot, self._snapshot = self._snapshot, None
-            stored, removed = self._outbox.drain()
+            stored, removed, offloaded = self._outbox.drain()
         if snapshot is not None:
-            return KVEventBatch(self.replica, self.incarnation, snapshot, snapshot=True)
-        return KVEventBatch(self.replica, self.incarnation, stored, removed)
+            return snapshot
+        return KVEventBatch(self.replica, self.incarnation, stored, removed, offloaded=offloaded)
 
     def _run(self) -> None:
         import ray
