@@ -114,7 +114,7 @@ def test_pages_are_copied_through_cuda_ipc(engines: tuple[Prefill, DecodeEngine]
             count = min(ps, n - j * ps)  # [layers, 2, page_size, heads, dim]: filled slots
             got = decode.runner.pool.pages[mine][:, :, :count].cpu()
             assert torch.equal(got, src[j][:, :, :count]), (i, j)
-        drive(decode, lambda s=seq: s.finished, "the decode")  # type: ignore[misc]
+        drive(decode, lambda s=seq: s.finished, "the decode")
         assert len(seq.output_token_ids) == greedy().max_tokens
     t0 = time.monotonic()
     while prefill.ask("pinned"):  # every lease ended by the reader's notification
