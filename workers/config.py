@@ -330,3 +330,9 @@ class KVTransferConfig(BaseModel):
     failure_policy: Literal["recompute", "fail"] = Field(
         "recompute", description="on a failed or stale transfer: prefill locally, or fail"
     )
+    same_gpu: Literal["auto", "nixl"] = Field(
+        "auto",
+        description="KV pages of a peer on the same GPU (fractional num_gpus): 'auto' copies "
+        "them device to device through CUDA IPC; 'nixl' reads them over NIXL like any peer's "
+        "(UCX moves them over TCP there)",
+    )

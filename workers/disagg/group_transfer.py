@@ -88,11 +88,14 @@ class StartAgents(RankCommand):
 
     role: str
     replica_tag: str
+    device_copy: bool = True
 
     def run(self, runner: RankRunner) -> tuple[str, KVLayout] | str:
         rank = runner.tp.rank
         try:
-            agent = KVTransferAgent(runner.pool, self.role, self.replica_tag, rank)
+            agent = KVTransferAgent(
+                runner.pool, self.role, self.replica_tag, rank, device_copy=self.device_copy
+            )
         except Exception as e:  # noqa: BLE001 - rank 0 raises it
             return f"TP rank {rank}: {type(e).__name__}: {e}"
         runner.transfer = RankTransfer(agent, runner.pool.pages, rank)
@@ -119,8 +122,10 @@ class GroupTransfer:
     """Rank 0's side of ranks 1..N-1's transfers: queue posts and releases, keep each read's
     last known state on every rank, and `sync()` them in one command round."""
 
-    def __init__(self, runner: TPDriverRunner, role: str, replica_tag: str) -> None:
-        answers = runner.command(StartAgents(role, replica_tag))
+    def __init__(
+        self, runner: TPDriverRunner, role: str, replica_tag: str, device_copy: bool = True
+    ) -> None:
+        answers = runner.command(StartAgents(role, replica_tag, device_copy))
         errors = [a for a in answers if isinstance(a, str)]
         if errors:
             raise TransportUnavailableError("; ".join(errors))

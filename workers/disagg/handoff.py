@@ -45,12 +45,15 @@ class HandoffEngine(Engine):
         super().__init__(cfg, tp)
         self.transfer = transfer
         tag = replica_tag or uuid.uuid4().hex[:8]
-        self.agent = KVTransferAgent(self.runner.pool, self.role, tag, tp.rank)
+        device_copy = transfer.same_gpu == "auto"
+        self.agent = KVTransferAgent(
+            self.runner.pool, self.role, tag, tp.rank, device_copy=device_copy
+        )
         self.group: GroupTransfer | None = None
         self.agent_names: list[str] = [self.agent.name]
         self.kv_layouts: list[KVLayout] = [self.agent.layout]
         if isinstance(self.runner, TPDriverRunner):
-            self.group = GroupTransfer(self.runner, self.role, tag)
+            self.group = GroupTransfer(self.runner, self.role, tag, device_copy)
             self.agent_names += self.group.agent_names
             self.kv_layouts += self.group.layouts
         self.faults = Faults.build(cfg.faults, self.role, self.tokenizer)

@@ -2,7 +2,8 @@
 
 `KVTransferAgent` (agent.py) owns one NIXL agent per rank; `descriptors.py` turns page ids into
 transfer descriptors; `peers.py` publishes and fetches agents' records in Ray's internal KV;
-`generations.py` reads page generation numbers for the stale-read check.
+`generations.py` reads page generation numbers for the stale-read check; `device_copy.py` copies
+the pages of a peer on the same GPU (another process) through CUDA IPC instead of a NIXL READ.
 
 Threading: a NIXL agent is not thread-safe (it is created without a listener thread, so NIXL
 takes no locks). Exactly one thread, the rank's engine loop, calls every method of one

@@ -13,6 +13,9 @@ Invariants:
   lists' pages until the handle reports DONE or ERR (and the remote owner until it is notified).
 - The owner's writes to its pages are complete before it hands them out (on CUDA: its stream
   synchronized), and the reader touches its pages only after DONE.
+- A KV read of a peer whose pool is on this rank's GPU, in another process, is a device copy
+  through CUDA IPC (`device_copy.py`), unless `device_copy=False`; it is posted, polled,
+  released and counted as a NIXL read is. Every other transfer goes over NIXL.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from workers.transfer.descriptors import (
     check_pages,
     count_descriptors,
 )
+from workers.transfer.device_copy import DeviceCopies, export_pool
 from workers.transfer.errors import (
     DTYPE_FIX,
     KVLayoutMismatchError,
@@ -96,6 +100,7 @@ class KVTransferAgent:
         publish: bool = True,
         progress_thread: bool = False,
         num_threads: int = 0,
+        device_copy: bool = True,
     ) -> None:
         pages = pool.pages
         if xfer_mode not in ("prepped", "merged"):
@@ -121,6 +126,8 @@ class KVTransferAgent:
         self._gen_slots = GenerationSlots(self._agent, slot_len=r.num_pages)
         self._gen_region: PoolRegion | None = None
         self._reads = ReadTracker(self._agent, self._gen_slots)
+        self._ipc = export_pool(pages) if device_copy else None
+        self._copies = DeviceCopies(pages) if self._ipc is not None else None
         self.published = False
         self._publish(publish)
         logger.info(
@@ -138,7 +145,7 @@ class KVTransferAgent:
 
     def _publish(self, publish: bool) -> None:
         md = self._agent.get_agent_metadata()  # after every registration: it lists them
-        record = PeerRecord(self.name, md, self.region, self.layout, self._gen_region)
+        record = PeerRecord(self.name, md, self.region, self.layout, self._gen_region, self._ipc)
         self._metadata = record.to_bytes()
         self.published = publish and peers.publish(record)
 
@@ -208,7 +215,19 @@ class KVTransferAgent:
             raise ValueError(f"local page ids repeat: {lp.tolist()}")
         nbytes = len(lp) * self.region.page_bytes
         handle = TransferHandle(remote_agent, "kv", nbytes, count_descriptors(lp, rp))
+        remote_pool = None if notif_msg else self._same_gpu_pool(peer)
+        if remote_pool is not None:
+            copies = self._copies
+            assert copies is not None
+            return self._reads.post(handle, lambda: copies.copy(remote_pool, lp, rp))
         return self._reads.post(handle, lambda: self._make_kv_xfer(peer, lp, rp, notif_msg))
+
+    def _same_gpu_pool(self, peer: Peer) -> torch.Tensor | None:
+        """The peer's pool, opened once through CUDA IPC, when it lies on our GPU."""
+        if not peer.pool_checked and self._copies is not None:
+            peer.pool = self._copies.open_peer(self._ipc, peer.record.ipc, peer.record.agent_name)
+        peer.pool_checked = True
+        return peer.pool
 
     def read_generations(self, remote_agent: str, remote_pages: Sequence[int]) -> TransferHandle:
         """Post a READ of the generation numbers of `remote_pages` (see generations.py).

@@ -29,6 +29,7 @@ class TransferStats:
     xfer_time_s: float = 0.0
     post_time_s: float = 0.0
     num_notifs_sent: int = 0
+    device_copies: int = 0  # KV reads from a peer on the same GPU, copied through CUDA IPC
 
     def __add__(self, other: TransferStats) -> TransferStats:
         """Counters of two agents together (the ranks of a TP engine)."""

@@ -1,10 +1,12 @@
 """Peer records: what one agent must know to read another agent's KV pool.
 
 A record holds the NIXL agent metadata (connection info and registered memory), where the pool
-lies (`PoolRegion`) and its `KVLayout`. Each agent publishes its record once, keyed by its agent
-name, in Ray's internal KV store (namespace `pdserve-nixl`); readers fetch it the first time they
-meet the name and cache it. Agent names carry an incarnation id, so a record never goes stale
-under a live name: a restarted replica publishes under a new name.
+lies (`PoolRegion`), its `KVLayout` and, for a pool in VRAM, its CUDA IPC handle and GPU UUID
+(`device_copy.IpcPool`: a reader on the same GPU copies pages device to device). Each agent
+publishes its record once, keyed by its agent name, in Ray's internal KV store (namespace
+`pdserve-nixl`); readers fetch it the first time they meet the name and cache it. Agent names
+carry an incarnation id, so a record never goes stale under a live name: a restarted replica
+publishes under a new name.
 
 The record is JSON (the metadata base64-encoded): nothing read back from the store is unpickled.
 """
@@ -20,6 +22,7 @@ from typing import Any
 from workers.protocol import KVLayout
 from workers.ray_kv import ray_internal_kv
 from workers.transfer.descriptors import PoolRegion
+from workers.transfer.device_copy import IpcPool
 from workers.transfer.errors import PeerUnavailableError
 
 logger = logging.getLogger(__name__)
@@ -34,6 +37,7 @@ class PeerRecord:
     region: PoolRegion
     layout: KVLayout
     generations: PoolRegion | None = None  # the page generation numbers, when tracked
+    ipc: IpcPool | None = None  # the pool's CUDA IPC handle, for readers on its GPU
 
     def to_bytes(self) -> bytes:
         gens = None if self.generations is None else asdict(self.generations)
@@ -44,19 +48,21 @@ class PeerRecord:
                 "region": asdict(self.region),
                 "layout": self.layout.model_dump(),
                 "generations": gens,
+                "ipc": None if self.ipc is None else self.ipc.to_dict(),
             }
         ).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes) -> PeerRecord:
         d = json.loads(data)
-        gens = d.get("generations")
+        gens, ipc = d.get("generations"), d.get("ipc")
         return cls(
             agent_name=d["agent_name"],
             nixl_metadata=base64.b64decode(d["nixl_metadata"]),
             region=PoolRegion(**d["region"]),
             layout=KVLayout(**d["layout"]),
             generations=None if gens is None else PoolRegion(**gens),
+            ipc=None if ipc is None else IpcPool(**ipc),
         )
 
 
@@ -95,6 +101,8 @@ def unpublish(agent_name: str) -> None:
 class Peer:
     record: PeerRecord
     dlist: Any = None  # the peer's pool as a prepped per-page dlist, made on first read
+    pool: Any = None  # its pool tensor opened through CUDA IPC (same GPU), on first read
+    pool_checked: bool = False  # whether that was tried
 
 
 class PeerTable:

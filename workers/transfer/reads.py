@@ -1,10 +1,13 @@
-"""`ReadTracker`: posts NIXL READs, follows them to DONE or ERR, and keeps the counters.
+"""`ReadTracker`: posts NIXL READs (and same-GPU device copies, `device_copy.DeviceCopy`),
+follows them to DONE or ERR, and keeps the counters.
 
 Invariants:
 - A handle's state goes PROC -> DONE or PROC -> ERR, once; `finished_at` is set with it.
 - A generation READ's slot is released when the READ is DONE (values copied out first), ERR,
   or released by the caller; a slot whose READ NIXL could not cancel is never reused.
-- Counters of transfers, bytes, descriptors and time count finished KV reads only.
+- Counters of transfers, bytes, descriptors and time count finished KV reads only, device
+  copies among them (also counted in `device_copies`).
+- A device copy cannot be cancelled: releasing one in flight waits until it has run.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from workers.transfer.device_copy import DeviceCopy
 from workers.transfer.errors import TransferError
 from workers.transfer.generations import GenerationSlots
 from workers.transfer.handle import TransferHandle, TransferStats, XferState
@@ -36,7 +40,8 @@ class ReadTracker:
         try:
             handle._xfer = make()
             handle.posted_at = time.perf_counter()
-            state = self._nixl.transfer(handle._xfer)
+            xfer = handle._xfer
+            state = xfer.state() if isinstance(xfer, DeviceCopy) else self._nixl.transfer(xfer)
         except Exception as e:
             state, error = "ERR", repr(e)
         else:
@@ -51,8 +56,12 @@ class ReadTracker:
 
     def poll(self, handle: TransferHandle) -> XferState:
         if handle.state == "PROC":
+            xfer = handle._xfer
             try:
-                state = self._nixl.check_xfer_state(handle._xfer)
+                if isinstance(xfer, DeviceCopy):
+                    state = xfer.state()
+                else:
+                    state = self._nixl.check_xfer_state(xfer)
             except Exception as e:  # e.g. the remote disconnected mid-transfer
                 logger.warning("READ from %s failed: %r", handle.remote_agent, e)
                 state = "ERR"
@@ -77,6 +86,7 @@ class ReadTracker:
         s.bytes_transferred += handle.num_bytes
         s.num_descriptors += handle.num_descriptors
         s.xfer_time_s += handle.finished_at - handle.posted_at
+        s.device_copies += isinstance(handle._xfer, DeviceCopy)
 
     def _fail(self, handle: TransferHandle) -> None:
         handle.state, handle.finished_at = "ERR", time.perf_counter()
@@ -89,7 +99,9 @@ class ReadTracker:
         xfer, handle._xfer = handle._xfer, None
         slot, handle._slot = handle._slot, None
         try:
-            if xfer is not None:
+            if isinstance(xfer, DeviceCopy):
+                xfer.wait()  # queued GPU work: the local pages are free once it has run
+            elif xfer is not None:
                 self._nixl.release_xfer_handle(xfer)
         except Exception as e:  # NIXL keeps a handle it cannot cancel and retries at teardown
             logger.warning("releasing READ from %s: %r", handle.remote_agent, e)
