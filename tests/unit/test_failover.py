@@ -13,14 +13,9 @@ from typing import Any
 import pytest
 from ray.exceptions import ActorDiedError, RayTaskError
 
+from router import failover
 from router.errors import ServiceUnavailableError
-from router.failover import (
-    FailoverPolicy,
-    NoLiveReplicaError,
-    Progress,
-    Retries,
-    is_replica_failure,
-)  # fmt: skip
+from router.failover import FailoverPolicy, Progress, Retries, is_replica_failure
 from router.pd_backend import DisaggregatedBackend
 from workers.api import GenerateRequest, KVHandle, RequestOutput, SamplingParams
 
@@ -232,10 +227,10 @@ def test_a_pool_without_a_live_replica_costs_no_attempt_only_time() -> None:
     now = [0.0]
     retries = Retries(FailoverPolicy(attempts=0, deadline_s=5), lambda: now[0])
     for now[0] in (0.0, 1.0, 4.0):
-        retries.failed("decode", NoLiveReplicaError("decode"), counts=False)
+        retries.failed("decode", failover.NoLiveReplicaError("decode"), counts=False)
     now[0] = 5.0
     with pytest.raises(ServiceUnavailableError):
-        retries.failed("decode", NoLiveReplicaError("decode"), counts=False)
+        retries.failed("decode", failover.NoLiveReplicaError("decode"), counts=False)
 
 
 def test_progress_resumes_from_what_was_sent() -> None:
@@ -357,23 +352,25 @@ def test_without_a_live_decode_replica_the_prefill_replica_runs_the_request() ->
     assert req.prompt_token_ids == PROMPT
 
 
+async def collect_then_down(pools: Pools, pool: str, after: int) -> list[RequestOutput]:
+    """The request's chunks; once `after` have come, the board shows `pool` without a live
+    replica."""
+    board = Board()
+    backend = DisaggregatedBackend(pools.prefill, pools.decode, None, 0, FAST)
+    backend.live = board  # type: ignore[assignment]  # a fake PoolLiveness
+    out = []
+    async for chunk in backend.generate(request()):
+        out.append(chunk)
+        if len(out) == after:
+            board.down_pools.add(pool)
+    return out
+
+
 def test_a_stream_resumes_on_the_prefill_replica_when_the_decode_pool_is_gone() -> None:
     """The one decode replica dies mid-stream and the board shows none live: the prefill replica
     resumes from every token sent, neither repeating nor skipping one."""
     pools = Pools(decode_fails=[3])
-    board = Board()
-    backend = DisaggregatedBackend(pools.prefill, pools.decode, None, 0, FAST)
-    backend.live = board  # type: ignore[assignment]
-
-    async def run() -> list[RequestOutput]:
-        out = []
-        async for chunk in backend.generate(request()):
-            out.append(chunk)
-            if len(out) == 4:  # the decode replica dies after this chunk
-                board.down_pools.add("decode")
-        return out
-
-    check_whole(asyncio.run(run()))
+    check_whole(asyncio.run(collect_then_down(pools, "decode", after=4)))  # dies after it
     [(_, resumed)] = pools.prefill.generate.calls
     assert resumed.kv is None and resumed.token_ids == [token(i) for i in range(4)]
     assert pools.released == []  # the decode replica had read the pages
@@ -384,18 +381,7 @@ def test_a_prompt_whose_decode_pool_dies_before_reading_is_run_by_the_prefill_re
     they are released, and the prefill replica decodes from the first token (its prefix cache
     holds the prompt)."""
     pools = Pools()
-    board = Board()
-    backend = DisaggregatedBackend(pools.prefill, pools.decode, None, 0, FAST)
-    backend.live = board  # type: ignore[assignment]
-
-    async def run() -> list[RequestOutput]:
-        out = []
-        async for chunk in backend.generate(request()):
-            out.append(chunk)
-            board.down_pools.add("decode")  # after the first token, the decode pool is gone
-        return out
-
-    check_whole(asyncio.run(run()))
+    check_whole(asyncio.run(collect_then_down(pools, "decode", after=1)))
     [(_, resumed)] = pools.prefill.generate.calls
     assert resumed.kv is None and resumed.token_ids == [token(0)]
     assert pools.released == ["lease"]
