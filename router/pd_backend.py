@@ -155,7 +155,9 @@ class DisaggregatedBackend:
                     if await self._better_elsewhere(pool):
                         raise NoLiveReplicaError(pool)
         finally:
-            task.cancel()
+            if not task.done():
+                task.cancel()  # a Serve call cancelled raises its own error: retrieve it
+                task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     async def _better_elsewhere(self, pool: str) -> bool:
         """Whether `pool` has no live replica and the other pool has one."""

@@ -18,10 +18,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from ray.experimental import internal_kv
 
 from tests.e2e.conftest import deployed, local_args, wait_healthy
+from tests.e2e.serve_metrics import settled_counters
 from tests.e2e.streams import Ask, Streamed, pinned, wave
 from tests.waiting import wait_until
+from workers.disagg import faults
 
 pytestmark = pytest.mark.e2e
 
@@ -62,20 +65,37 @@ def check_identical(got: list[Streamed], want: list[Streamed], sent: list[Ask]) 
         assert (g.tokens, g.text) == (w.tokens, w.text), (ask.prompt, g.text, w.text)
 
 
+def struck() -> int:
+    """Faults claimed so far in the cluster (each strikes once)."""
+    return len(internal_kv._internal_kv_list("", namespace=faults.NAMESPACE))
+
+
+def prefill_generated(base_url: str) -> float:
+    counters = settled_counters(base_url, [("prefill", "generation_tokens")])
+    return counters["prefill generation_tokens"]
+
+
 def test_a_decode_death_loses_no_stream_even_a_long_one(base_url: str) -> None:
     sent = asks("[kill decode]", long=True)
+    before, generated = struck(), prefill_generated(base_url)
     got = wave(base_url, MODEL, sent)
+    assert struck() == before + 1
+    # the prefill replica decoded the streams on: more than one token a request
+    assert prefill_generated(base_url) - generated > 2 * len(sent)
     wait_healthy(base_url)  # the replacement decode replica
     want = wave(base_url, MODEL, sent)
     check_identical(got, want, sent)
     # the long stream outlived the deadline after the death (at its 8th token, seconds in)
+    print(f"long stream: {got[-1].took:.1f} s")
     assert got[-1].took > 2 * DEADLINE_S, got[-1].took
     wait_until(lambda: pinned(base_url) == 0, 60, interval_s=1, what="no page pinned")
 
 
 def test_a_prefill_death_loses_no_stream(base_url: str) -> None:
     sent = asks("[kill prefill]")
+    before = struck()
     got = wave(base_url, MODEL, sent)
+    assert struck() == before + 1
     wait_healthy(base_url)  # the replacement prefill replica
     want = wave(base_url, MODEL, sent)
     check_identical(got, want, sent)
