@@ -176,7 +176,7 @@ class DisaggregatedBackend:
             pool = "decode"
             if self.prefill is not None and await self._better_elsewhere("decode"):
                 pool = "prefill"
-                if lease is not None and not sent.decoded:  # it prefills from its cache
+                if lease is not None:  # unread: it prefills the prompt from its own cache
                     await self._release(lease)
                     lease, resume = None, sent.resume_point()
             handle = self.prefill_stream if pool == "prefill" else self.decode
