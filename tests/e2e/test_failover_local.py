@@ -11,15 +11,22 @@ stream to one replica's death: real Ray Serve, NIXL and HTTP.
   byte-identical.
 The undisturbed run is the same prompts again once the fault is spent and the replica replaced.
 Afterwards no page is pinned.
+- A prefill replica that is never scheduled (no node has its resources): a chat is answered by
+  the decode replica prefilling it, at once, not after `replica_timeout_s`.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
+import httpx
 import pytest
+from ray import serve
 from ray.experimental import internal_kv
+from ray.serve import api as serve_api
 
+from cluster.app import build_app
 from tests.e2e.conftest import deployed, local_args, wait_healthy
 from tests.e2e.serve_metrics import settled_counters
 from tests.e2e.streams import Ask, Streamed, pinned, wave
@@ -47,6 +54,36 @@ def asks(marker: str, long: bool = False) -> list[Ask]:
     short = [Ask(f"Write a short story about {t}.", MAX_TOKENS) for t in TOPICS]
     last = Ask("Explain how a steam engine works.", LONG_TOKENS if long else MAX_TOKENS)
     return [*short, Ask(f"{marker} Tell me about rain.", MAX_TOKENS), last]
+
+
+def running_replicas(app: str, deployment: str) -> int:
+    app_status = serve.status().applications.get(app)
+    if app_status is None or deployment not in app_status.deployments:
+        return 0
+    return app_status.deployments[deployment].replica_states.get("RUNNING", 0)
+
+
+def test_a_prefill_pool_never_scheduled_leaves_prefill_to_decode_at_once(serve_url: str) -> None:
+    """configs/local.yaml with a prefill replica that no node can hold: /health stays 503, yet a
+    chat is answered by the decode replica in seconds (it waited replica_timeout_s, then 503)."""
+    name = "pd-no-prefill"
+    args = local_args("disaggregated")
+    args["prefill"]["resources"] = {"pd_no_such_node": 1}
+    serve_api._run(build_app(args), _blocking=False, name=name, route_prefix=f"/{name}")
+    try:
+        wait_until(lambda: running_replicas(name, "decode") and running_replicas(name, "router"),
+                   180, interval_s=1, what="the decode replica and the router up")  # fmt: skip
+        chat = [{"role": "user", "content": "What is the capital of France?"}]
+        body = {"model": MODEL, "max_tokens": 8, "temperature": 0, "messages": chat}
+        t0 = time.monotonic()
+        r = httpx.post(f"{serve_url}/{name}/v1/chat/completions", json=body, timeout=120)
+        took = time.monotonic() - t0
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"], r.json()
+        assert took < 15, took  # replica_timeout_s is 60
+        assert running_replicas(name, "prefill") == 0  # it was never there
+    finally:
+        serve.delete(name)
 
 
 @pytest.fixture(scope="module")
