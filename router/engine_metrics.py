@@ -54,7 +54,8 @@ SPEC_COUNTERS = {
     "spec_num_draft_tokens": ("spec_decode_num_draft_tokens", "Draft tokens proposed"),
     "spec_num_accepted_tokens": ("spec_decode_num_accepted_tokens", "Draft tokens accepted"),
 }
-LIST_FIELDS = {"iteration_tokens", "spec_accepted_per_pos"}  # summed element-wise, not here
+# summed element-wise, or per key (`engine_deaths`), not here
+LIST_FIELDS = {"iteration_tokens", "spec_accepted_per_pos", "engine_deaths"}
 
 
 # EngineStats fields that describe the present (gauges): a dead replica's are left out
@@ -96,6 +97,25 @@ def accepted_per_pos(snapshot: Iterable[RoleStats]) -> dict[str, list[int]]:
             for pos, count in enumerate(stats.spec_accepted_per_pos):
                 sums[pos] += count
     return out
+
+
+def engine_deaths(
+    snapshot: Iterable[RoleStats], model: str, naming: Naming
+) -> CounterMetricFamily:
+    """`engine_deaths_total{role, cause}`: engines killed by a step's error, by the error's type,
+    over every replica that ever posted (a dead one's entry stays on the board)."""
+    family = CounterMetricFamily(
+        naming("engine_deaths"),
+        "Engines that died of a step's error (their replicas are replaced), by its type",
+        labels=["model_name", naming.engine_label, "cause"],
+    )
+    counts: dict[tuple[str, str], int] = defaultdict(int)
+    for role, stats, _ in snapshot:
+        for cause, n in stats.engine_deaths.items():
+            counts[(role, cause)] += n
+    for (role, cause), n in sorted(counts.items()):
+        family.add_metric([model, role, cause], n)
+    return family
 
 
 def spec_families(
@@ -185,3 +205,4 @@ class EngineStatsCollector(Collector):
         yield from (running, waiting, usage, pinned, kv_tokens, *counters.values(), nixl_bytes,
                     nixl_time, cache, steps)
         yield from spec_families(self.snapshot, sums, self.model_name, name)
+        yield engine_deaths(self.snapshot, self.model_name, name)

@@ -1,13 +1,14 @@
 """Failover of the disaggregated backend: which failures are a replica's, each request's budget
 of re-sends, and the point a stream resumed on another engine starts from.
 
-A replica's failure is its actor dying or being unreachable (Ray's `RayActorError`), Serve having
-no replica to send to, silence past `replica_timeout_s` (a replica streaming to us sends a
-keepalive while its engine loop runs, so only a stalled or dead one is silent), or its pool
-having no live replica on the stats board while another pool could take the request
-(`NoLiveReplicaError`). A request the engine rejects (`ValueError`, also when Ray wraps it) is
-the client's, never retried; neither is an engine's error chunk (a failed step), which the
-client gets as before.
+A replica's failure is its actor dying or being unreachable (Ray's `RayActorError`), its engine
+dying (`EngineDeadError`: a step failed, the replica is being replaced), Serve having no replica
+to send to, silence past `replica_timeout_s` (a replica streaming to us sends a keepalive while
+its engine loop runs, so only a stalled or dead one is silent), or its pool having no live
+replica on the stats board while another pool could take the request (`NoLiveReplicaError`). A
+request the engine rejects (`ValueError`, also when Ray wraps it) is the client's, never
+retried; neither is an engine's error chunk (a request's own failure), which the client gets as
+before.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from ray.exceptions import RayActorError
 from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
 
 from router.errors import ServiceUnavailableError
-from workers.api import RequestOutput, TokenLogprob
+from workers.api import EngineDeadError, RequestOutput, TokenLogprob
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +36,7 @@ class NoLiveReplicaError(Exception):
 
 REPLICA_FAILURES = (
     RayActorError, DeploymentUnavailableError, ReplicaUnavailableError, TimeoutError,
-    NoLiveReplicaError,
+    EngineDeadError, NoLiveReplicaError,
 )  # fmt: skip
 
 

@@ -2,10 +2,11 @@
 
 Every replica posts there about once a second, from a heartbeat thread too, so a replica busy
 in a long step stays live and only a dead (or never started) one goes stale within
-`STALE_AFTER_S`. The router asks it before it sends a request to a pool and while it waits for a
-replica to take one: a pool without a live replica is skipped at once when another pool can
-serve (decode replicas prefill; the prefill replica decodes), instead of a wait for a replica
-that Serve may start only after the failover deadline.
+`STALE_AFTER_S`; one whose engine died (`EngineStats.dead`) posts that at once. The router asks
+it before it sends a request to a pool and while it waits for a replica to take one: a pool
+without a live replica is skipped at once when another pool can serve (decode replicas prefill;
+the prefill replica decodes), instead of a wait for a replica that Serve may start only after
+the failover deadline.
 """
 
 from __future__ import annotations
@@ -51,6 +52,6 @@ class PoolLiveness:
             except Exception as e:  # noqa: BLE001 - unknown: assume up, as before the board
                 logger.warning("reading the %s pool's liveness failed: %r", pool, e)
                 return False
-            down = not any(p.live for p in posted)
+            down = not any(p.live and not p.stats.dead for p in posted)
             self._verdicts[pool] = (self.clock(), down)
             return down

@@ -49,6 +49,7 @@ from router.failover import (
     is_replica_failure,
 )  # fmt: skip
 from router.liveness import PoolLiveness
+from router.routing.dead_replicas import DeadReplicas
 from router.routing.disagg import DecodeCacheView, prefill_remotely
 from workers.api import GenerateRequest, RequestOutput, read_pool
 
@@ -131,6 +132,7 @@ class DisaggregatedBackend:
                 response.cancel()  # a stalled replica lets go of it
                 if not isinstance(e, Exception) or not is_replica_failure(e):
                     raise
+                self._skip_if_dead("prefill", e)
                 retries.failed("prefill", e, counts=not isinstance(e, NoLiveReplicaError))
             else:
                 retries.progressed()
@@ -201,6 +203,7 @@ class DisaggregatedBackend:
             except Exception as e:
                 if not is_replica_failure(e):
                     raise
+                self._skip_if_dead(pool, e)
                 retries.failed(pool, e, counts=not isinstance(e, NoLiveReplicaError))
             finally:
                 if not ended:  # failed, or closed by the caller: the replica aborts it
@@ -221,6 +224,12 @@ class DisaggregatedBackend:
         assert self.prefill is not None
         release = own_call(self.prefill.release, kv.agent_names[0], kv.lease_id)
         await asyncio.shield(asyncio.ensure_future(_quietly(release)))
+
+    def _skip_if_dead(self, pool: str, exc: BaseException) -> None:
+        """A replica whose engine died (`exc` says which) gets no re-send of this process's:
+        its pool's request routers skip it from now on (`router.routing.dead_replicas`)."""
+        if self.app_name is not None:
+            DeadReplicas.of(self.app_name, pool).mark(exc)
 
     async def stats(self) -> list[RoleStats]:
         """Every replica's last posted snapshot, dead ones' not `live` (their counters stay in

@@ -12,6 +12,7 @@ from workers.kvcache.kv_events import KVEventBatch, page_hashes
 from workers.protocol import (
     ITERATION_TOKENS_BUCKETS,
     MAX_LOGPROBS,
+    EngineDeadError,
     EngineStats,
     FinishReason,
     GenerateRequest,
@@ -35,6 +36,7 @@ __all__ = [
     "ITERATION_TOKENS_BUCKETS",
     "MAX_LOGPROBS",
     "POST_INTERVAL_S",
+    "EngineDeadError",
     "EngineStats",
     "FinishReason",
     "GenerateRequest",

@@ -69,7 +69,7 @@ FAULT_ACTIONS = {
     "prefill": ("exit",),
     "decode_token": ("exit",),
     "kv_read": ("fail", "delay"),
-    "step": ("exit", "delay"),
+    "step": ("exit", "delay", "raise"),
 }
 
 
@@ -85,11 +85,13 @@ class FaultConfig(BaseModel):
         "output token on a decode replica; kv_read: a decode replica's KV read; step: an "
         "engine step",
     )
-    action: Literal["exit", "fail", "delay"] = Field(
+    action: Literal["exit", "fail", "delay", "raise"] = Field(
         "exit",
         description="exit: the replica's process ends at once (prefill, decode_token, step); "
         "fail: the KV read fails (kv_read); delay: wait delay_s (kv_read: the read completes "
-        "that much later; step: the step stalls)",
+        "that much later; step: the step stalls); raise (step): from the after-th step on, "
+        "every step of the struck replica raises, as a sticky device error would (times "
+        "counts replicas struck)",
     )
     after: int = Field(
         1, ge=1, description="fire at this replica's after-th matching event (decode_token: when "

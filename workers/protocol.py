@@ -253,6 +253,15 @@ class RequestOutput(BaseModel):
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
+class EngineDeadError(RuntimeError):
+    """The engine failed a step with an error not of one request's making (a device error, a
+    broken TP group): it aborted every request it held and serves nothing more. The router treats
+    it as a replica's death (`router/failover.py`); the worker's health check makes Serve
+    replace the replica."""
+
+    replica: str | None = None  # the Serve replica (`ReplicaID.unique_id`) whose engine died
+
+
 class EngineStats(BaseModel):
     num_running: int
     num_waiting: int
@@ -283,3 +292,10 @@ class EngineStats(BaseModel):
     spec_accepted_per_pos: list[int] = []
     # KV events: page stores and evictions this replica published to the routers
     kv_events_published: int = 0
+    # the engine's death (`EngineDeadError`): the exception type that killed it -> 1; the
+    # routers skip a replica that posted one
+    engine_deaths: dict[str, int] = {}
+
+    @property
+    def dead(self) -> bool:
+        return bool(self.engine_deaths)

@@ -10,6 +10,10 @@ pool (the ingress replicas hold them) then builds one router per process, and Se
   policy's `InFlight` sorts that out);
 - `update_replicas()` when the pool's membership changes and `on_replica_actor_died()` when a
   call found a replica dead: both make the policy forget what it knew of the replicas gone.
+A replica whose engine died (posted on the stats board, `DeadReplicas`) is no candidate from the
+moment it is read, before Serve's health check replaces it; with every replica dead a decode
+call waits for a live one (Serve backs off), a prefill call goes to a dead one and fails at
+once, so the decode replica prefills instead (`DisaggregatedBackend._prefill`).
 Calls other than `prefill` / `generate` (stats, release) carry no prompt: all replicas form one
 rank and Serve picks the one with the shortest queue.
 
@@ -29,6 +33,7 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from router.routing.dead_replicas import DeadReplicas
 from router.routing.kv_feed import KVEventFeed
 from router.routing.policy import (
     DecodeLoadPolicy,
@@ -57,16 +62,18 @@ class _PolicyRouter(RequestRouter):
     """What both routers share: a policy that tracks in-flight requests and live replicas."""
 
     policy: PrefixAwarePolicy | DecodeLoadPolicy
+    _dead: DeadReplicas | None = None
 
     async def choose_replicas(
         self,
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
-        if not candidate_replicas:
-            return []
         if pending_request is not None:
             pending_request.routing_context.should_backoff = True  # back off when all are full
+        candidate_replicas = self._live(candidate_replicas)
+        if not candidate_replicas:
+            return []
         req = _request_of(pending_request)
         if req is None:
             return [candidate_replicas]
@@ -75,6 +82,17 @@ class _PolicyRouter(RequestRouter):
     def rank(self, req: Any, candidates: list[RunningReplica]) -> list[list[RunningReplica]]:
         """Serve's ranks of `candidates` for the request `req`, best first."""
         raise NotImplementedError
+
+    def _live(self, candidates: list[RunningReplica]) -> list[RunningReplica]:
+        """`candidates` without the replicas whose engine died; all of them for a prefill
+        call when every one did (it fails at once: the decode replica prefills instead)."""
+        if self._dead is None:
+            self._dead = DeadReplicas.of(self._deployment_id.app_name, self._deployment_id.name)
+        dead = self._dead.dead()
+        live = [r for r in candidates if r.replica_id.unique_id not in dead]
+        if not live and self._deployment_id.name == "prefill":
+            return candidates
+        return live
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self.policy.completed(replica_id.unique_id, internal_request_id)

@@ -300,3 +300,46 @@ def test_decode_prefix_router_puts_a_full_replica_last() -> None:
         assert all(len(rank) == 1 for rank in ranks) and ranks[-1][0] is first
 
     asyncio.run(run())
+
+
+def test_a_replica_whose_engine_died_is_skipped_at_once() -> None:
+    """A call's `EngineDeadError` names its replica: the routers of this process skip it from
+    the next decision on; with every replica dead a decode call waits (no rank), a prefill call
+    goes to a dead one (it fails at once: the decode replica prefills instead)."""
+    from ray.exceptions import RayTaskError
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+
+    from router.routing.dead_replicas import DeadReplicas
+    from router.routing.serve_routers import DecodeRouter, PrefillRouter
+    from workers.api import EngineDeadError, SamplingParams
+
+    def died(replica: str) -> RayTaskError:
+        error = EngineDeadError("the engine died: RuntimeError: CUDA error")
+        error.replica = replica
+        return RayTaskError("generate", "traceback", error).as_instanceof_cause()
+
+    async def run() -> None:
+        routers = {
+            pool: cls(deployment_id=DeploymentID(name=pool, app_name="deaths"),
+                      handle_source=DeploymentHandleSource.UNKNOWN)
+            for pool, cls in (("decode", DecodeRouter), ("prefill", PrefillRouter))
+        }  # fmt: skip
+        routers["decode"].initialize_state(page_size=PS)
+        routers["prefill"].initialize_state(page_size=PS)
+        replicas = [FakeReplica(FakeID(r)) for r in REPLICAS[:2]]
+        req = FakeRequest(tuple(question(0)), SamplingParams(max_tokens=4))
+        for pool, router in routers.items():
+            router.update_replicas(replicas)  # type: ignore[arg-type]
+            pending = FakePending([req], FakeMetadata(pool))
+            ranked = await router.choose_replicas(replicas, pending)
+            assert sorted(r.replica_id.unique_id for rank in ranked for r in rank) == ["r0", "r1"]
+            DeadReplicas.of("deaths", pool).mark(died("r0"))
+            ranked = await router.choose_replicas(replicas, pending)
+            assert [r.replica_id.unique_id for rank in ranked for r in rank] == ["r1"]
+            DeadReplicas.of("deaths", pool).mark(died("r1"))
+            ranked = await router.choose_replicas(replicas, pending)
+            chosen = sorted(r.replica_id.unique_id for rank in ranked for r in rank)
+            assert chosen == ([] if pool == "decode" else ["r0", "r1"])
+            assert pending.routing_context.should_backoff  # Serve backs off, not spins
+
+    asyncio.run(run())

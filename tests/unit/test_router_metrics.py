@@ -192,6 +192,25 @@ def test_a_dead_replicas_gauges_drop_out_and_its_counters_stay() -> None:
     assert got[("pdserve:generation_tokens_total", "prefill")] == 5
 
 
+@pytest.mark.parametrize(("prefix", "label"), [("pdserve", "role"), ("vllm", "engine")])
+def test_engine_deaths_count_by_pool_and_cause_and_a_dead_replicas_stay(
+    prefix: str, label: str
+) -> None:
+    dead = stats(0, 0, 0, 40).model_copy(update={"engine_deaths": {"RuntimeError": 1}})
+    text = Metrics("m", naming=Naming(prefix)).render(
+        [
+            RoleStats("decode", dead, live=False),  # replaced: its last post stays counted
+            RoleStats("decode", dead),  # another, just died, still posting
+            RoleStats("decode", stats(1, 30, 0, 60)),
+            RoleStats("prefill", stats(1, 20, 0, 5)),
+        ]
+    )
+    deaths = {(s.labels[label], s.labels["cause"]): s.value
+              for f in text_string_to_metric_families(text.decode()) for s in f.samples
+              if s.name == f"{prefix}:engine_deaths_total"}  # fmt: skip
+    assert deaths == {("decode", "RuntimeError"): 2}
+
+
 def test_totals_never_decrease_while_a_replica_is_replaced() -> None:
     """The board's entries over time, as `DisaggregatedBackend.stats` reads them: r1 serves, is
     killed (its entry goes stale), r2 starts from 0; every rendered total is monotonic."""

@@ -1,5 +1,5 @@
 """Tensor parallelism on the CPU (gloo): N ranks give the single rank's tokens, and the ranks'
-lives (start, abort, death, close) are the engine's business.
+lives (start, abort, death, close) are the engine's business: a dead rank kills the engine.
 
 Ranks 1..N-1 are Ray actors; float32 all-reduces sum in another order than one matmul, so
 equality is up to rounding noise, which these greedy prompts do not reach.
@@ -20,7 +20,7 @@ from tests.waiting import wait_until
 from workers import LLM, SamplingParams
 from workers.engine.tp_runner import TPDriverRunner
 from workers.parallel.ranks import TPRankError
-from workers.protocol import GenerateRequest
+from workers.protocol import EngineDeadError, GenerateRequest
 
 PROMPTS = [
     "The capital of France is",
@@ -124,7 +124,7 @@ def rank_died(runner: TPDriverRunner) -> bool:
     return False
 
 
-def test_a_dead_rank_fails_steps_with_a_clear_error(ray_cluster, tiny_llama: str) -> None:
+def test_a_dead_rank_kills_the_engine_with_a_clear_error(ray_cluster, tiny_llama: str) -> None:
     with LLM(tiny_llama, tensor_parallel_size=2, **TINY) as llm:
         runner = llm.engine.runner
         runner.check_alive()
@@ -133,11 +133,12 @@ def test_a_dead_rank_fails_steps_with_a_clear_error(ray_cluster, tiny_llama: str
         with pytest.raises(TPRankError, match="TP rank 1 died"):
             runner.check_alive()  # Serve's health check sees it before any step
         start = time.monotonic()
-        [out] = llm.generate(PROMPTS[0], PARAMS[0])
-        assert out.finish_reason == "error"
-        assert out.error is not None and "TP rank 1 died" in out.error
-        [again] = llm.generate(PROMPTS[1], PARAMS[0])  # fails at once, no hang
-        assert again.error == out.error
+        with pytest.raises(EngineDeadError, match="TPRankError: TP rank 1 died"):
+            llm.generate(PROMPTS[0], PARAMS[0])  # the step fails: the whole group is dead
+        assert not llm.engine.seqs and llm.engine.kv.num_pinned_pages == 0
+        with pytest.raises(EngineDeadError, match="TP rank 1 died"):
+            llm.generate(PROMPTS[1], PARAMS[0])  # refused at once, no hang
+        assert llm.engine.stats().engine_deaths == {"TPRankError": 1}
         assert time.monotonic() - start < 30
 
 

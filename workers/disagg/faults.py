@@ -6,7 +6,9 @@ engine configured without faults has `faults = None`: each hook costs one test o
 
 Each replica counts its own matching events. A fault strikes at the `after`-th, once it has been
 claimed in Ray's internal KV, so it hits at most `times` events across the cluster: the replica a
-retry goes to, or the replacement Serve starts, is spared (outside Ray: per process).
+retry goes to, or the replacement Serve starts, is spared (outside Ray: per process). A step
+fault that raises is sticky: the replica that claimed it is struck at every step from then on,
+so its `times` counts replicas struck, as a device error that stays would strike them.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class Faults:
         self.counts = [0] * len(self.faults)
         self.spent = [False] * len(self.faults)  # claimed `times` over: never strikes again
         self._local_claims = [0] * len(self.faults)
+        self.held = [False] * len(self.faults)  # a sticky fault this replica claimed
 
     @classmethod
     def build(cls, faults: Sequence[FaultConfig], role: str, tokenizer: Any) -> Faults | None:
@@ -44,7 +47,11 @@ class Faults:
         output tokens); the fault that hits it, if any. An "exit" fault ends the process here."""
         text: str | None = None
         for i, fault in enumerate(self.faults):
-            if fault.point != point or self.spent[i]:
+            if fault.point != point:
+                continue
+            if self.held[i]:
+                return fault
+            if self.spent[i]:
                 continue
             if fault.prompt_contains is not None:
                 if text is None:
@@ -59,6 +66,7 @@ class Faults:
                 self.spent[i] = True
                 continue
             logger.warning("injected fault: %s at %s", fault.action, point)
+            self.held[i] = fault.action == "raise"
             if fault.action == "exit":
                 logging.shutdown()  # flush the line above: nothing runs after _exit
                 os._exit(1)

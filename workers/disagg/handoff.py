@@ -84,7 +84,8 @@ class HandoffEngine(Engine):
             raise RequestRejectedError("the prompt and its output already fill the context")
         return seq
 
-    def step(self) -> list[RequestOutput]:
+    def _before_launch(self) -> None:
         if self.faults is not None and (fault := self.faults.strike("step")) is not None:
+            if fault.action == "raise":  # as a sticky device error would, at every step
+                raise RuntimeError("injected fault: the device fails every step")
             time.sleep(fault.delay_s)  # a stalled step: the loop thread does nothing meanwhile
-        return super().step()

@@ -2,7 +2,9 @@
 
 Only the loop thread touches the `Engine` (no locks inside it): callers post commands to an inbox
 and receive `RequestOutput` chunks through per-request asyncio queues. A caller that stops
-listening (client gone, task cancelled) aborts its request, which frees its pages at once.
+listening (client gone, task cancelled) aborts its request, which frees its pages at once. When a
+step kills the engine every stream raises `EngineDeadError`, and so does every later request;
+the loop lives on for the hand-offs' notifications (`Engine.poll`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from collections.abc import AsyncGenerator, Callable
 from typing import Any, TypeVar
 
 from workers.engine.engine import Engine
-from workers.protocol import EngineStats, GenerateRequest, RequestOutput
+from workers.protocol import EngineDeadError, EngineStats, GenerateRequest, RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -26,10 +28,15 @@ T = TypeVar("T")
 
 class AsyncEngine:
     def __init__(
-        self, engine: Engine, on_stats: Callable[[EngineStats], object] | None = None
+        self,
+        engine: Engine,
+        on_stats: Callable[[EngineStats], object] | None = None,
+        replica: str | None = None,
     ) -> None:
-        """`on_stats` is called on the loop thread with every fresh stats snapshot."""
+        """`on_stats` is called on the loop thread with every fresh stats snapshot; `replica`
+        names the Serve replica in the `EngineDeadError`s raised here."""
         self.engine = engine
+        self.replica = replica
         self.stream_interval_s = engine.cfg.stream_interval_ms / 1e3
         self._on_stats = on_stats
         self._inbox: queue.SimpleQueue[Callable[[], object]] = queue.SimpleQueue()
@@ -75,10 +82,13 @@ class AsyncEngine:
                     continue
                 if isinstance(item, BaseException):
                     raise item
+                error = None
                 if not _last(item) and sent_at + self.stream_interval_s > loop.time():
-                    item = await _gather(item, chunks, sent_at + self.stream_interval_s)
+                    item, error = await _gather(item, chunks, sent_at + self.stream_interval_s)
                 finished = _last(item)
                 yield item
+                if error is not None:
+                    raise error
                 sent_at = loop.time()
         finally:
             self._streams.pop(request_id, None)
@@ -113,14 +123,17 @@ class AsyncEngine:
         return await done
 
     def progressing(self, stall_s: float) -> bool:
-        """Whether the loop thread lives and no step of it has run for `stall_s` or more."""
+        """Whether the loop thread lives, the engine too, and no step of it has run for
+        `stall_s` or more."""
         began = self._step_began
         stalled = began is not None and time.monotonic() - began >= stall_s
-        return self._thread.is_alive() and not stalled
+        return self._thread.is_alive() and self.engine.dead is None and not stalled
 
     def check_alive(self) -> None:
         if not self._thread.is_alive():
             raise RuntimeError("the engine loop thread has died")
+        if self.engine.dead is not None:
+            raise self._dead_error()
 
     def shutdown(self) -> None:
         self._stop = True
@@ -129,10 +142,19 @@ class AsyncEngine:
 
     # ---- loop thread ------------------------------------------------------------------------
     def _admit(self, request_id: str, admit: Callable[[], object]) -> None:
+        if self.engine.dead is not None:
+            self._deliver(request_id, self._dead_error())
+            return
         try:
             admit()
         except Exception as e:  # noqa: BLE001 - hand the rejection to the caller
             self._deliver(request_id, e)
+
+    def _dead_error(self) -> EngineDeadError:
+        """A fresh error (one per caller: each raise sets its traceback) naming the replica."""
+        error = EngineDeadError(str(self.engine.dead))
+        error.replica = self.replica
+        return error
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         stream = self._streams.get(request_id)
@@ -157,7 +179,7 @@ class AsyncEngine:
                     logger.exception("engine command failed")
             for out in self.engine.poll():
                 self._deliver(out.request_id, out)
-            if not self.engine.has_work():
+            if self.engine.dead is not None or not self.engine.has_work():
                 self._refresh_stats()
                 self._wake.wait(self.engine.idle_wait_s())
                 self._wake.clear()
@@ -166,6 +188,10 @@ class AsyncEngine:
             try:
                 for out in self.engine.step():
                     self._deliver(out.request_id, out)
+            except EngineDeadError:
+                self._refresh_stats()  # the death on the stats board before anyone hears of it
+                for request_id in list(self._streams):  # their requests were aborted
+                    self._deliver(request_id, self._dead_error())
             except Exception:  # noqa: BLE001 - the loop must outlive any one step
                 logger.exception("engine step failed")
             finally:
@@ -177,15 +203,18 @@ def _last(item: RequestOutput) -> bool:
     return item.finished or item.kv is not None  # handed off: not ours
 
 
-async def _gather(item: RequestOutput, chunks: asyncio.Queue[Any], due: float) -> RequestOutput:
-    """`item` merged with the chunks that arrive before loop time `due`, or up to the last one.
-    (Exceptions only come first, a rejected admission, never after a chunk.)"""
+async def _gather(
+    item: RequestOutput, chunks: asyncio.Queue[Any], due: float
+) -> tuple[RequestOutput, BaseException | None]:
+    """`item` merged with the chunks that arrive before loop time `due`, or up to the last one
+    or an exception (the engine died), which comes second."""
     try:
         async with asyncio.timeout_at(due):
             while not _last(item):
                 later = await chunks.get()
-                assert isinstance(later, RequestOutput)
+                if isinstance(later, BaseException):
+                    return item, later
                 item = item.then(later)
     except TimeoutError:
         pass
-    return item
+    return item, None

@@ -1,8 +1,9 @@
 """The engine: requests in, one scheduled model step at a time, token chunks out.
 
 Single-threaded on purpose: `LLM` drives it in a loop, and `AsyncEngine` runs the same loop on a
-background thread for the Serve workers. A failure inside one step fails the requests of that
-step with an error, never the engine.
+background thread for the Serve workers. A step that raises a request's error fails that step's
+requests; anything else (a device error, a broken TP group) kills the engine: it aborts what it
+holds and raises `EngineDeadError`, and refuses every request after with it.
 
 With overlap scheduling (on by default on GPUs), `step()` schedules and launches step n+1 before
 it waits for step n, so the host's work (scheduling, input preparation, attention plans, stop
@@ -16,10 +17,11 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import NoReturn
 
 from workers.config import EngineConfig
 from workers.detokenizer import IncrementalDetokenizer
-from workers.engine.finish import check_finish, token_logprob
+from workers.engine.finish import check_finish, take_output, token_logprob
 from workers.engine.grammar_gate import GrammarGate
 from workers.engine.speculation import build_speculator
 from workers.engine.step_tokens import StepTokens
@@ -28,7 +30,7 @@ from workers.kvcache.allocator import PageAllocator
 from workers.kvcache.manager import KVManager
 from workers.model.files import load_tokenizer
 from workers.parallel.group import SINGLE, TPGroup
-from workers.protocol import EngineStats, GenerateRequest, RequestOutput
+from workers.protocol import EngineDeadError, EngineStats, GenerateRequest, RequestOutput
 from workers.sampling.sampler import SampleResult
 from workers.scheduler.scheduler import Scheduler
 from workers.scheduler.step import LaunchedStep, StepInput
@@ -69,10 +71,12 @@ class Engine:
         self.grammars = GrammarGate(self.tokenizer, vocab, cfg.grammar_threads)
         self.overlap = self.supports_overlap and cfg.resolved_overlap(self.runner.device)
         self._running: _RunningStep | None = None
+        self._prev: _RunningStep | None = None  # the step being completed
         self.prompt_tokens_computed = 0
         self.generation_tokens = 0
         self.step_tokens = StepTokens()
         self.spec = build_speculator(cfg, self.runner, self.kv) if self.speculates else None
+        self.dead: EngineDeadError | None = None  # set when a step kills the engine
 
     # ---- requests in -------------------------------------------------------------------------
     def add_request(self, req: GenerateRequest) -> Sequence:
@@ -96,6 +100,8 @@ class Engine:
 
     def _new_sequence(self, req: GenerateRequest) -> Sequence:
         """Check that `req` can be served at all, then track it (not yet scheduled)."""
+        if self.dead is not None:
+            raise EngineDeadError(str(self.dead))
         if req.request_id in self.seqs:
             raise RequestRejectedError(f"request id {req.request_id!r} is already running")
         n = len(req.prompt_token_ids)
@@ -169,9 +175,11 @@ class Engine:
     # ---- one step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Launch the next step, then finish the one launched by the previous call (overlap),
-        or launch and finish one step (no overlap). Returns the finished step's chunks."""
+        or launch and finish one step (no overlap). Returns the finished step's chunks; raises
+        `EngineDeadError` if the step kills the engine."""
         outputs = self._admit_compiled() if self.grammars.compiling else []
-        prev, self._running = self._running, None
+        prev = self._prev = self._running  # completed below, or freed by `_die`
+        self._running = None
         if self.spec is not None:  # never with overlap: `prev` is None
             self.spec.propose(self.scheduler.running)
         step = self.scheduler.schedule(preempt=prev is None)
@@ -186,11 +194,14 @@ class Engine:
 
     def _launch(self, step: StepInput, outputs: list[RequestOutput]) -> None:
         try:
+            self._before_launch()
             launched = self.runner.launch(step)
-        except Exception as e:  # noqa: BLE001 - fail the step's requests, keep the engine
+        except RequestRejectedError as e:  # a request's error: fail the step's requests
             logger.exception("model step failed")
             outputs += [self._fail(seq, f"{type(e).__name__}: {e}") for seq in step.seqs]
             return
+        except Exception as e:
+            self._die(e)
         self._running = _RunningStep(launched)
         self.step_tokens.observe(sum(step.num_new_tokens))
         for seq, n in zip(step.seqs, step.num_new_tokens):
@@ -205,18 +216,20 @@ class Engine:
 
     def _complete(self, running: _RunningStep) -> list[RequestOutput]:
         """Wait for `running`, append its tokens, free the pages of sequences that left."""
-        launched = running.launched
+        launched, self._prev = running.launched, running
         seqs = [launched.step.seqs[i] for i in launched.rows]
         outputs = []
         try:
             prompt = launched.prompt_result()
             result = launched.result()
-        except Exception as e:  # noqa: BLE001 - fail the step's requests, keep the engine
+        except RequestRejectedError as e:  # a request's error: fail the step's requests
             logger.exception("model step failed")
             for seq in seqs:
                 seq.num_pending_tokens -= 1
             outputs = [self._fail(s, f"{type(e).__name__}: {e}") for s in seqs if self._alive(s)]
             prompt = result = None
+        except Exception as e:
+            self._die(e)
         if prompt is not None:  # before the sampled tokens: the first output carries them
             for row, (i, position) in enumerate(launched.prompt_seqs):
                 seq = launched.step.seqs[i]
@@ -233,9 +246,29 @@ class Engine:
                     self._append_tokens(seq, result, row, rows)
                     outputs.append(self._after_token(seq))
                 row += rows
-        for seq, cache in running.retired:
-            self.kv.release(seq, cache=cache)
+        self._free_retired(running)
         return outputs
+
+    def _free_retired(self, running: _RunningStep | None) -> None:
+        """Free the pages of the sequences that left while `running` ran (it is over)."""
+        while running is not None and running.retired:
+            seq, cache = running.retired.pop(0)
+            self.kv.release(seq, cache=cache)
+
+    def _before_launch(self) -> None:
+        """Runs in each step's launch, where a device error would raise: a fault's hook."""
+
+    def _die(self, e: Exception) -> NoReturn:
+        """A step raised `e`, not a request's error: the engine serves nothing more. Abort what
+        it holds (no step will write those pages now) and raise `EngineDeadError` from `e`."""
+        logger.error("model step failed: the engine is dead", exc_info=e)
+        self.dead = EngineDeadError(f"the engine died: {type(e).__name__}: {e}")
+        for running in (self._prev, self._running):
+            self._free_retired(running)
+        self._running = None
+        for rid in list(self.seqs):
+            self.abort(rid)
+        raise self.dead from e
 
     def _alive(self, seq: Sequence) -> bool:
         return not seq.finished and self.seqs.get(seq.request_id) is seq
@@ -293,24 +326,7 @@ class Engine:
         return self._output(seq)
 
     def _output(self, seq: Sequence) -> RequestOutput:
-        start, seq.num_emitted_tokens = seq.num_emitted_tokens, seq.num_output_tokens
-        assert seq.detokenizer is not None
-        return RequestOutput(
-            request_id=seq.request_id,
-            token_ids=seq.output_token_ids[start:],
-            text=seq.detokenizer.take_new_text(seq.finished),
-            logprobs=seq.logprobs[start:] if seq.params.logprobs is not None else None,
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
-            num_prompt_tokens=seq.num_prompt_tokens,
-            num_cached_tokens=seq.num_cached_tokens,
-            prompt_logprobs=seq.prompt_logprobs
-            if start == 0 and seq.params.prompt_logprobs is not None
-            else None,
-            error=seq.error,
-            num_draft_tokens=seq.num_draft_tokens,
-            num_accepted_tokens=seq.num_accepted_tokens,
-        )
+        return take_output(seq)
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -328,6 +344,7 @@ class Engine:
             generation_tokens=self.generation_tokens,
             iteration_tokens=list(self.step_tokens.buckets),
             iteration_tokens_sum=self.step_tokens.sum,
+            engine_deaths={} if self.dead is None else {type(self.dead.__cause__).__name__: 1},
             **({} if self.spec is None else self.spec.stats()),
         )
 

@@ -1,8 +1,9 @@
-"""Whether a sequence's newest token ends it, and the logprob entry of a sampled row."""
+"""Whether a sequence's newest token ends it, the logprob entry of a sampled row, and the chunk
+of a sequence's output not yet sent."""
 
 from __future__ import annotations
 
-from workers.protocol import FinishReason, TokenLogprob
+from workers.protocol import FinishReason, RequestOutput, TokenLogprob
 from workers.sampling.sampler import SampleResult
 from workers.sequence import SeqStatus, Sequence
 
@@ -46,4 +47,26 @@ def token_logprob(result: SampleResult, row: int, top_n: int) -> TokenLogprob:
     rank = None if result.ranks is None else result.ranks[row]
     return TokenLogprob(
         token_id=result.token_ids[row], logprob=result.logprobs[row], top=top, rank=rank
+    )
+
+
+def take_output(seq: Sequence) -> RequestOutput:
+    """`seq`'s chunk: its output since the last one taken (all of it once it finished)."""
+    start, seq.num_emitted_tokens = seq.num_emitted_tokens, seq.num_output_tokens
+    assert seq.detokenizer is not None
+    return RequestOutput(
+        request_id=seq.request_id,
+        token_ids=seq.output_token_ids[start:],
+        text=seq.detokenizer.take_new_text(seq.finished),
+        logprobs=seq.logprobs[start:] if seq.params.logprobs is not None else None,
+        finish_reason=seq.finish_reason,
+        stop_reason=seq.stop_reason,
+        num_prompt_tokens=seq.num_prompt_tokens,
+        num_cached_tokens=seq.num_cached_tokens,
+        prompt_logprobs=seq.prompt_logprobs
+        if start == 0 and seq.params.prompt_logprobs is not None
+        else None,
+        error=seq.error,
+        num_draft_tokens=seq.num_draft_tokens,
+        num_accepted_tokens=seq.num_accepted_tokens,
     )

@@ -47,6 +47,7 @@ class EngineWorker:
             EngineConfig.model_validate(engine), KVTransferConfig.model_validate(kv_transfer), tag
         )
         self.poster: StatsPoster | None = None
+        self._posted_dead = False
         self.kv_events: KVEventPublisher | None = None
         if ctx is not None and tag is not None:
             self.poster = StatsPoster(ctx.app_name, self.engine.role, tag)
@@ -55,7 +56,7 @@ class EngineWorker:
                 self.kv_events = KVEventPublisher(
                     ctx.app_name, ctx.deployment, tag, radix, kv_events_period_s
                 )
-        self.loop = AsyncEngine(self.engine, self._on_stats)
+        self.loop = AsyncEngine(self.engine, self._on_stats, tag)
         self.meter = LoadMeter()  # its signals for SLA autoscaling
         self.stall_s = stall_s
         self.keepalive_s = min(KEEPALIVE_S, stall_s / 4)
@@ -92,13 +93,16 @@ class EngineWorker:
             self.kv_events.collect()
             stats.kv_events_published = self.kv_events.num_published
         if self.poster is not None:
-            self.poster(stats)
+            # the engine's death at once: the routers stop sending here on reading it
+            force = stats.dead and not self._posted_dead
+            self._posted_dead |= self.poster(stats, force=force) and force
 
     async def stats(self) -> EngineStats:
         return self.loop.stats()
 
     def check_health(self) -> None:
-        """Polled by Serve: a dead loop thread or TP rank marks the replica unhealthy."""
+        """Polled by Serve: a dead engine, loop thread or TP rank marks the replica unhealthy
+        (Serve then replaces it)."""
         self.loop.check_alive()
         check_ranks = getattr(self.engine.runner, "check_alive", None)
         if check_ranks is not None:
