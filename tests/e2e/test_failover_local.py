@@ -41,9 +41,11 @@ MODEL = "smollm2-135m-instruct"
 DEADLINE_S = 6.0
 MAX_TOKENS = 24
 LONG_TOKENS = 160  # ~15 s of decoding on 2 busy cores: well past DEADLINE_S after the death
+# Markers of their own: a fault is claimed by its config's hash, cluster-wide, and
+# tests/e2e/test_chaos.py's faults may have struck already in the same session.
 FAULTS = [
-    {"point": "decode_token", "prompt_contains": "[kill decode]", "after": 8},
-    {"point": "prefill", "prompt_contains": "[kill prefill]"},
+    {"point": "decode_token", "prompt_contains": "[pd: kill decode]", "after": 8},
+    {"point": "prefill", "prompt_contains": "[pd: kill prefill]"},
 ]
 TOPICS = ["the sea", "a red fox", "the moon", "bread", "a lighthouse", "winter", "a violin",
           "the desert"]  # fmt: skip
@@ -113,7 +115,7 @@ def prefill_generated(base_url: str) -> float:
 
 
 def test_a_decode_death_loses_no_stream_even_a_long_one(base_url: str) -> None:
-    sent = asks("[kill decode]", long=True)
+    sent = asks("[pd: kill decode]", long=True)
     before, generated = struck(), prefill_generated(base_url)
     got = wave(base_url, MODEL, sent)
     assert struck() == before + 1
@@ -129,7 +131,7 @@ def test_a_decode_death_loses_no_stream_even_a_long_one(base_url: str) -> None:
 
 
 def test_a_prefill_death_loses_no_stream(base_url: str) -> None:
-    sent = asks("[kill prefill]")
+    sent = asks("[pd: kill prefill]")
     before = struck()
     got = wave(base_url, MODEL, sent)
     assert struck() == before + 1
