@@ -113,14 +113,17 @@ def build_app(args: dict[str, Any] | AppConfig) -> Application:
             logger.warning("pdserve: %s", warning)
     transfer = cfg.kv_transfer.model_dump()
     prefill_router, decode_router = _request_routers(cfg)
+    stall_s = cfg.router.replica_timeout_s  # a step this long: keepalives stop, the router gives up
     decode = serve.deployment(**_deployment_options("decode", cfg.decode, decode_router))(
         DecodeReplica
-    ).bind(cfg.decode.engine(cfg.engine).model_dump(), transfer, cfg.kv_events_period())
+    ).bind(cfg.decode.engine(cfg.engine).model_dump(), transfer, cfg.kv_events_period(), stall_s)
     prefill = None
     if cfg.mode == "disaggregated":
         prefill = serve.deployment(**_deployment_options("prefill", cfg.prefill, prefill_router))(
             PrefillReplica
-        ).bind(cfg.prefill.engine(cfg.engine).model_dump(), transfer, cfg.kv_events_period())
+        ).bind(
+            cfg.prefill.engine(cfg.engine).model_dump(), transfer, cfg.kv_events_period(), stall_s
+        )
     router = serve.deployment(
         name="router",
         num_replicas=cfg.router.num_replicas,

@@ -228,15 +228,20 @@ class RouterConfig(Strict):
     failover_attempts: int = Field(
         3,
         ge=0,
-        description="times a request is re-sent after its replica failed (died, or silent past "
-        "replica_timeout_s): a prefill once more to the pool, then to its decode replica; a "
-        "decode stream resumed on another decode replica",
+        description="re-sends a request may have since its stream last sent a token, after its "
+        "replica failed (died, or silent past replica_timeout_s): a prefill once more to the "
+        "pool, then to a decode replica; a stream resumed on another decode replica, or on the "
+        "prefill replica while no decode replica lives. A token sent renews the count, so a "
+        "long stream survives any number of separate failures",
     )
     failover_deadline_s: float = Field(
         30.0,
         gt=0,
-        description="a request whose replica failed gets a 503 unless another serves it within "
-        "this many seconds of the failure",
+        description="after a replica failed, the longest wait for another engine to take the "
+        "request (its first chunk or keepalive), all re-sends included; past it, a 503 (or an "
+        "error event once streaming). It bounds that wait only, never a stream that goes on: "
+        "keep it above the stats board's 3 s liveness bound, so a dead pool is seen and the "
+        "other one takes over within it",
     )
     tool_call_parser: Literal["auto", "hermes", "llama3_json", "mistral"] = Field(
         "auto",
@@ -248,8 +253,10 @@ class RouterConfig(Strict):
     replica_timeout_s: float = Field(
         60.0,
         gt=0,
-        description="longest wait for a replica's answer (a prefill, a stream's next chunk, "
-        "queueing included); past it the replica counts as failed",
+        description="longest silence of a replica: a prefill's answer (queueing included), or "
+        "a stream's next chunk, where a replica whose engine runs sends a keepalive every second "
+        "(so a busy replica never times out; one whose step has run this long stops sending "
+        "them); past it the replica counts as failed",
     )
     metric_prefix: Literal["pdserve", "vllm"] = Field(
         "pdserve",

@@ -20,8 +20,12 @@ Failover (`router.failover`; docs/architecture.md, "Failure handling"): a prefil
 fails is sent once more to the pool, then prefilled by the decode replica. A decode replica that
 fails before its first chunk is replaced by another reading the same KV handle; one that fails
 mid-stream, by another that prefills the prompt and every token already streamed and goes on
-from there, so the client's stream neither repeats nor skips a token. Every wait is bounded;
-past `attempts` re-sends or `deadline_s`, the request ends with a 503.
+from there, so the client's stream neither repeats nor skips a token. A pool with no live
+replica on the stats board (`router.liveness`) is not waited for while the other can serve: a
+decode replica prefills, or the prefill replica decodes (whole requests, and resumed streams
+from the same resume point). A replica streaming to us sends keepalives while its engine runs,
+so a busy one is never taken for a dead one. Every wait is bounded; past `attempts` re-sends
+without progress, or `deadline_s` without a replica taking the request, it ends with a 503.
 """
 
 from __future__ import annotations
@@ -37,7 +41,14 @@ from typing import Any
 from ray.serve import context as serve_context
 
 from router.backend import RoleStats
-from router.failover import FailoverPolicy, Progress, Retries, is_replica_failure
+from router.failover import (
+    FailoverPolicy,
+    NoLiveReplicaError,
+    Progress,
+    Retries,
+    is_replica_failure,
+)  # fmt: skip
+from router.liveness import PoolLiveness
 from router.routing.dead_replicas import DeadReplicas
 from router.routing.disagg import DecodeCacheView, prefill_remotely
 from workers.api import GenerateRequest, RequestOutput, read_pool
@@ -45,6 +56,7 @@ from workers.api import GenerateRequest, RequestOutput, read_pool
 logger = logging.getLogger(__name__)
 
 STATS_TIMEOUT_S = 2.0  # the most /metrics waits for one pool's stats
+LIVENESS_POLL_S = 1.0  # how often a wait for a replica to take a request checks the board
 
 
 class DisaggregatedBackend:
@@ -61,15 +73,19 @@ class DisaggregatedBackend:
         self.decode_prefill_max_tokens = decode_prefill_max_tokens
         self.failover = failover or FailoverPolicy()
         self.decode = decode.options(stream=True)
+        self.prefill_stream: Any = prefill and prefill.options(stream=True)
+        self.live = PoolLiveness(app_name)
         self.decode_stats = decode
         # conditional disaggregation (router.routing.disagg); set by the app
         self.decode_cache: DecodeCacheView | None = None
         self.prefill_queue_max_requests = 0
         self.prefills_waiting = 0
 
-    def _prefill_remotely(self, req: GenerateRequest) -> bool:
+    async def _prefill_remotely(self, req: GenerateRequest) -> bool:
         if self.prefill is None:
             return False
+        if await self.live.down("prefill") or await self.live.down("decode"):
+            return False  # a decode replica prefills, or the prefill replica runs it whole
         prompt = req.prompt_token_ids
         cache = self.decode_cache
         uncached = len(prompt) if cache is None else cache.uncached_tokens(prompt)
@@ -80,7 +96,7 @@ class DisaggregatedBackend:
         retries = Retries(self.failover)
         sent = Progress(req.request_id)
         first = None
-        if self._prefill_remotely(req):
+        if await self._prefill_remotely(req):
             self.prefills_waiting += 1
             try:
                 first = await self._prefill(req, retries)
@@ -97,51 +113,88 @@ class DisaggregatedBackend:
                 yield chunk
         finally:
             if first is not None and first.kv is not None and not sent.decoded:
-                # no decode replica took the pages: unpin them now
-                kv = first.kv
-                assert self.prefill is not None
-                release = own_call(self.prefill.release, kv.agent_names[0], kv.lease_id)
-                await asyncio.shield(asyncio.ensure_future(_quietly(release)))
+                await self._release(first.kv)  # no decode replica took the pages: unpin them
 
     async def _prefill(self, req: GenerateRequest, retries: Retries) -> RequestOutput | None:
-        """The prefill replica's first chunk; None once two replicas failed (decode prefills)."""
+        """The prefill replica's first chunk; None once two replicas failed, or the pool has
+        no live replica (decode prefills)."""
         assert self.prefill is not None
         for _ in range(2):
+            if await self.live.down("prefill"):
+                return None
             response = own_call(
                 self.prefill.prefill,
                 req.model_copy(update={"request_id": retries.retry_id(req.request_id)}),
             )
             try:
-                async with asyncio.timeout(retries.timeout_s()):
-                    first: RequestOutput = await response
+                first: RequestOutput = await self._answer(response, "prefill", retries)
             except BaseException as e:
                 response.cancel()  # a stalled replica lets go of it
                 if not isinstance(e, Exception) or not is_replica_failure(e):
                     raise
                 self._skip_if_dead("prefill", e)
-                retries.failed("prefill", e)
+                retries.failed("prefill", e, counts=not isinstance(e, NoLiveReplicaError))
             else:
+                retries.progressed()
                 return first
         return None
+
+    async def _answer(self, waited: Any, pool: str, retries: Retries) -> Any:
+        """`await waited` (a replica's answer), within `retries.timeout_s()`. Until it comes,
+        the board is checked every `LIVENESS_POLL_S`: if `pool` has no live replica left while
+        the other pool has, `NoLiveReplicaError` (the caller sends the request there)."""
+
+        async def wait() -> Any:
+            return await waited
+
+        task = asyncio.ensure_future(wait())
+        try:
+            async with asyncio.timeout(retries.timeout_s()):
+                while True:
+                    done, _ = await asyncio.wait({task}, timeout=LIVENESS_POLL_S)
+                    if done:
+                        return task.result()
+                    if await self._better_elsewhere(pool):
+                        raise NoLiveReplicaError(pool)
+        finally:
+            if not task.done():
+                task.cancel()  # a Serve call cancelled raises its own error: retrieve it
+                task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+    async def _better_elsewhere(self, pool: str) -> bool:
+        """Whether `pool` has no live replica and the other pool has one."""
+        if self.prefill is None or not await self.live.down(pool):
+            return False
+        return not await self.live.down("decode" if pool == "prefill" else "prefill")
 
     async def _decode(
         self, req: GenerateRequest, first: RequestOutput | None, sent: Progress, retries: Retries
     ) -> AsyncIterator[RequestOutput]:
-        """The decode replica's chunks; after a failure, another's from where the client is."""
+        """The decode replica's chunks; after a failure, another's from where the client is. With
+        no live decode replica, the prefill replica runs the request (from the same point)."""
         resume, request_id = first, req.request_id
+        lease = None if first is None else first.kv  # pinned until read or released
         while True:
-            if resume is None:
-                stream = own_call(self.decode.generate, req)
-            else:
-                stream = own_call(self.decode.generate, req, resume)
+            pool = "decode"
+            if self.prefill is not None and await self._better_elsewhere("decode"):
+                pool = "prefill"
+                if lease is not None:  # unread: it prefills the prompt from its own cache
+                    await self._release(lease)
+                    lease, resume = None, sent.resume_point()
+            handle = self.prefill_stream if pool == "prefill" else self.decode
+            args = (req,) if resume is None else (req, resume)
+            stream = own_call(handle.generate, *args)
             ended = False
             try:
                 while True:
-                    async with asyncio.timeout(retries.timeout_s()):
-                        chunk = await anext(stream, None)
+                    chunk = await self._answer(anext(stream, None), pool, retries)
                     if chunk is None:
                         ended = True
                         return
+                    retries.answered()
+                    if chunk.is_keepalive:  # the replica's engine runs: not silent
+                        continue
+                    retries.progressed()
                     sent.add(chunk)
                     yield chunk
                     if chunk.finished:  # whole, whatever befalls the replica before its end
@@ -150,21 +203,27 @@ class DisaggregatedBackend:
             except Exception as e:
                 if not is_replica_failure(e):
                     raise
-                self._skip_if_dead("decode", e)
-                retries.failed("decode", e)
+                self._skip_if_dead(pool, e)
+                retries.failed(pool, e, counts=not isinstance(e, NoLiveReplicaError))
             finally:
                 if not ended:  # failed, or closed by the caller: the replica aborts it
                     stream.cancel()
-            if first is not None and first.kv is not None and not sent.decoded:
-                resume = first  # the pages were not read yet: the next replica reads them
-            else:
-                resume = sent.resume_point()
+                if sent.decoded:
+                    lease = None  # read by the replica that sent a chunk
+            if lease is None:
+                resume = sent.resume_point()  # else the pages were not read: the next one reads
             params = req.params
             if sent.token_ids:  # the prompt's logprobs went out with the first token
                 params = params.model_copy(update={"prompt_logprobs": None})
             req = req.model_copy(
                 update={"request_id": retries.retry_id(request_id), "params": params}
             )
+
+    async def _release(self, kv: Any) -> None:
+        """Unpin a prompt's pages no decode replica will read (best effort: leases expire)."""
+        assert self.prefill is not None
+        release = own_call(self.prefill.release, kv.agent_names[0], kv.lease_id)
+        await asyncio.shield(asyncio.ensure_future(_quietly(release)))
 
     def _skip_if_dead(self, pool: str, exc: BaseException) -> None:
         """A replica whose engine died (`exc` says which) gets no re-send of this process's:

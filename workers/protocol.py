@@ -226,6 +226,12 @@ class RequestOutput(BaseModel):
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def is_keepalive(self) -> bool:
+        """A chunk that says only "this replica's engine runs" (`AsyncEngine.stream`): no token,
+        no text, no end, no hand-off."""
+        return not (self.token_ids or self.text or self.finished or self.kv is not None)
+
     def then(self, later: RequestOutput) -> RequestOutput:
         """This chunk and the next one of the same request as one chunk (streams coalesce
         chunks to send fewer messages: `EngineConfig.stream_interval_ms`)."""

@@ -4,6 +4,8 @@ with and without overlap scheduling."""
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import pytest
 
@@ -97,3 +99,24 @@ def test_merged_chunks_keep_the_first_ones_prompt_logprobs_and_the_last_ones_end
     assert merged.token_ids == [1, 2, 3] and merged.text == "abc" and merged.logprobs is None
     assert merged.prompt_logprobs == prompt and merged.num_prompt_tokens == 2
     assert (merged.finish_reason, merged.stop_reason) == ("stop", "c")
+
+
+async def test_a_busy_engine_sends_keepalives_and_a_stalled_one_does_not(engine) -> None:
+    """A stream whose engine loop is busy (here: held in a command) gets keepalives; once a step
+    has run `stall_s` (faked), none comes (the router then takes the replica for stalled)."""
+    release = threading.Event()
+    engine.call(lambda: release.wait(10))
+    req = GenerateRequest(request_id="busy", prompt_token_ids=[1, 2, 3],
+                          params=SamplingParams(max_tokens=2, ignore_eos=True))  # fmt: skip
+    stream = engine.stream("busy", lambda: engine.engine.add_request(req), 0.05, 0.3)
+    beat = await asyncio.wait_for(anext(stream), 2)
+    assert beat.is_keepalive and beat.request_id == "busy"
+    engine._step_began = time.monotonic() - 1.0  # as if a step had run for 1 s
+    pending = asyncio.ensure_future(anext(stream))
+    done, _ = await asyncio.wait({pending}, timeout=0.3)
+    assert not done  # silent
+    engine._step_began = None
+    release.set()
+    chunks = [await pending] + [c async for c in stream]
+    assert sum(len(c.token_ids) for c in chunks if not c.is_keepalive) == 2
+    assert chunks[-1].finished

@@ -1,5 +1,6 @@
-"""A stream resumed on another decode engine (`DecodeEngine.add_remote` without a KV handle)
-goes on exactly where the first one stopped, and the fault hook strikes where it is told."""
+"""A stream resumed on another decode engine (`DecodeEngine.add_remote` without a KV handle), or
+on a prefill engine while no decode replica lives (`PrefillEngine.run_whole`), goes on exactly
+where the first one stopped, and the fault hook strikes where it is told."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pydantic import ValidationError
 from workers.config import EngineConfig, FaultConfig, KVTransferConfig
 from workers.disagg.decode import DecodeEngine
 from workers.disagg.faults import Faults
+from workers.disagg.prefill import PrefillEngine
 from workers.engine.engine import RequestRejectedError
 from workers.protocol import GenerateRequest, RequestOutput, SamplingParams
 
@@ -68,6 +70,36 @@ def test_a_resumed_stream_continues_the_undisturbed_one(engine: DecodeEngine) ->
     assert joined(whole[:k] + rest) == joined(whole)
     assert rest[-1].finish_reason == "length"
     assert engine.stats().kv_pages_pinned == 0
+
+
+def test_a_prefill_engine_runs_whole_and_resumed_streams_as_the_decode_engine(
+    engine: DecodeEngine,
+) -> None:
+    """With no decode replica the prefill replica decodes: from the start, the same tokens, text
+    and logprobs as a decode engine; from a failed stream's tokens, it goes on the same way.
+    Nothing stays pinned for a hand-off."""
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
+    whole = undisturbed(engine, "whole-p", params)
+    prefill = PrefillEngine(EngineConfig(num_kv_pages=64, page_size=16), KVTransferConfig())
+    try:
+        ids = prefill.tokenizer.encode(PROMPT)
+        prefill.run_whole(GenerateRequest(request_id="p", prompt_token_ids=ids, params=params))
+        assert joined(drain(prefill)) == joined(whole)  # type: ignore[arg-type]
+        k = 5
+        first = RequestOutput(
+            request_id="q", token_ids=[t for c in whole[:k] for t in c.token_ids],
+            text="".join(c.text for c in whole[:k]),
+            logprobs=[lp for c in whole[:k] for lp in c.logprobs or []],
+        )  # fmt: skip
+        req = GenerateRequest(request_id="q", prompt_token_ids=ids, params=params)
+        prefill.run_whole(req, first)
+        rest = drain(prefill)  # type: ignore[arg-type]
+        assert joined(whole[:k] + rest) == joined(whole)
+        stats = prefill.stats()
+        assert stats.kv_pages_pinned == 0 and stats.num_handoffs_pending == 0
+        assert not prefill.whole and not prefill.seqs
+    finally:
+        prefill.agent.close()
 
 
 def test_a_stop_string_across_the_seam_is_still_found(engine: DecodeEngine) -> None:

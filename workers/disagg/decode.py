@@ -70,11 +70,7 @@ class DecodeEngine(HandoffEngine):
         without one (a stream resumed after its decode replica failed: every token streamed)
         the prompt and those tokens are prefilled here, from the prefix cache where it can."""
         if first.kv is None:
-            if not first.token_ids:
-                raise RequestRejectedError("a resumed request needs the tokens streamed so far")
-            seq = self._continue(req, first)
-            self._enqueue(seq)
-            return seq
+            return self.resume(req, first)
         if len(first.token_ids) != 1:
             raise RequestRejectedError("a decode request needs the first token and a KV handle")
         if len(first.kv.agent_names) != len(first.kv.layout):
@@ -89,24 +85,6 @@ class DecodeEngine(HandoffEngine):
         seq = self._continue(req, first)
         deadline = time.monotonic() + self.transfer.transfer_timeout_s
         self.pending.append(PendingRead(seq, first.kv, deadline))
-        return seq
-
-    def _continue(self, req: GenerateRequest, first: RequestOutput) -> Sequence:
-        """A sequence for `req` that already holds `first`'s output tokens, as streamed: its
-        detokenizer replays them (stop strings then match across the seam) and sends next only
-        the text after `first.text`, which the other side held back."""
-        seq = self._new_sequence(req)
-        seq.token_ids += first.token_ids
-        seq.num_emitted_tokens = len(first.token_ids)
-        seq.logprobs = list(first.logprobs or [])  # keeps logprobs aligned with output tokens
-        seq.num_cached_tokens = first.num_cached_tokens
-        assert seq.detokenizer is not None
-        for token in first.token_ids:  # none matched a stop string there, or it had ended
-            seq.detokenizer.add_token(token, match_stop=False)
-        seq.detokenizer.emitted = len(first.text)
-        if seq.num_tokens >= self.max_model_len:
-            self.seqs.pop(seq.request_id, None)
-            raise RequestRejectedError("the prompt and its output already fill the context")
         return seq
 
     def stats(self) -> EngineStats:

@@ -18,10 +18,11 @@ import uuid
 from workers.config import EngineConfig, KVTransferConfig
 from workers.disagg.faults import Faults
 from workers.disagg.group_transfer import GroupTransfer
-from workers.engine.engine import Engine
+from workers.engine.engine import Engine, RequestRejectedError
 from workers.engine.tp_runner import TPDriverRunner
 from workers.parallel.group import SINGLE, TPGroup
-from workers.protocol import KVLayout
+from workers.protocol import GenerateRequest, KVLayout, RequestOutput
+from workers.sequence import Sequence
 from workers.transfer import KVTransferAgent
 
 
@@ -57,6 +58,34 @@ class HandoffEngine(Engine):
             self.agent_names += self.group.agent_names
             self.kv_layouts += self.group.layouts
         self.faults = Faults.build(cfg.faults, self.role, self.tokenizer)
+
+    def resume(self, req: GenerateRequest, first: RequestOutput) -> Sequence:
+        """Admit a stream begun elsewhere whose engine failed: `first` (no KV handle) holds
+        every token streamed so far. The prompt and those tokens are prefilled here, from the
+        prefix cache where it can, and the request goes on from there."""
+        if not first.token_ids:
+            raise RequestRejectedError("a resumed request needs the tokens streamed so far")
+        seq = self._continue(req, first)
+        self._enqueue(seq)
+        return seq
+
+    def _continue(self, req: GenerateRequest, first: RequestOutput) -> Sequence:
+        """A sequence for `req` that already holds `first`'s output tokens, as streamed: its
+        detokenizer replays them (stop strings then match across the seam) and sends next only
+        the text after `first.text`, which the other side held back."""
+        seq = self._new_sequence(req)
+        seq.token_ids += first.token_ids
+        seq.num_emitted_tokens = len(first.token_ids)
+        seq.logprobs = list(first.logprobs or [])  # keeps logprobs aligned with output tokens
+        seq.num_cached_tokens = first.num_cached_tokens
+        assert seq.detokenizer is not None
+        for token in first.token_ids:  # none matched a stop string there, or it had ended
+            seq.detokenizer.add_token(token, match_stop=False)
+        seq.detokenizer.emitted = len(first.text)
+        if seq.num_tokens >= self.max_model_len:
+            self.seqs.pop(seq.request_id, None)
+            raise RequestRejectedError("the prompt and its output already fill the context")
+        return seq
 
     def _before_launch(self) -> None:
         if self.faults is not None and (fault := self.faults.strike("step")) is not None:

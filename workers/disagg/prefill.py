@@ -5,6 +5,10 @@ into the radix tree (locked by the sequence), the partial last page stays the se
 lease holds it until the decode worker's read notification, `release_lease()`, or expiry.
 With tensor parallelism the handle names every rank's agent (same page ids on each); rank 0's
 agent alone gets the notification that releases a lease.
+
+While no decode replica lives, the router sends whole requests here (`run_whole`): they stay in
+the batch after their first token and decode to their end, as on a colocated engine; a stream
+resumed here after its decode replica failed starts from the tokens already sent (`resume`).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from typing import Any
 
 from workers.disagg.handoff import HandoffEngine
 from workers.disagg.leases import Lease, LeaseTable
-from workers.protocol import KVHandle, RequestOutput
+from workers.protocol import GenerateRequest, KVHandle, RequestOutput
 from workers.sequence import Sequence
 
 logger = logging.getLogger(__name__)
@@ -32,10 +36,22 @@ class PrefillEngine(HandoffEngine):
         super().__init__(*args, **kwargs)
         self.agent.track_generations(self.allocator.generation)
         self.leases = LeaseTable()
+        self.whole: set[str] = set()  # requests decoded here too: no hand-off
         self._next_drain = 0.0  # monotonic time of the next drain of ranks 1..N-1
 
+    def run_whole(self, req: GenerateRequest, first: RequestOutput | None = None) -> Sequence:
+        """Admit `req` to be decoded here to its end; with `first` (no KV handle), from the
+        tokens a failed decode replica had streamed."""
+        seq = self.add_request(req) if first is None else self.resume(req, first)
+        self.whole.add(seq.request_id)
+        return seq
+
+    def _retire(self, seq: Sequence, cache: bool = True) -> None:
+        self.whole.discard(seq.request_id)
+        super()._retire(seq, cache)
+
     def _after_token(self, seq: Sequence) -> RequestOutput:
-        if seq.finished:
+        if seq.finished or seq.request_id in self.whole:
             return super()._after_token(seq)
         self.scheduler.detach(seq)
         self.kv.cache_computed(seq)

@@ -14,6 +14,7 @@ import logging
 import math
 import queue
 import threading
+import time
 from collections.abc import AsyncGenerator, Callable
 from typing import Any, TypeVar
 
@@ -43,6 +44,7 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
         self._stats = engine.stats()
         self._stop = False
+        self._step_began: float | None = None  # monotonic start of the step running now
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -52,13 +54,17 @@ class AsyncEngine:
         return self.stream(req.request_id, lambda: self.engine.add_request(req))
 
     async def stream(
-        self, request_id: str, admit: Callable[[], object]
-    ) -> AsyncGenerator[RequestOutput, None]:
+        self, request_id: str, admit: Callable[[], object], keepalive_s: float = 0.0,
+        stall_s: float = math.inf,
+    ) -> AsyncGenerator[RequestOutput, None]:  # fmt: skip
         """Run `admit` (which adds `request_id` to the engine) on the loop thread, then stream
         the request's chunks until it finishes. An exception from `admit` is raised here.
         With `stream_interval_s` a chunk that comes sooner than that after the last one sent
         waits, and the chunks behind it join it (one Ray message through the router instead of
-        several; the request's first and last chunks never wait)."""
+        several; the request's first and last chunks never wait). With `keepalive_s`, a
+        keepalive chunk (`RequestOutput.is_keepalive`) goes out after that long without one
+        while the loop runs and no step of it has lasted `stall_s`: the caller tells a busy
+        engine (a long queue or step) from a dead or stalled one."""
         loop = asyncio.get_running_loop()
         chunks: asyncio.Queue[Any] = asyncio.Queue()
         self._streams[request_id] = (loop, chunks)
@@ -67,7 +73,13 @@ class AsyncEngine:
         sent_at = -math.inf
         try:
             while not finished:
-                item = await chunks.get()
+                try:
+                    async with asyncio.timeout(keepalive_s or None):
+                        item = await chunks.get()
+                except TimeoutError:
+                    if self.progressing(stall_s):
+                        yield RequestOutput(request_id=request_id)
+                    continue
                 if isinstance(item, BaseException):
                     raise item
                 error = None
@@ -109,6 +121,13 @@ class AsyncEngine:
 
         self.call(call)
         return await done
+
+    def progressing(self, stall_s: float) -> bool:
+        """Whether the loop thread lives, the engine too, and no step of it has run for
+        `stall_s` or more."""
+        began = self._step_began
+        stalled = began is not None and time.monotonic() - began >= stall_s
+        return self._thread.is_alive() and self.engine.dead is None and not stalled
 
     def check_alive(self) -> None:
         if not self._thread.is_alive():
@@ -165,6 +184,7 @@ class AsyncEngine:
                 self._wake.wait(self.engine.idle_wait_s())
                 self._wake.clear()
                 continue
+            self._step_began = time.monotonic()
             try:
                 for out in self.engine.step():
                     self._deliver(out.request_id, out)
@@ -174,6 +194,8 @@ class AsyncEngine:
                     self._deliver(request_id, self._dead_error())
             except Exception:  # noqa: BLE001 - the loop must outlive any one step
                 logger.exception("engine step failed")
+            finally:
+                self._step_began = None
             self._refresh_stats()
 
 

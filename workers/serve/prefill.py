@@ -1,4 +1,9 @@
-"""The prefill pool's Serve deployment: one replica = one `PrefillEngine`."""
+"""The prefill pool's Serve deployment: one replica = one `PrefillEngine`.
+
+`prefill(req)` computes a prompt for a decode replica to read; `generate(req, first)`
+(`EngineWorker.generate`) runs a request here to its end, for the router while no decode replica
+lives: from the start, or from a failed decode replica's stream (`first`, no KV handle).
+"""
 
 from __future__ import annotations
 
@@ -22,6 +27,9 @@ class PrefillWorker(EngineWorker):
         if self.engine.faults is not None:
             self.engine.faults.strike("prefill", req.prompt_token_ids)
         return first
+
+    def _admit(self, req: GenerateRequest, first: RequestOutput | None) -> object:
+        return self.engine.run_whole(req, first)
 
     async def release(self, agent_name: str, lease_id: str) -> None:
         """Unpin a prompt whose decode side will never read it (the client went away); the

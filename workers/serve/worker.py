@@ -5,12 +5,14 @@ Plain classes; `cluster/app.py` wraps them with `serve.deployment` and each pool
 
 from __future__ import annotations
 
+import math
+from collections.abc import AsyncIterator
 from typing import Any, ClassVar
 
 from workers.config import EngineConfig, KVTransferConfig
 from workers.disagg.handoff import HandoffEngine
 from workers.engine.async_engine import AsyncEngine
-from workers.protocol import EngineStats
+from workers.protocol import EngineStats, GenerateRequest, RequestOutput
 from workers.serve.kv_publisher import KVEventPublisher
 from workers.serve.load_meter import LoadMeter
 from workers.serve.stats_board import StatsPoster
@@ -26,13 +28,19 @@ def replica_context() -> Any:
         return None
 
 
+KEEPALIVE_S = 1.0  # a stream with nothing to send says its engine runs this often, at most
+
+
 class EngineWorker:
     engine_class: ClassVar[type[HandoffEngine]]
 
     def __init__(
-        self, engine: dict[str, Any], kv_transfer: dict[str, Any], kv_events_period_s: float = 0
-    ) -> None:
-        """`kv_events_period_s`: publish the prefix cache's changes that often (0: never)."""
+        self, engine: dict[str, Any], kv_transfer: dict[str, Any], kv_events_period_s: float = 0,
+        stall_s: float = math.inf,
+    ) -> None:  # fmt: skip
+        """`kv_events_period_s`: publish the prefix cache's changes that often (0: never).
+        `stall_s`: a step running this long is stalled; streams stop sending keepalives then
+        (the router's `replica_timeout_s`, which they are sent to beat)."""
         ctx = replica_context()
         tag = None if ctx is None else str(ctx.replica_id.unique_id)
         self.engine = self.engine_class(
@@ -50,6 +58,34 @@ class EngineWorker:
                 )
         self.loop = AsyncEngine(self.engine, self._on_stats, tag)
         self.meter = LoadMeter()  # its signals for SLA autoscaling
+        self.stall_s = stall_s
+        self.keepalive_s = min(KEEPALIVE_S, stall_s / 4)
+
+    def _admit(self, req: GenerateRequest, first: RequestOutput | None) -> object:
+        """Add a streamed request to the engine (each role its own way)."""
+        raise NotImplementedError
+
+    async def generate(
+        self, req: GenerateRequest, first: RequestOutput | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream `req` from `first` on (`_admit`), with keepalives while the engine is busy."""
+        stream = self.loop.stream(req.request_id, lambda: self._admit(req, first),
+                                  self.keepalive_s, self.stall_s)  # fmt: skip
+        faults = self.engine.faults
+        num_tokens = 0 if first is None else len(first.token_ids)
+        timer = self.meter.stream(len(req.prompt_token_ids) if first is None else 0)
+        try:
+            async for chunk in stream:
+                if chunk.is_keepalive:
+                    yield chunk
+                    continue
+                timer.chunk(len(chunk.token_ids))
+                if faults is not None:
+                    num_tokens += len(chunk.token_ids)
+                    faults.strike("decode_token", req.prompt_token_ids, num_tokens)
+                yield chunk
+        finally:
+            timer.close()
 
     def _on_stats(self, stats: EngineStats) -> None:
         """On the engine loop thread after each step: KV events out, stats to the board."""
