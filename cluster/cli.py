@@ -198,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="command", required=True)
     p_check = sub.add_parser("check", help="validate Serve config files without deploying")
     p_check.add_argument("configs", nargs="+", type=Path)
-    p_check.add_argument("--address", default=os.environ.get("RAY_ADDRESS", "auto"),
+    # "auto": Ray itself takes $RAY_ADDRESS first, else a cluster started on this machine
+    p_check.add_argument("--address", default="auto",
                          help="Ray cluster whose resources to check against (default: "
                          "$RAY_ADDRESS, else one started on this machine; none: do not "
                          "connect)")  # fmt: skip

@@ -21,14 +21,15 @@ from typing import NoReturn
 
 from workers.config import EngineConfig
 from workers.detokenizer import IncrementalDetokenizer
+from workers.engine.admission import RequestRejectedError, check_token_ids
 from workers.engine.finish import check_finish, take_output, token_logprob
 from workers.engine.grammar_gate import GrammarGate
 from workers.engine.speculation import build_speculator
 from workers.engine.step_tokens import StepCount, StepTokens
+from workers.engine.tier_ranks import build_tiers
 from workers.engine.tp_runner import create_runner
 from workers.kvcache.allocator import PageAllocator
 from workers.kvcache.manager import KVManager
-from workers.kvcache.tiers.offloader import TieredStore
 from workers.model.files import load_tokenizer
 from workers.parallel.group import SINGLE, TPGroup
 from workers.protocol import EngineDeadError, EngineStats, GenerateRequest, RequestOutput
@@ -38,10 +39,6 @@ from workers.scheduler.step import LaunchedStep, StepInput
 from workers.sequence import SeqStatus, Sequence
 
 logger = logging.getLogger(__name__)
-
-
-class RequestRejectedError(ValueError):
-    """The request can never be served (too long for the context or the KV pool)."""
 
 
 class _RunningStep:
@@ -63,7 +60,7 @@ class Engine:
         self.tokenizer = load_tokenizer(self.runner.model_dir)
         self.max_model_len = self.runner.max_model_len
         self.allocator = PageAllocator(self.runner.pool.num_pages)
-        tiers = TieredStore.for_pool(self.runner.pool, cfg, self.runner.dtype, self.runner)
+        tiers = build_tiers(self.runner, cfg)
         self.kv = KVManager(self.allocator, cfg.page_size, cfg.enable_prefix_caching, tiers)
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         eos = {*self.runner.model_config.eos_token_ids, self.tokenizer.eos_token_id} - {None}
@@ -107,20 +104,7 @@ class Engine:
         if req.request_id in self.seqs:
             raise RequestRejectedError(f"request id {req.request_id!r} is already running")
         n = len(req.prompt_token_ids)
-        if n >= self.max_model_len:
-            raise RequestRejectedError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                f"your request has {n} input tokens. Please reduce the length of the input."
-            )
-        vocab = self.runner.model_config.vocab_size
-        if max(req.prompt_token_ids) >= vocab:
-            raise RequestRejectedError("prompt holds token ids outside the model's vocabulary")
-        if any(token >= vocab for token, _ in req.params.logit_bias):
-            raise RequestRejectedError("logit_bias names token ids outside the model's vocabulary")
-        if any(token >= vocab for token in req.params.stop_token_ids):  # min_tokens bans them
-            raise RequestRejectedError(
-                "stop_token_ids names token ids outside the model's vocabulary"
-            )
+        check_token_ids(req, self.max_model_len, self.runner.model_config.vocab_size)
         try:
             constraint = self.grammars.constraint(req.params)
         except ValueError as e:

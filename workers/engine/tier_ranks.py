@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from workers.config import EngineConfig
 from workers.engine.tp_runner import RankCommand, RankRunner, TPDriverRunner
 from workers.kvcache.tiers.data import LoadResult, TierData, TierOp
 from workers.kvcache.tiers.index import TierEntry
-from workers.kvcache.tiers.offloader import tier_data, tier_meta
+from workers.kvcache.tiers.offloader import TieredStore, tier_data, tier_meta
 
 Finished = tuple[dict[int, LoadResult], list[TierEntry]]
 
@@ -78,3 +79,10 @@ def _check(errors: list[Any]) -> None:
     failed = [e for e in errors if e is not None]
     if failed:
         raise RuntimeError(f"KV tiers failed on a TP rank: {failed[0]}")
+
+
+def build_tiers(runner: Any, cfg: EngineConfig) -> TieredStore | None:
+    """The engine's tiers under its runner's pool (None when `cfg.kv_offload` is off); a TP
+    driver's ranks replay their ops."""
+    peers = RankTiers(runner) if cfg.tensor_parallel_size > 1 else None
+    return TieredStore.for_pool(runner.pool, cfg, runner.dtype, peers)

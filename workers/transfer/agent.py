@@ -90,18 +90,10 @@ class KVTransferAgent:
     """
 
     def __init__(
-        self,
-        pool: KVPool,
-        role: str,
-        replica_tag: str,
-        rank: int,
-        *,
-        xfer_mode: XferMode = "prepped",
-        publish: bool = True,
-        progress_thread: bool = False,
-        num_threads: int = 0,
-        device_copy: bool = True,
-    ) -> None:
+        self, pool: KVPool, role: str, replica_tag: str, rank: int, *,
+        xfer_mode: XferMode = "prepped", publish: bool = True, progress_thread: bool = False,
+        num_threads: int = 0, device_copy: bool = True,
+    ) -> None:  # fmt: skip
         pages = pool.pages
         if xfer_mode not in ("prepped", "merged"):
             raise ValueError(f"xfer_mode must be 'prepped' or 'merged', got {xfer_mode!r}")
@@ -216,10 +208,9 @@ class KVTransferAgent:
         nbytes = len(lp) * self.region.page_bytes
         handle = TransferHandle(remote_agent, "kv", nbytes, count_descriptors(lp, rp))
         remote_pool = None if notif_msg else self._same_gpu_pool(peer)
-        if remote_pool is not None:
-            copies = self._copies
-            assert copies is not None
-            return self._reads.post(handle, lambda: copies.copy(remote_pool, lp, rp))
+        if remote_pool is not None and self._copies is not None:
+            copy = self._copies.copy
+            return self._reads.post(handle, lambda: copy(remote_pool, lp, rp))
         return self._reads.post(handle, lambda: self._make_kv_xfer(peer, lp, rp, notif_msg))
 
     def _same_gpu_pool(self, peer: Peer) -> torch.Tensor | None:

@@ -103,19 +103,14 @@ class TieredStore:
 
     @classmethod
     def for_pool(
-        cls, pool: KVPool, cfg: EngineConfig, model_dtype: torch.dtype, runner: Any = None
+        cls, pool: KVPool, cfg: EngineConfig, model_dtype: torch.dtype, peers: Any = None
     ) -> TieredStore | None:
-        """The tiers `cfg.kv_offload` asks for under `pool` (None when off); with a TP driver
-        `runner`, its ranks get theirs."""
+        """The tiers `cfg.kv_offload` asks for under `pool` (None when off); `peers` replays
+        the ops on ranks 1..N-1 under tensor parallelism (workers/engine/tier_ranks.py)."""
         off = cfg.kv_offload
         if off is None:
             return None
         data = tier_data(pool, off, tier_meta(pool, cfg, model_dtype, 0))
-        peers = None
-        if cfg.tensor_parallel_size > 1:
-            from workers.engine.tier_ranks import RankTiers  # engine side: imports the runner
-
-            peers = RankTiers(runner)
         return cls(data, pool.layout.page_size, off.disk_gb, peers)
 
     def _do(self, op: TierOp) -> None:
