@@ -87,7 +87,7 @@ class TierData:
     def apply(self, ops: list[TierOp]) -> None:
         for op in ops:
             if isinstance(op, LoadOp):
-                self._loads[op.key] = self._io.submit(self._run, op)
+                self._loads[op.key] = self._io.submit(self._run, op, self._fence())
             elif isinstance(op, Down):
                 self._down(op.slot, op.page)
             elif isinstance(op, Demote):
@@ -108,6 +108,16 @@ class TierData:
             self._arriving[slot].record()
         compute.wait_stream(self._copy)  # a step reusing the page waits for its copy
 
+    def _fence(self) -> torch.cuda.Event | None:
+        """GPU: an event after the work queued so far on the compute stream, which waits for
+        every copy down (`_down`): a load's device pages may have been read by a step or by a
+        copy down, or written by a step, until then; the load stream waits for it."""
+        if self._copy is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.raw.device))
+        return event
+
     def _row_ready(self, slot: int) -> None:
         """Wait until host row `slot`'s copy from the device is done (GPU; usually long since)."""
         event = self._arriving.get(slot)
@@ -120,12 +130,14 @@ class TierData:
         row = self.rows[slot].clone()
         self._writes.append((self._io.submit(self.files.write, entry, row), entry))
 
-    def _run(self, op: LoadOp) -> LoadResult:
-        """On the I/O thread: fill the load's device pages."""
+    def _run(self, op: LoadOp, fence: torch.cuda.Event | None) -> LoadResult:
+        """On the I/O thread: fill the load's device pages, once `fence` (`_fence`) is passed."""
         start = time.perf_counter()
         try:
             stream = torch.cuda.stream(self._load) if self._load is not None else nullcontext()
             with stream:
+                if fence is not None and self._load is not None:
+                    self._load.wait_event(fence)
                 for page, tier, entry in op.copies:
                     if tier == HOST:
                         self._row_ready(entry.slot)
