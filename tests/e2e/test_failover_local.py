@@ -42,7 +42,7 @@ DEADLINE_S = 6.0
 MAX_TOKENS = 24
 LONG_TOKENS = 160  # ~15 s of decoding on 2 busy cores: well past DEADLINE_S after the death
 # Markers of their own: a fault is claimed by its config's hash, cluster-wide, and
-# tests/e2e/test_chaos.py's faults may have struck already in the same session.
+# tests/e2e/test_chaos.py's faults may have struck already in the same test run.
 FAULTS = [
     {"point": "decode_token", "prompt_contains": "[pd: kill decode]", "after": 8},
     {"point": "prefill", "prompt_contains": "[pd: kill prefill]"},
