@@ -19,7 +19,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # Modules that start Ray through its CLI (and `ray stop` it) run first; modules on the shared
     # cluster (`ray_cluster`) last, so that no other test runs in a process connected to Ray
     # (code that finds Ray, such as the stats board or the fault hook, uses it). Of those, the
-    # modules on the session's shared Serve applications (tests/e2e/conftest.py) run last, the
+    # modules on the test run's shared Serve applications (tests/e2e/conftest.py) run last, the
     # vLLM-named one's last of all: an application deployed idles at ~0.1 CPU core (its routers
     # poll), so each is started for the modules that use it, at the end. A stable sort keeps
     # every other order.
