@@ -58,6 +58,7 @@ async def serve(engine: AsyncEngine, args: argparse.Namespace, vocab: int) -> di
     asks = questions(args.conversations, args.turns, args.question_len, vocab)
     params = SamplingParams(max_tokens=args.answer_len, temperature=0.0, ignore_eos=True)
     ttft: dict[int, list[float]] = {t: [] for t in range(args.turns)}
+    done: list[float] = []
     answers: list[list[list[int]]] = [[] for _ in docs]
     start = time.perf_counter()
 
@@ -76,10 +77,14 @@ async def serve(engine: AsyncEngine, args: argparse.Namespace, vocab: int) -> di
             assert first is not None
             ttft[turn].append(first - sent)
             answers[c].append(out)
+            done.append(time.perf_counter())
             history = prompt + out
 
     await asyncio.gather(*(conversation(c) for c in range(args.conversations)))
-    return {"seconds": time.perf_counter() - start, "ttft": ttft, "answers": answers}
+    # turns answered a second, first answer to last: the offered rate when the mode keeps up
+    completed = (len(done) - 1) / (max(done) - min(done))
+    return {"seconds": time.perf_counter() - start, "ttft": ttft, "answers": answers,
+            "completed_per_s": completed}  # fmt: skip
 
 
 def run_mode(cfg: EngineConfig, args: argparse.Namespace) -> tuple[dict[str, Any], EngineStats]:
@@ -100,20 +105,45 @@ def run_mode(cfg: EngineConfig, args: argparse.Namespace) -> tuple[dict[str, Any
         engine.shutdown()
 
 
-def copy_rate_gbps(page_bytes: int, pages: int, device: torch.device) -> float:
-    """Host-to-device copy of `pages` pages in one piece (pinned host memory on a GPU; on the
-    CPU a memcpy), GB/s, the median of 5."""
+def copy_rate_gbps(page_bytes: int, pages: int, device: torch.device) -> tuple[float, float]:
+    """Host-to-device copy of `pages` pages in one piece and page by page (pinned host memory
+    on a GPU; on the CPU a memcpy), GB/s, the median of 5 each."""
     n = page_bytes * pages
     src = torch.empty(n, dtype=torch.uint8, pin_memory=device.type == "cuda").random_()
     dst = torch.empty(n, dtype=torch.uint8, device=device)
-    times = []
-    for _ in range(6):
-        t0 = time.perf_counter()
-        dst.copy_(src, non_blocking=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return n / statistics.median(times[1:]) / 1e9
+
+    def rate(pieces: int) -> float:
+        times = []
+        for _ in range(6):
+            t0 = time.perf_counter()
+            for s, d in zip(src.chunk(pieces), dst.chunk(pieces), strict=True):
+                d.copy_(s, non_blocking=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        return n / statistics.median(times[1:]) / 1e9
+
+    return rate(1), rate(pages)
+
+
+def later_ttft(res: dict[str, Any]) -> float:
+    """One run's TTFT p50 over turns 2.."""
+    return statistics.median(sum(list(res["ttft"].values())[1:], []))
+
+
+def sweep(cfg: EngineConfig, args: argparse.Namespace, rates: list[float]) -> list[dict]:
+    """One run of `cfg` at each rate; `args.rate` becomes the highest it keeps up with (answers
+    at >= 95% of the offered rate), or the lowest."""
+    points = []
+    for rate in rates:
+        args.rate = rate
+        res, _ = run_mode(cfg, args)
+        points.append(dict(rate_per_s=rate, completed_per_s=round(res["completed_per_s"], 2),
+                           later_ttft_p50_ms=round(later_ttft(res) * 1e3, 1)))  # fmt: skip
+        print("sweep", points[-1])
+    kept = [p["rate_per_s"] for p in points if p["completed_per_s"] >= 0.95 * p["rate_per_s"]]
+    args.rate = max(kept) if kept else min(rates)
+    return points
 
 
 def main() -> None:
@@ -125,6 +155,10 @@ def main() -> None:
         ap.add_argument("--" + key.replace("_", "-"), type=type(CPU_SIZES[key]))
     ap.add_argument("--host-gb", type=float, help="the host tier (default: every conversation)")
     ap.add_argument("--repeats", type=int, default=1, help="runs of each mode, alternating")
+    ap.add_argument(
+        "--sweep", help="rates (turns/s, comma-separated) to try the host tier at first, once "
+        "each: the runs use the highest it keeps up with (answers >= 95%% of the offered rate)",
+    )  # fmt: skip
     ap.add_argument(
         "--set", dest="assignments", action="append", default=[], metavar="PATH=VALUE",
         help="an EngineConfig field, as `pdserve serve --set`",
@@ -157,40 +191,45 @@ def main() -> None:
         "none": EngineConfig(**base),
         "host": EngineConfig(**base, kv_offload={"cpu_gb": host_gb}),
     }
+    swept = [] if args.sweep is None else sweep(modes["host"], args, [
+        float(r) for r in args.sweep.split(",")])  # fmt: skip
     runs: dict[str, list[tuple[dict[str, Any], EngineStats]]] = {name: [] for name in modes}
     for _ in range(args.repeats):  # alternating, so a shared host's load falls on both alike
         for name, cfg in modes.items():
             runs[name].append(run_mode(cfg, args))
     same = [a == b for a, b in zip(*(r[0][0]["answers"] for r in runs.values()), strict=True)]
-    copy = copy_rate_gbps(page_bytes, min(total_pages, 256), device)
+    copy, copy_by_page = copy_rate_gbps(page_bytes, min(total_pages, 256), device)
 
-    def later_ttft(name: str) -> float:  # turns 2.. of every run
-        return statistics.median(
-            t for res, _ in runs[name] for t in sum(list(res["ttft"].values())[1:], [])
-        )
+    def spread(values: list[float], digits: int = 1) -> tuple[float, list[float]]:
+        """The median of the runs' values and their [min, max]."""
+        m = statistics.median(values)
+        return round(m, digits), [round(min(values), digits), round(max(values), digits)]
 
-    def seconds(name: str) -> float:
-        return sum(res["seconds"] for res, _ in runs[name])
-
+    base_ttft = statistics.median(later_ttft(res) for res, _ in runs["none"])
+    base_rate = statistics.median(res["completed_per_s"] for res, _ in runs["none"])
     rows = []
     for name, mode_runs in runs.items():
-        stats = [st for _, st in mode_runs]
-        loaded, load_s = (
-            sum(st.kv_onload_bytes for st in stats),
-            sum(st.kv_onload_time_s for st in stats),
-        )
-        load = loaded / load_s / 1e9 if load_s else None
+        ttft, ttft_range = spread([later_ttft(res) * 1e3 for res, _ in mode_runs])
+        rate, rate_range = spread([res["completed_per_s"] for res, _ in mode_runs], 2)
+        loads = [st.kv_onload_bytes / st.kv_onload_time_s / 1e9
+                 for _, st in mode_runs if st.kv_onload_time_s]  # fmt: skip
+        load, load_range = spread(loads, 2) if loads else (None, None)
         first = statistics.median(t for res, _ in mode_runs for t in res["ttft"][0])
+        stats = mode_runs[0][1]
         rows.append(dict(
             tier=name,
-            later_ttft_p50_ms=round(later_ttft(name) * 1e3, 1),
+            later_ttft_p50_ms=ttft,
+            later_ttft_p50_ms_min_max=ttft_range,
             first_ttft_p50_ms=round(first * 1e3, 1),
-            x_none_ttft=round(later_ttft(name) / later_ttft("none"), 2),
-            turns_per_s=round(args.repeats * args.conversations * args.turns / seconds(name), 2),
-            x_none_throughput=round(seconds("none") / seconds(name), 2),
-            prompt_tokens_computed=stats[0].prompt_tokens_computed,
-            host_hit_tokens=stats[0].kv_host_hit_tokens,
-            load_gbps=None if load is None else round(load, 2),
+            x_none_ttft=round(ttft / (base_ttft * 1e3), 2),
+            completed_turns_per_s=rate,
+            completed_turns_per_s_min_max=rate_range,
+            x_offered=round(rate / args.rate, 2),
+            x_none_throughput=round(rate / base_rate, 2),
+            prompt_tokens_computed=stats.prompt_tokens_computed,
+            host_hit_tokens=stats.kv_host_hit_tokens,
+            load_gbps=load,
+            load_gbps_min_max=load_range,
             x_copy_load=None if load is None else round(load / copy, 2),
         ))  # fmt: skip
     for row in rows:
@@ -207,8 +246,11 @@ def main() -> None:
     )
     measured = {
         "host_to_device_copy_gbps": round(copy, 2),
+        "page_by_page_copy_gbps": round(copy_by_page, 2),
         "page_mib": round(page_bytes / 2**20, 3),
     }
+    if swept:
+        measured["host_tier_rate_sweep"] = swept
     notes = f"Greedy answers identical in both modes for {sum(same)} of {len(same)} conversations."
     title = f"KV tiers: multi-turn conversations with and without host memory ({hw})"
     write_result(

@@ -62,10 +62,11 @@ class KVManager:
             self.prefix_queries += seq.num_tokens
             self.prefix_hits += match.num_tokens
 
-    def start_onload(self, seq: Sequence) -> bool:
+    def start_onload(self, seq: Sequence) -> bool | None:
         """Start loading the pages of `seq`'s prompt that continue its device match from the
-        tiers below (True: started, or still loading); False when they hold none or no device
-        page is free."""
+        tiers below (True: started, or still loading); False when they hold none; None when
+        they do but no device page is free for them yet (the sequence should wait, not
+        compute them: a chunk of its prefill needs fewer pages than the load)."""
         tiers, radix = self.tiers, self.radix
         if tiers is None or radix is None or seq.wants_prompt_logprobs or seq in self._onloaded:
             return False
@@ -83,7 +84,7 @@ class KVManager:
         if pages is None:
             radix.unlock(match.node)
             tiers.unpin(found)
-            return False
+            return None
         tokens = seq.token_ids[: (start + len(found)) * self.page_size]
         tiers.start(OnloadJob(seq, match.node, tokens, match.pages, pages, found))
         return True

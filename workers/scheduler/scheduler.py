@@ -86,7 +86,10 @@ class Scheduler:
             self.waiting.appendleft(seq)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if self.kv.start_onload(seq):
+            started = self.kv.start_onload(seq)
+            if started is None:
+                break  # its pages are below but no room to load them yet: FIFO, retry next step
+            if started:
                 self.loading[self.waiting.popleft()] = None
                 continue
             self.kv.match_prefix(seq)

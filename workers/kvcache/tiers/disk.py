@@ -59,17 +59,15 @@ class PageFiles:
             f.write(data.numpy().tobytes())
         os.replace(tmp, path)
 
-    def read(self, entry: TierEntry) -> torch.Tensor:
-        """A page's bytes (on the tiers' I/O thread)."""
+    def read_into(self, entry: TierEntry, out: torch.Tensor) -> None:
+        """A page's bytes into `out` (a row of a staging buffer; on the tiers' I/O thread)."""
         with open(self.path(entry.name), "rb") as f:
             head = f.read(8)
             f.seek(8 + struct.unpack("<I", head[4:])[0])
-            body = f.read()
-        if len(body) != self.page_bytes:
-            raise OSError(
-                f"{self.path(entry.name)}: {len(body)} bytes, a page is {self.page_bytes}"
-            )
-        return torch.frombuffer(bytearray(body), dtype=torch.uint8)
+            got = f.readinto(out.numpy().data)
+            extra = len(f.read(1))
+        if got != self.page_bytes or extra:
+            raise OSError(f"{self.path(entry.name)}: not {self.page_bytes} bytes of page")
 
     def delete(self, entry: TierEntry) -> None:
         self.path(entry.name).unlink(missing_ok=True)

@@ -12,7 +12,9 @@ class HostTier(TierIndex):
                 f"kv_offload.cpu_gb holds no page: a page is {page_bytes / 2**20:.2f} MiB"
             )
         super().__init__(capacity)
-        self._free = list(range(capacity - 1, -1, -1))
+        # pop() gives the highest row first: `spill` takes rows deepest page first, so a prefix's
+        # pages get ascending rows, which a load copies to ascending device pages in one piece
+        self._free = list(range(capacity))
 
     @property
     def num_free(self) -> int:

@@ -225,7 +225,7 @@ class TieredStore:
 
     def start(self, job: OnloadJob) -> None:
         """Queue `job` (its sources pinned by `pin`, unpinned when it ends)."""
-        for tier, entry in job.sources:
+        for tier, entry in reversed(job.sources):  # deepest first: it stays the oldest
             (self.host if tier == HOST else self.disk).touch(entry)  # type: ignore[union-attr]
             self.hit_tokens[tier] += self.page_size
         job.key = next(self._keys)
