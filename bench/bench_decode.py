@@ -14,8 +14,9 @@ rank's bytes (the all-reduces between the ranks are part of the gap). Three ways
 Parts are timed too: the graph replay (forward, LM head and argmax; replays queued back to
 back between CUDA events, `gpu_common.replay_ms`; one GPU only: a rank cannot replay its graph
 alone), the host's input plan and FlashInfer's plan, and the
-eager step; `--profile` adds, for two cases, where the graph replay's device time goes (with
-`--tp`, a whole step's on rank 0) and the top kernels and host ops of an eager step;
+eager step; `--profile` adds, for 1x1024 and 64x2048 (or the `--cases` given), where the graph
+replay's device time goes (with `--tp`, a whole step's on rank 0) and the top kernels and host
+ops of an eager step;
 `--trace DIR` also writes each profiled replay as a Chrome trace (every kernel's start and end:
 a layer's critical path, kernel by kernel).
 
@@ -145,7 +146,9 @@ def top_host_ops(fn: Callable[[], object], limit: int = 15) -> str:
 
 def main() -> None:
     ap = bench_parser(__doc__)
-    ap.add_argument("--profile", action="store_true", help="top kernels of eager 1x1024, 64x2048")
+    ap.add_argument(
+        "--profile", action="store_true", help="top kernels of 1x1024, 64x2048 (or --cases)"
+    )
     ap.add_argument("--cases", help="only these, e.g. 1x1024,64x2048")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (GPUs)")
     ap.add_argument("--trace", help="with --profile: a folder for Chrome traces of the replays")
@@ -154,8 +157,10 @@ def main() -> None:
     floor = Floor.measure()
     print(f"copy bandwidth {floor.copy_gbps:.0f} GB/s (read + write)", flush=True)
     cases = CASES
+    profiled = [(1, 1024), (64, 2048)]
     if args.cases:
         cases = [tuple(int(v) for v in c.split("x")) for c in args.cases.split(",")]
+        profiled = cases
     page_size = PAGE_SIZE
     cfg = decode_config(args, CASES + cases, tensor_parallel_size=args.tp)
     engine = Engine(cfg)
@@ -205,10 +210,10 @@ def main() -> None:
         )
         rows.append(row)
         print("DECODE", row, flush=True)
-        if args.profile and args.tp > 1 and (batch, context) in ((1, 1024), (64, 2048)):
+        if args.profile and args.tp > 1 and (batch, context) in profiled:
             # rank 0's device time of whole steps (a rank cannot replay its graph alone)
             print(step_timeline(lambda: runner.execute(step)), flush=True)  # noqa: B023
-        elif args.profile and (batch, context) in ((1, 1024), (64, 2048)):
+        elif args.profile and (batch, context) in profiled:
             trace = args.trace and f"{args.trace}/replay_{batch}x{context}.json"
             print(step_timeline(graphs.graphs[batch].replay, trace), flush=True)
             runner.graphs = None
