@@ -215,7 +215,7 @@ class EngineStatsCollector(Collector):
             values = [self.model_name, role]
             running.add_metric(values, s["num_running"])
             waiting.add_metric(values, s["num_waiting"])
-            held = s["kv_pages_used"] - s["kv_pages_evictable"]  # vLLM counts cached as free
+            held = s["kv_pages_used"] - s["kv_pages_evictable"]  # summed kv_pages_held, as vLLM
             usage.add_metric(values, held / max(s["kv_pages_total"], 1))
             pinned.add_metric(values, s["kv_pages_pinned"])
             kv_tokens.add_metric(values, s["kv_pages_total"] * page_size)

@@ -316,5 +316,11 @@ class EngineStats(BaseModel):
     engine_deaths: dict[str, int] = {}
 
     @property
+    def kv_pages_held(self) -> int:
+        """Pages requests hold: the prefix cache's evictable pages are free to allocate, so a
+        replica with a warm cache and nothing running is as empty as a cold one."""
+        return self.kv_pages_used - self.kv_pages_evictable
+
+    @property
     def dead(self) -> bool:
         return bool(self.engine_deaths)
