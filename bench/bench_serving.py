@@ -41,7 +41,14 @@ import ray  # noqa: E402
 from ray import serve  # noqa: E402
 
 from bench.results_io import add_out_argument, write_result  # noqa: E402
-from bench.serving_load import make_conversations, parse_slo, run_workload, summarize, tpot  # noqa: E402
+from bench.serving_load import (  # noqa: E402
+    make_conversations,
+    parse_slo,
+    run_workload,
+    steady_rate,
+    summarize,
+    tpot,
+)
 from cluster.app import build_app  # noqa: E402
 from workers.config import DEFAULT_MODEL  # noqa: E402
 from workers.model.files import load_model_config, resolve_model  # noqa: E402
@@ -159,7 +166,8 @@ def main() -> None:
             for r in results:
                 if not r.ok:
                     print(f"{label}: a request failed: {r.error}", flush=True)
-            rows[rate][label] = row = summarize(results, duration, slo)
+            rows[rate][label] = row = summarize(results, duration, slo) | steady_rate(results)
+            first_send = min((r.sent_at for r in results), default=0.0)
             per_request[f"{label}@{rate}"] = [
                 dict(
                     ok=r.ok,
@@ -168,6 +176,7 @@ def main() -> None:
                     ttft_s=r.ttft,
                     tpot_s=tpot(r),
                     e2e_s=r.e2e,
+                    sent_s=r.sent_at - first_send,
                 )
                 for r in results
             ]

@@ -445,6 +445,13 @@ SERVING = {"serving", "serving-long-prompts", "serving-stream-interval", "servin
            "serving-gpu-share"}  # fmt: skip
 SUSTAINED = 0.95  # a rate the baseline sustains: it completed at least this share of it
 BASELINE = "colocated"
+# A row's completed rate: the steady one (first reply to last send) where the row has it; the
+# whole run's (its drain included) in result files from before it was recorded.
+COMPLETED_RATE = ("steady_request_per_s", "request_per_s")
+
+
+def completed_rate(row: dict[str, Any]) -> float | None:
+    return next((row[k] for k in COMPLETED_RATE if row.get(k) is not None), None)
 
 
 def has_baseline(result: Result) -> bool:
@@ -463,23 +470,29 @@ def sustained_rate(result: Result) -> float | None:
     rates = [
         r["rate_per_s"]
         for r in result["rows"]
-        if r.get("mode") == BASELINE and r.get("request_per_s") is not None
-        and r["request_per_s"] >= SUSTAINED * r["rate_per_s"]
-    ]  # fmt: skip
+        if r.get("mode") == BASELINE
+        and (done := completed_rate(r)) is not None
+        and done >= SUSTAINED * r["rate_per_s"]
+    ]
     return max(rates, default=None)
 
 
 def sustained_text(result: Result) -> str:
     top = sustained_rate(result)
-    tail = "request/s counts the whole run, its tail of latencies included"
+    steady = any(r.get(COMPLETED_RATE[0]) is not None for r in result["rows"])
+    measure = (
+        "completed: steady_request_per_s, from the first reply to the last send"
+        if steady
+        else "completed: request/s over the whole run, its tail of latencies included"
+    )
     if top is None:
         return (
-            f"Offered rates: {BASELINE} completed < {SUSTAINED:.0%} of every rate here ({tail}): "
-            "every row is in overload, or its run too short to show otherwise"
+            f"Offered rates: {BASELINE} completed < {SUSTAINED:.0%} of every rate here "
+            f"({measure}): every row is in overload, or its run too short to show otherwise"
         )
     return (
         f"Offered rates: {BASELINE} sustains up to {number(top)} requests/s (completed "
-        f"≥ {SUSTAINED:.0%}); the rows of higher rates follow, in overload"
+        f"≥ {SUSTAINED:.0%}; {measure}); the rows of higher rates follow, in overload"
     )
 
 
@@ -544,7 +557,7 @@ def serving_headline(result: Result) -> tuple[str, str] | None:
     )
     label = f"Serving at {number(rate)} requests/s offered: disaggregated against colocated"
     if top is None:
-        completed = c["request_per_s"] / rate
+        completed = (completed_rate(c) or 0.0) / rate
         label += f" (colocated completed {completed:.0%} of it: it sustains no rate measured)"
     return label, figure
 

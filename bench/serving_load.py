@@ -1,5 +1,6 @@
 """The load side of `bench_serving.py`: streamed OpenAI completions sent as `vllm bench serve`
-sends them, timed chunk by chunk, and the figures it reports (TTFT, TPOT, ITL, E2E, goodput)."""
+sends them, timed chunk by chunk, and the figures it reports (TTFT, TPOT, ITL, E2E, goodput, and
+the steady completion rate while requests arrive)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ class RequestResult:
     e2e: float = 0.0
     itl: list[float] = field(default_factory=list)
     error: str = ""
+    sent_at: float = 0.0  # time.perf_counter() when sent ...
+    done_at: float = 0.0  # ... and when its last chunk came (0: failed)
 
 
 async def stream_one(
@@ -39,7 +42,7 @@ async def stream_one(
         "stream_options": {"include_usage": True},
     }
     result = RequestResult(ok=False, prompt_tokens=len(prompt))
-    start = last = time.perf_counter()
+    start = last = result.sent_at = time.perf_counter()
     try:
         async with client.stream("POST", url, json=body) as reply:
             if reply.status_code != 200:
@@ -64,7 +67,8 @@ async def stream_one(
     except httpx.HTTPError as e:
         result.error = f"{type(e).__name__}: {e}"
         return result
-    result.e2e = time.perf_counter() - start
+    result.done_at = time.perf_counter()
+    result.e2e = result.done_at - start
     result.ok = result.output_tokens == max_tokens
     if not result.ok:
         result.error = f"{result.output_tokens} of {max_tokens} tokens"
@@ -165,6 +169,23 @@ def summarize(
         good = [r for r in done if all(seconds[k](r) * 1e3 <= v for k, v in slo_ms.items())]
         out["goodput_req_per_s"] = len(good) / duration
         out["slo_met_fraction"] = len(good) / max(1, len(results))
+    return out
+
+
+def steady_rate(results: list[RequestResult]) -> dict[str, float]:
+    """`arrival_window_s`: first send to last send. `steady_request_per_s`: the rate requests
+    completed while requests still arrived, from the first completion to the last send (the
+    completions after the first, over that span), so neither the ramp before the first reply
+    nor the drain after the last send moves it; left out when no completion came before the
+    last send (a burst, or every request slower than the arrivals)."""
+    if not results:
+        return {}
+    last_send = max(r.sent_at for r in results)
+    out = {"arrival_window_s": last_send - min(r.sent_at for r in results)}
+    done = sorted(r.done_at for r in results if r.ok)
+    if done and done[0] < last_send:
+        steady = sum(1 for t in done[1:] if t <= last_send)
+        out["steady_request_per_s"] = steady / (last_send - done[0])
     return out
 
 

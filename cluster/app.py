@@ -17,8 +17,9 @@ from ray.serve import Application
 
 from cluster import resources
 from cluster.autoscaling_policy import SlaPolicy, Targets
-from cluster.config import AppConfig, AutoscalingConfig, PoolConfig, RouterConfig
+from cluster.config import AppConfig, RouterConfig
 from cluster.ingress import OpenAIIngress
+from cluster.pool_config import AutoscalingConfig, PoolConfig
 from cluster.startup import DecodeReplica, PrefillReplica
 
 logger = logging.getLogger(__name__)

@@ -8,140 +8,18 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
+from cluster.pool_config import PoolConfig, Strict
+from router.liveness import FRESH_S
 from workers import env
+from workers.api import POST_INTERVAL_S, STALE_AFTER_S
 from workers.config import EngineConfig, KVTransferConfig
 
-
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class AutoscalingConfig(Strict):
-    min_replicas: int = Field(1, ge=0)
-    initial_replicas: int | None = Field(None, ge=0)
-    max_replicas: int = Field(1, ge=1)
-    target_ongoing_requests: float = Field(16, gt=0)
-    upscale_delay_s: float = Field(30, ge=0)
-    downscale_delay_s: float = Field(600, ge=0)
-
-    @model_validator(mode="after")
-    def _ordered(self) -> AutoscalingConfig:
-        if self.min_replicas > self.max_replicas:
-            raise ValueError("min_replicas must not exceed max_replicas")
-        return self
-
-    # ---- SLA targets (cluster/autoscaling_policy.py) -------------------------------------------
-    # With a target the pool scales on its replicas' own signals against it (target_ongoing_requests
-    # is then unused) and the policy applies the delays above itself.
-    ttft_ms: float | None = Field(
-        None,
-        gt=0,
-        description="SLA target: time to first token (the prefill pool; the decode pool in "
-        "colocated mode); scales on queued prompt tokens against what a replica computes per "
-        "second, and on the measured TTFT",
-    )
-    tpot_ms: float | None = Field(
-        None,
-        gt=0,
-        description="SLA target: time per output token (the decode pool); scales on the "
-        "measured TPOT, KV usage and running sequences (batch seats)",
-    )
-    usage_target: float = Field(
-        0.85,
-        gt=0,
-        le=1,
-        description="with a target: the share of each limit the pool aims to run at (the SLA "
-        "target, a replica's measured prefill compute, its KV pages and batch seats); above it "
-        "the pool grows, so 1 - usage_target is the headroom that covers a new replica's start",
-    )
-    max_step_up: int = Field(
-        2, ge=1, description="with a target: replicas added per decision at most"
-    )
-    max_step_down: int = Field(
-        1, ge=1, description="with a target: replicas removed per decision at most"
-    )
-    downscale_below: float = Field(
-        0.6,
-        gt=0,
-        lt=1,
-        description="with a target: scale down only after every signal stayed under this share "
-        "of its target for downscale_delay_s (between it and 1 nothing changes: the hysteresis)",
-    )
-    look_back_period_s: float = Field(
-        30, gt=0, description="window over which Serve averages each replica's signals"
-    )
-
-    @model_validator(mode="after")
-    def _sla_fields_need_a_target(self) -> AutoscalingConfig:
-        tuning = {"usage_target", "max_step_up", "max_step_down", "downscale_below"}
-        stray = sorted(tuning & self.model_fields_set)
-        if stray and not self.has_targets():
-            raise ValueError(
-                f"{', '.join(stray)} only act with an SLA target: set ttft_ms and/or tpot_ms, "
-                "or leave them out"
-            )
-        return self
-
-    def has_targets(self) -> bool:
-        return self.ttft_ms is not None or self.tpot_ms is not None
-
-
-class PoolConfig(Strict):
-    """One pool of workers (prefill or decode): replicas, their resources, engine overrides."""
-
-    num_replicas: int = Field(1, ge=1)
-    autoscaling: AutoscalingConfig | None = None
-    tensor_parallel_size: int = Field(1, ge=1)
-    num_gpus_per_rank: float = Field(
-        0,
-        ge=0,
-        description="0 on CPU; 1 for a GPU per TP rank; a fraction shares a GPU (0.5: two "
-        "replicas on one), the engine's memory following it (its gpu_share)",
-    )
-    num_cpus_per_rank: float = Field(1, ge=0)
-    resources: dict[str, float] = Field(
-        default_factory=dict, description="custom Ray resources, e.g. to pin a pool to a node type"
-    )
-    max_ongoing_requests: int = Field(256, ge=1)
-    max_queued_requests: int | None = Field(
-        None,
-        ge=1,
-        description="calls a router replica may hold for this pool while every replica has "
-        "max_ongoing_requests; beyond it the call fails at once and the client gets 429 with "
-        "Retry-After. Default: the pool's capacity, replicas (max_replicas when autoscaling) x "
-        "max_ongoing_requests",
-    )
-    max_num_seqs: int | None = Field(None, ge=1)
-    max_num_batched_tokens: int | None = Field(None, ge=1)
-    kv_cache_memory_gb: float | None = Field(None, gt=0)
-    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
-
-    def queue_bound(self) -> int:
-        """`max_queued_requests`, by default one more pool-load of calls: a queued call waits
-        for about one turn of the pool's work at most; beyond that the client is better told to
-        retry than left waiting two turns or more."""
-        if self.max_queued_requests is not None:
-            return self.max_queued_requests
-        replicas = self.num_replicas if self.autoscaling is None else self.autoscaling.max_replicas
-        return replicas * self.max_ongoing_requests
-
-    def engine(self, base: EngineConfig) -> EngineConfig:
-        """The shared engine settings with this pool's overrides applied."""
-        overrides = {
-            k: v
-            for k, v in dict(
-                tensor_parallel_size=self.tensor_parallel_size,
-                max_num_seqs=self.max_num_seqs,
-                max_num_batched_tokens=self.max_num_batched_tokens,
-                kv_cache_memory_gb=self.kv_cache_memory_gb,
-                gpu_memory_utilization=self.gpu_memory_utilization,
-                gpu_share=min(1.0, self.num_gpus_per_rank) or None,  # 0: CPU, or unaccounted
-            ).items()
-            if v is not None
-        }
-        return base.model_copy(update=overrides)
+# The longest a live replica can look dead: its last post just missed the staleness window, its
+# next is a post period away, and the router reuses a pool's verdict for FRESH_S. A failover
+# deadline at or under it could give up on a pool whose replica is only busy.
+MIN_FAILOVER_DEADLINE_S = STALE_AFTER_S + POST_INTERVAL_S + FRESH_S
 
 
 class RouterConfig(Strict):
@@ -169,7 +47,9 @@ class RouterConfig(Strict):
         "prefix-aware routers route on that exact index (else on a guess from what they sent)",
     )
     kv_events_period_s: float = Field(
-        0.05, gt=0, description="how often a replica publishes its cache changes, and how long "
+        0.05,
+        gt=0,
+        description="how often a replica publishes its cache changes, and how long "
         "a router waits after reading some before it reads again (it waits for new ones by long "
         "poll): the index's delay",
     )
@@ -222,7 +102,9 @@ class RouterConfig(Strict):
         1, ge=0, description="the Retry-After header (seconds) of a 429 for a full queue"
     )
     health_period_s: float = Field(
-        1.0, gt=0, description="how often the router asks Serve which pools have a live replica "
+        1.0,
+        gt=0,
+        description="how often the router asks Serve which pools have a live replica "
         "(what /health answers)",
     )
     failover_attempts: int = Field(
@@ -239,9 +121,9 @@ class RouterConfig(Strict):
         gt=0,
         description="after a replica failed, the longest wait for another engine to take the "
         "request (its first chunk or keepalive), all re-sends included; past it, a 503 (or an "
-        "error event once streaming). It bounds that wait only, never a stream that goes on: "
-        "keep it above the stats board's 3 s liveness bound, so a dead pool is seen and the "
-        "other one takes over within it",
+        "error event once streaming). It bounds that wait only, never a stream that goes on. "
+        f"Must exceed {MIN_FAILOVER_DEADLINE_S:g} s, the longest a live replica can look dead "
+        "on the stats board, so a dead pool is seen and the other one takes over within it",
     )
     tool_call_parser: Literal["auto", "hermes", "llama3_json", "mistral"] = Field(
         "auto",
@@ -274,6 +156,18 @@ class RouterConfig(Strict):
         "authenticates in front; off, it needs the key as /v1 does",
     )
 
+    @field_validator("failover_deadline_s")
+    @classmethod
+    def _deadline_outlasts_liveness(cls, v: float) -> float:
+        if v <= MIN_FAILOVER_DEADLINE_S:
+            raise ValueError(
+                f"must be greater than {MIN_FAILOVER_DEADLINE_S:g} s (the stats board's "
+                f"staleness window {STALE_AFTER_S:g} s + post period {POST_INTERVAL_S:g} s + "
+                f"liveness cache {FRESH_S:g} s), else a live but busy replica could be "
+                "declared dead"
+            )
+        return v
+
 
 class AppConfig(Strict):
     engine: EngineConfig = EngineConfig()
@@ -301,12 +195,16 @@ class AppConfig(Strict):
         """A pool can only be held to a target its replicas measure."""
         prefill, decode = self.prefill.autoscaling, self.decode.autoscaling
         if prefill is not None and prefill.tpot_ms is not None:
-            raise ValueError("prefill.autoscaling.tpot_ms: a prefill replica emits no output "
-                             "tokens after the first; set tpot_ms on decode.autoscaling")
+            raise ValueError(
+                "prefill.autoscaling.tpot_ms: a prefill replica emits no output "
+                "tokens after the first; set tpot_ms on decode.autoscaling"
+            )
         if self.mode == "disaggregated" and decode is not None and decode.ttft_ms is not None:
-            raise ValueError("decode.autoscaling.ttft_ms: in disaggregated mode the prefill "
-                             "pool makes the first token; set ttft_ms on prefill.autoscaling "
-                             "(decode's ttft_ms is for colocated mode)")
+            raise ValueError(
+                "decode.autoscaling.ttft_ms: in disaggregated mode the prefill "
+                "pool makes the first token; set ttft_ms on prefill.autoscaling "
+                "(decode's ttft_ms is for colocated mode)"
+            )
         return self
 
     @property

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cluster.config import AppConfig, PoolConfig
+from cluster.config import AppConfig
+from cluster.pool_config import PoolConfig
 
 Resources = dict[str, float]
 SHOWN = ("CPU", "GPU")  # always shown; custom resources where a pool asks for them

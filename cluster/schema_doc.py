@@ -19,7 +19,8 @@ REGENERATE = "pdserve schema --markdown > docs/configuration.md"
 INTRO = f"""\
 # Configuration
 
-Generated from the config schema (`cluster/config.py`, `workers/config.py`) by
+Generated from the config schema (`cluster/config.py`, `cluster/pool_config.py`,
+`workers/config.py`) by
 `{REGENERATE}`;
 do not edit it by hand. A unit test fails when the two differ.
 

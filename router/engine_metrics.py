@@ -44,6 +44,11 @@ ENGINE_COUNTERS = {
         "kv_transfer_recomputed",
         "Hand-offs whose KV read failed or was stale, prefilled again on the decode replica",
     ),
+    "kv_device_copies": (
+        "kv_transfer_device_copies",
+        "KV reads a decode replica copied device to device from a prefill replica on its own GPU "
+        "(CUDA IPC) instead of reading them over NIXL",
+    ),
     "kv_events_published": (
         "kv_events_published",
         "KV page stores and evictions the replicas published to the routers",
@@ -60,10 +65,19 @@ LIST_FIELDS = {"iteration_tokens", "spec_accepted_per_pos", "engine_deaths"}
 
 
 # EngineStats fields that describe the present (gauges): a dead replica's are left out
-GAUGE_FIELDS = frozenset(
-    {"num_running", "num_waiting", "kv_pages_total", "kv_pages_used", "kv_pages_pinned",
-     "kv_pages_evictable"}
-) | TIER_GAUGES
+GAUGE_FIELDS = (
+    frozenset(
+        {
+            "num_running",
+            "num_waiting",
+            "kv_pages_total",
+            "kv_pages_used",
+            "kv_pages_pinned",
+            "kv_pages_evictable",
+        }
+    )
+    | TIER_GAUGES
+)
 
 
 def role_totals(snapshot: Iterable[RoleStats]) -> dict[str, dict[str, float]]:
@@ -101,9 +115,7 @@ def accepted_per_pos(snapshot: Iterable[RoleStats]) -> dict[str, list[int]]:
     return out
 
 
-def engine_deaths(
-    snapshot: Iterable[RoleStats], model: str, naming: Naming
-) -> CounterMetricFamily:
+def engine_deaths(snapshot: Iterable[RoleStats], model: str, naming: Naming) -> CounterMetricFamily:
     """`engine_deaths_total{role, cause}`: engines killed by a step's error, by the error's type,
     over every replica that ever posted (a dead one's entry stays on the board)."""
     family = CounterMetricFamily(
@@ -148,8 +160,12 @@ def spec_families(
 class EngineStatsCollector(Collector):
     """Renders the latest engine snapshots; `update` replaces them."""
 
-    def __init__(self, model_name: str, naming: Naming | None = None,
-                 cache_info: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        naming: Naming | None = None,
+        cache_info: Mapping[str, str] | None = None,
+    ) -> None:
         self.model_name = model_name
         self.naming = naming or Naming()
         self.cache_info = dict(cache_info or {})
@@ -168,8 +184,10 @@ class EngineStatsCollector(Collector):
 
         running = gauge("num_requests_running", "Requests in the engines' running batches")
         waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled")
-        usage = gauge("kv_cache_usage_perc",
-                      "Fraction of KV pages requests hold, 0-1 (evictable cached pages are free)")
+        usage = gauge(
+            "kv_cache_usage_perc",
+            "Fraction of KV pages requests hold, 0-1 (evictable cached pages are free)",
+        )
         pinned = gauge("kv_pages_pinned", "KV pages pinned for a hand-off or a running request")
         kv_tokens = gauge("kv_cache_tokens", "KV tokens the live engines' pools hold")
         page_size = int(self.cache_info.get("block_size", 0))
@@ -183,17 +201,21 @@ class EngineStatsCollector(Collector):
         nixl_time = SummaryMetricFamily(
             name("nixl_xfer_time_seconds"), "Time of the KV transfers", labels=labels
         )
-        cache = GaugeMetricFamily(name("cache_config_info"), "The engines' KV cache settings",
-                                  labels=[*labels, *self.cache_info, "num_gpu_blocks"])
-        steps = HistogramMetricFamily(name("iteration_tokens_total"), "Tokens per engine step",
-                                      labels=labels)
+        cache = GaugeMetricFamily(
+            name("cache_config_info"),
+            "The engines' KV cache settings",
+            labels=[*labels, *self.cache_info, "num_gpu_blocks"],
+        )
+        steps = HistogramMetricFamily(
+            name("iteration_tokens_total"), "Tokens per engine step", labels=labels
+        )
         step_buckets = step_token_buckets(self.snapshot)
         les = [floatToGoString(b) for b in (*ITERATION_TOKENS_BUCKETS, float("inf"))]
         for role, s in sorted(sums.items()):
             values = [self.model_name, role]
             running.add_metric(values, s["num_running"])
             waiting.add_metric(values, s["num_waiting"])
-            held = s["kv_pages_used"] - s["kv_pages_evictable"]  # vLLM counts cached as free
+            held = s["kv_pages_used"] - s["kv_pages_evictable"]  # summed kv_pages_held, as vLLM
             usage.add_metric(values, held / max(s["kv_pages_total"], 1))
             pinned.add_metric(values, s["kv_pages_pinned"])
             kv_tokens.add_metric(values, s["kv_pages_total"] * page_size)
@@ -204,10 +226,19 @@ class EngineStatsCollector(Collector):
             blocks = str(int(s["kv_pages_total"]))
             cache.add_metric([*values, *self.cache_info.values(), blocks], 1.0)
             counts = step_buckets[role]
-            steps.add_metric(values, list(zip(les, counts, strict=True)),
-                             s["iteration_tokens_sum"])
-        yield from (running, waiting, usage, pinned, kv_tokens, *counters.values(), nixl_bytes,
-                    nixl_time, cache, steps)
+            steps.add_metric(values, list(zip(les, counts, strict=True)), s["iteration_tokens_sum"])
+        yield from (
+            running,
+            waiting,
+            usage,
+            pinned,
+            kv_tokens,
+            *counters.values(),
+            nixl_bytes,
+            nixl_time,
+            cache,
+            steps,
+        )
         yield from spec_families(self.snapshot, sums, self.model_name, name)
         yield engine_deaths(self.snapshot, self.model_name, name)
         yield from tier_families(sums, self.model_name, name)

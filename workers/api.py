@@ -26,6 +26,7 @@ from workers.sampling.grammar import check_structured_outputs
 from workers.serve.kv_event_hub import KVEventRead, read_kv_events
 from workers.serve.stats_board import (
     POST_INTERVAL_S,
+    STALE_AFTER_S,
     Posted,
     StatsPoster,
     read_pool,
@@ -36,6 +37,7 @@ __all__ = [
     "ITERATION_TOKENS_BUCKETS",
     "MAX_LOGPROBS",
     "POST_INTERVAL_S",
+    "STALE_AFTER_S",
     "EngineDeadError",
     "EngineStats",
     "FinishReason",

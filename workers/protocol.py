@@ -47,8 +47,11 @@ class StructuredOutputs(BaseModel):
 
     @model_validator(mode="after")
     def _exactly_one(self) -> StructuredOutputs:
-        kinds = [k for k in ("json_schema", "regex", "choice", "grammar", "structural_tag")
-                 if getattr(self, k) is not None] + (["json_object"] if self.json_object else [])
+        kinds = [
+            k
+            for k in ("json_schema", "regex", "choice", "grammar", "structural_tag")
+            if getattr(self, k) is not None
+        ] + (["json_object"] if self.json_object else [])
         if len(kinds) != 1:
             raise ValueError(f"structured_outputs needs exactly one constraint, got {kinds or 0}")
         return self
@@ -280,6 +283,7 @@ class EngineStats(BaseModel):
     kv_pages_read: int = 0  # decode: prompt pages read over NIXL ...
     kv_pages_reused: int = 0  # ... and found in this replica's prefix cache instead
     num_recomputed: int = 0  # decode: hand-offs that failed and were prefilled here
+    kv_device_copies: int = 0  # decode: KV reads copied from a peer on this GPU, not over NIXL
     prompt_tokens_computed: int
     generation_tokens: int
     # tokens per step: cumulative count per ITERATION_TOKENS_BUCKETS bound (+Inf last), and sum
@@ -310,6 +314,12 @@ class EngineStats(BaseModel):
     # the engine's death (`EngineDeadError`): the exception type that killed it -> 1; the
     # routers skip a replica that posted one
     engine_deaths: dict[str, int] = {}
+
+    @property
+    def kv_pages_held(self) -> int:
+        """Pages requests hold: the prefix cache's evictable pages are free to allocate, so a
+        replica with a warm cache and nothing running is as empty as a cold one."""
+        return self.kv_pages_used - self.kv_pages_evictable
 
     @property
     def dead(self) -> bool:

@@ -9,7 +9,7 @@ import pytest
 from ray import serve
 
 from cluster.app import serve_autoscaling_config
-from cluster.config import AutoscalingConfig
+from cluster.pool_config import AutoscalingConfig
 from tests.e2e.backlogged import Backlogged
 from tests.e2e.conftest import running
 from tests.waiting import wait_until

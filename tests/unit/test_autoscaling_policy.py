@@ -14,7 +14,8 @@ from ray.serve.config import AutoscalingContext
 
 from cluster.app import serve_autoscaling_config
 from cluster.autoscaling_policy import Decision, PoolSignals, SlaPolicy, Targets, decide
-from cluster.config import AppConfig, AutoscalingConfig
+from cluster.config import AppConfig
+from cluster.pool_config import AutoscalingConfig
 from workers.serve.load_meter import (
     PREFILL_TOKENS_PER_S,
     QUEUED_PROMPT_TOKENS,

@@ -11,6 +11,7 @@ import pytest
 
 from bench import report
 from bench.results_io import command_line, result_slug, write_result
+from bench.serving_load import RequestResult, steady_rate
 
 RESULT = {
     "benchmark": "decode",
@@ -167,3 +168,31 @@ def test_the_decode_headline_shows_the_runs_range() -> None:
     assert "3.90 (3.88–3.95) ms, 1.080 (1.078–1.097)× the HBM floor" in report.render_headline(
         [result]
     )
+
+
+def test_the_steady_rate_leaves_out_the_ramp_and_the_drain() -> None:
+    """10 sends a second for 10 s; replies 1.0 s after each send. The whole run's rate (11 s for
+    100 requests, 9.1/s) is the drain's; the steady rate is the sustained 10/s."""
+    results = [
+        RequestResult(ok=True, prompt_tokens=1, sent_at=t / 10, done_at=t / 10 + 1.0)
+        for t in range(100)
+    ]
+    results.append(RequestResult(ok=False, prompt_tokens=1, sent_at=5.0))  # failed: not counted
+    rate = steady_rate(results)
+    assert rate["arrival_window_s"] == pytest.approx(9.9)
+    # completions after the first (at 1.0 s) up to the last send (9.9 s): 89 in 8.9 s
+    assert rate["steady_request_per_s"] == pytest.approx(10.0)
+    # every reply after the last send (a burst): no steady rate to speak of
+    burst = [RequestResult(ok=True, prompt_tokens=1, done_at=2.0 + i) for i in range(3)]
+    assert steady_rate(burst) == {"arrival_window_s": 0.0}
+
+
+def test_sustained_reads_the_steady_rate_first_and_old_files_still_work() -> None:
+    assert report.COMPLETED_RATE == ("steady_request_per_s", "request_per_s")
+    result = serving((20, "disaggregated", 18.0, 17.0), (20, "colocated", 18.0, 12.0))
+    assert report.sustained_rate(result) is None  # old file: the whole run's 90%
+    result["rows"][1]["steady_request_per_s"] = 19.5  # the drain pulled the whole run's down
+    assert report.sustained_rate(result) == 20
+    assert "from the first reply to the last send" in "\n".join(report.section(result, [], "r"))
+    result["rows"][1]["steady_request_per_s"] = 17.0  # steady below 95%: not sustained
+    assert report.sustained_rate(result) is None

@@ -20,7 +20,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 from ray.serve import schema as serve_schema
 
-from cluster.config import AppConfig
+from cluster.config import MIN_FAILOVER_DEADLINE_S, AppConfig
 from router.backend import RoleStats
 from router.metrics import Metrics
 from workers.api import EngineStats
@@ -160,6 +160,19 @@ def test_a_wrong_value_fails_naming_the_field() -> None:
     args["engine"]["dtype"] = "bf16"
     with pytest.raises(ValidationError, match=r"engine\.dtype"):
         AppConfig.model_validate(args)
+
+
+def test_a_failover_deadline_inside_the_liveness_window_is_refused() -> None:
+    """A deadline a busy replica's missed heartbeat could outlast would fail live replicas."""
+    assert MIN_FAILOVER_DEADLINE_S == 4.5  # 3 s stale + 1 s post period + 0.5 s verdict reuse
+    args = llama_args()
+    for short in (MIN_FAILOVER_DEADLINE_S, 3.0):
+        args["router"] = {"failover_deadline_s": short}
+        with pytest.raises(ValidationError, match=r"router\.failover_deadline_s") as err:
+            AppConfig.model_validate(args)
+        assert "greater than 4.5 s" in str(err.value)
+    args["router"] = {"failover_deadline_s": MIN_FAILOVER_DEADLINE_S + 0.5}
+    assert AppConfig.model_validate(args).router.failover_deadline_s == 5.0
 
 
 @pytest.mark.parametrize("path", LAUNCHERS, ids=lambda p: p.name)

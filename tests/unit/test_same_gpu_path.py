@@ -1,18 +1,28 @@
-"""Choosing the same-GPU KV path (CUDA IPC device copies) over NIXL, without a GPU."""
+"""Choosing the same-GPU KV path (CUDA IPC device copies) over NIXL, and counting it, without a
+GPU."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
-from workers.config import KVTransferConfig
-from workers.protocol import KVLayout
+from router.backend import RoleStats
+from router.metric_names import Naming
+from router.metrics import Metrics
+from tests.engine_checks import prefill_then_decode
+from workers import LLM, SamplingParams
+from workers.config import EngineConfig, KVTransferConfig
+from workers.disagg.decode import DecodeEngine
+from workers.disagg.prefill import PrefillEngine
+from workers.protocol import GenerateRequest, KVLayout
 from workers.transfer.descriptors import PoolRegion
-from workers.transfer.device_copy import PROCESS_ID, IpcPool, export_pool, same_gpu
+from workers.transfer.device_copy import PROCESS_ID, DeviceCopy, IpcPool, export_pool, same_gpu
 from workers.transfer.peers import PeerRecord
 
+PROMPT = list(range(500, 540))  # 3 pages of 16
 GPU = "GPU-6f1c3a52-0d8e-4f0b-9c1e-0123456789ab"
 OTHER_PROCESS = IpcPool(
     device_uuid=GPU, process_id="a-replica-elsewhere", size=[8, 2, 2, 16, 8, 128],
@@ -59,3 +69,63 @@ def test_the_knob_defaults_to_auto_and_refuses_other_values() -> None:
     assert KVTransferConfig(same_gpu="nixl").same_gpu == "nixl"
     with pytest.raises(ValueError, match="same_gpu"):
         KVTransferConfig(same_gpu="tcp")  # type: ignore[arg-type]
+
+
+class DoneEvent:
+    """A CUDA event that has already fired."""
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+class HostCopies:
+    """`DeviceCopies` for a pool in host memory: the same page copies, done at once."""
+
+    def __init__(self, pages: torch.Tensor) -> None:
+        self.pages = pages
+
+    def copy(self, remote: torch.Tensor, local: np.ndarray, remote_ids: np.ndarray) -> DeviceCopy:
+        self.pages[torch.from_numpy(local)] = remote[torch.from_numpy(remote_ids)]
+        return DeviceCopy(DoneEvent())  # type: ignore[arg-type]
+
+
+def test_a_same_gpu_handoff_counts_a_device_copy_and_metrics_export_it(
+    tiny_llama: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hand-off over NIXL counts no device copy; one whose peer shares the GPU (its pool
+    opened through IPC, here a host tensor) copies the pages itself, counts one and gives the
+    same tokens; /metrics exports the count."""
+    cfg = EngineConfig(model=tiny_llama, num_kv_pages=32, page_size=16)
+    transfer = KVTransferConfig(lease_s=60.0)
+    prefill, decode = PrefillEngine(cfg, transfer, "p"), DecodeEngine(cfg, transfer, "d")
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    try:
+        decode.agent.add_peer(prefill.agent.metadata())
+        over_nixl = prefill_then_decode(
+            prefill, decode, GenerateRequest(request_id="a", prompt_token_ids=PROMPT, params=params)
+        )
+        assert decode.stats().kv_device_copies == 0
+        monkeypatch.setattr(decode.agent, "_copies", HostCopies(decode.runner.pool.pages))
+        monkeypatch.setattr(decode.agent, "_same_gpu_pool", lambda peer: prefill.runner.pool.pages)
+        # another prompt of the same length: the decode's prefix cache holds none of its pages
+        other = [t + 1 for t in PROMPT]
+        copied = prefill_then_decode(
+            prefill, decode, GenerateRequest(request_id="b", prompt_token_ids=other, params=params)
+        )
+        stats = decode.stats()
+        assert stats.kv_device_copies == 1 and stats.nixl_transfers == 2
+        assert stats.num_recomputed == 0 and stats.kv_pages_read == 6
+        [ref_a, ref_b] = LLM(tiny_llama, num_kv_pages=32, page_size=16).generate(
+            [PROMPT, other], params
+        )
+        assert (over_nixl, copied) == (ref_a.token_ids, ref_b.token_ids)
+    finally:
+        decode.agent.close()
+        prefill.agent.close()
+    text = Metrics("m").render([RoleStats("decode", stats)]).decode()
+    assert 'pdserve:kv_transfer_device_copies_total{model_name="m",role="decode"} 1.0' in text
+    vllm = Metrics("m", naming=Naming("vllm")).render([RoleStats("decode", stats)]).decode()
+    assert 'vllm:kv_transfer_device_copies_total{engine="decode",model_name="m"} 1.0' in vllm

@@ -99,6 +99,7 @@ class DecodeEngine(HandoffEngine):
                     "nixl_bytes_transferred": t.bytes_transferred,
                     "nixl_transfers": t.num_transfers,
                     "nixl_xfer_time_s": t.xfer_time_s,
+                    "kv_device_copies": t.device_copies,
                     "kv_pages_read": self.pages_read,
                     "kv_pages_reused": self.pages_reused,
                     "num_recomputed": self.num_recomputed,

@@ -24,5 +24,5 @@ class DecodeWorker(EngineWorker):
         s = self.loop.stats()
         return {
             "num_running": s.num_running + s.num_handoffs_pending,
-            "kv_free_pages": s.kv_pages_total - s.kv_pages_used,
+            "kv_free_pages": s.kv_pages_total - s.kv_pages_held,
         }

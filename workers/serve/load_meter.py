@@ -12,7 +12,9 @@ pass, on the replica's side of the call, so they need nothing from the engine's 
 - `tpot_ms`: time per output token of the streams since the last poll (stall included);
 - `tpot_floor_ms`: the lowest time per output token seen while one stream ran alone (a step's
   fixed cost, what no number of replicas lowers; absent until seen);
-- `kv_usage`, `seat_usage`: the engine's share of KV pages used and of batch seats taken.
+- `kv_usage`, `seat_usage`: the engine's share of KV pages requests hold
+  (`EngineStats.kv_pages_held`: the prefix cache's evictable pages count as free) and of batch
+  seats taken.
 A signal with nothing measured since the last poll is left out rather than reported as 0.
 """
 

@@ -42,5 +42,5 @@ class PrefillWorker(EngineWorker):
         return {
             "num_running": s.num_running,
             "num_waiting": s.num_waiting,
-            "kv_usage": s.kv_pages_used / max(1, s.kv_pages_total),
+            "kv_usage": s.kv_pages_held / max(1, s.kv_pages_total),
         }

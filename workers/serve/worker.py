@@ -112,5 +112,7 @@ class EngineWorker:
         """Polled by Serve for the pool's autoscaling policy (cluster/autoscaling_policy.py)."""
         s = self.loop.stats()
         seats = s.num_running + s.num_handoffs_pending  # decode: reads in flight take seats next
-        return self.meter.snapshot(kv_usage=s.kv_pages_used / max(1, s.kv_pages_total),
-                                   seat_usage=seats / self.engine.cfg.max_num_seqs)
+        return self.meter.snapshot(
+            kv_usage=s.kv_pages_held / max(1, s.kv_pages_total),
+            seat_usage=seats / self.engine.cfg.max_num_seqs,
+        )
