@@ -1,0 +1,60 @@
+"""A sparse mixture-of-experts block, in a decoder layer's MLP slot (`DecoderLayer.mlp`).
+
+A router (a linear layer to one logit per expert) picks each token's top-k experts by softmax
+probability; the token's output is the sum of those experts' SwiGLU MLPs weighted by their
+probabilities, renormalised over the k chosen where the family says so (`norm_topk_prob`:
+Qwen3-MoE's flag, always for Mixtral). Experts: `moe_experts.StackedExperts`.
+
+Families this block is meant to take next, without a second MoE module:
+- a shared expert (Qwen2-MoE, DeepSeek): a dense `MLP` beside the experts, its output (Qwen2-MoE:
+  times sigmoid of its own gate) added to the routed sum before the block returns;
+- grouped routing (DeepSeek-V3): `Router.route` is the only place that turns logits into
+  (weights, ids); a sigmoid score, a bias for selection only and a top-groups mask go there.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from workers.model.config import ModelConfig
+from workers.model.layers import replicated_loader
+from workers.model.moe_experts import StackedExperts
+from workers.parallel.group import TPGroup
+
+
+class Router(nn.Module):
+    def __init__(self, hidden: int, num_experts: int, top_k: int, renormalize: bool) -> None:
+        super().__init__()
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok={top_k} must be in 1..{num_experts}")
+        # every rank routes every token: the router is replicated
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False)
+        self.weight.weight_loader = replicated_loader  # type: ignore[attr-defined]
+        self.top_k = top_k
+        self.renormalize = renormalize
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's top-k (weights in float32, expert ids), softmax in float32 as HF does."""
+        probs = torch.softmax(torch.mm(x, self.weight.t()).float(), dim=-1)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, ids
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
+        super().__init__()
+        self.gate = Router(
+            cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob
+        )
+        self.experts = StackedExperts(
+            cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, tp, cfg.expert_parallel
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sum of the block's output (its experts, or its slice of every
+        expert): the next norm sums it over the group, as for a dense MLP."""
+        weights, ids = self.gate.route(x)
+        return self.experts(x, weights, ids)
