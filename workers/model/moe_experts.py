@@ -104,10 +104,12 @@ class StackedExperts(nn.Module):
     ) -> torch.Tensor:
         """sum_k weight_k * expert_{id_k}(x) over this rank's experts (and its I slice) for each
         row of x `[T, H]`; `topk_ids` / `topk_weights` `[T, k]` name global experts."""
-        if x.is_cuda:
-            from workers.kernels.moe_fused import fused_moe  # Triton: imported on first CUDA use
+        if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
+            # Triton: imported on first CUDA use (float32 keeps torch's exact GEMMs, not TF32)
+            from workers.kernels.moe_fused import fused_moe
 
-            return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, self.first)
+            w13, w2, first = self.w13, self.w2, self.first
+            return fused_moe(x, w13, w2, topk_weights, topk_ids, first, self.num_experts)
         return grouped_experts(x, self.w13, self.w2, topk_weights, topk_ids, self.first)
 
 
