@@ -8,7 +8,7 @@ Qwen3-MoE's flag, always for Mixtral). Experts: `moe_experts.StackedExperts`.
 Families this block is meant to take next, without a second MoE module:
 - a shared expert (Qwen2-MoE, DeepSeek): a dense `MLP` beside the experts, its output (Qwen2-MoE:
   times sigmoid of its own gate) added to the routed sum before the block returns;
-- grouped routing (DeepSeek-V3): `Router.route` is the only place that turns logits into
+- grouped routing (DeepSeek-V3): `Router.forward` is the only place that turns logits into
   (weights, ids); a sigmoid score, a bias for selection only and a top-groups mask go there.
 """
 
@@ -34,7 +34,7 @@ class Router(nn.Module):
         self.top_k = top_k
         self.renormalize = renormalize
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's top-k (weights in float32, expert ids), softmax in float32 as HF does."""
         probs = torch.softmax(torch.mm(x, self.weight.t()).float(), dim=-1)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
@@ -56,5 +56,5 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum of the block's output (its experts, or its slice of every
         expert): the next norm sums it over the group, as for a dense MLP."""
-        weights, ids = self.gate.route(x)
+        weights, ids = self.gate(x)
         return self.experts(x, weights, ids)
