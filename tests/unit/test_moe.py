@@ -115,3 +115,31 @@ def test_grouped_experts_equal_a_dense_loop() -> None:
     got = grouped_experts(x, w13[first : first + 3], w2[first : first + 3], weights, ids, first)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert (got[(ids < first).all(1) | (ids >= first + 3).all(1)] == 0).all()
+
+
+def test_routed_tokens_are_counted_and_exported(tmp_path: Path, smollm2_dir: Path) -> None:
+    """Each sparse layer counts top-k experts per computed token; /metrics renders them per
+    role, layer and expert, replicas summed."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from router.backend import RoleStats
+    from router.metrics import Metrics
+
+    path = moe_checkpoint(tmp_path, smollm2_dir, "qwen3-moe-sparse-step-2")  # layer 1 sparse
+    llm = LLM(str(path), enable_prefix_caching=False, **SMALL)
+    outs = llm.generate(PROMPTS, GREEDY)
+    stats = llm.engine.stats()
+    assert list(stats.moe_expert_tokens) == ["1"]
+    per_expert = stats.moe_expert_tokens["1"]
+    # every prompt token and every generated token but the last was computed, k experts each
+    tokens = sum(len(o.prompt_token_ids) + len(o.token_ids) - 1 for o in outs)
+    assert len(per_expert) == 4 and sum(per_expert) == 2 * tokens
+    assert sum(n > 0 for n in per_expert) >= 2
+    text = Metrics("m").render([RoleStats("decode", stats), RoleStats("decode", stats)])
+    got = {
+        (s.labels["layer"], s.labels["expert"]): s.value
+        for family in text_string_to_metric_families(text.decode())
+        for s in family.samples
+        if s.name == "pdserve:moe_expert_tokens_total" and s.labels["role"] == "decode"
+    }
+    assert got == {("1", str(e)): 2 * n for e, n in enumerate(per_expert)}

@@ -44,6 +44,8 @@ class Router(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
+    routed_tokens: torch.Tensor
+
     def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
         self.gate = Router(
@@ -52,9 +54,34 @@ class SparseMoeBlock(nn.Module):
         self.experts = StackedExperts(
             cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, tp, cfg.expert_parallel
         )
+        # (token, expert) pairs routed to each expert by eager forwards (`routed_token_counts`)
+        counts = torch.zeros(cfg.num_experts, dtype=torch.long)
+        self.register_buffer("routed_tokens", counts, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum of the block's output (its experts, or its slice of every
         expert): the next norm sums it over the group, as for a dense MLP."""
         weights, ids = self.gate(x)
+        if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+            # A decode graph's replays are not counted: its padding rows would count too
+            flat = ids.flatten()
+            self.routed_tokens.index_add_(0, flat, torch.ones_like(flat))
         return self.experts(x, weights, ids)
+
+
+def routed_token_counts(model: nn.Module) -> dict[str, list[int]]:
+    """Per sparse layer (its index), the tokens routed to each expert so far by the forwards
+    that ran eagerly: every prefill chunk, and decode steps outside the CUDA graphs (all steps
+    on the CPU): a sample of the routing, read on the host (one wait for the device)."""
+    return {
+        name.split(".")[-2]: block.routed_tokens.tolist()
+        for name, block in model.named_modules()
+        if isinstance(block, SparseMoeBlock)
+    }
+
+
+def reset_routed_token_counts(model: nn.Module) -> None:
+    """Forget what warm-up forwards routed (the CUDA graphs' before their capture)."""
+    for block in model.modules():
+        if isinstance(block, SparseMoeBlock):
+            block.routed_tokens.zero_()
