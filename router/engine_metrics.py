@@ -154,9 +154,9 @@ def moe_expert_tokens(
     role for Qwen3-30B-A3B."""
     counts: dict[tuple[str, int, int], int] = defaultdict(int)
     for role, stats, _ in snapshot:
-        for layer, per_expert in stats.moe_expert_tokens.items():
+        for name, per_expert in stats.moe_expert_tokens.items():
             for expert, n in enumerate(per_expert):
-                counts[(role, int(layer), expert)] += n
+                counts[(role, int(name), expert)] += n
     if not counts:
         return []
     family = CounterMetricFamily(
