@@ -13,12 +13,14 @@ from tests.unit.test_skinny_gemm_interpreted import interpreted
 CASES = [  # (tokens, experts held, first expert, Config fields)
     (5, 6, 0, dict(block_m=16, block_n=16, block_k=32, num_stages=1)),
     (11, 3, 3, dict(block_m=32, block_n=32, block_k=16, num_stages=1)),  # rank 1 of 2
+    (530, 6, 0, dict(block_m=64, block_n=32, block_k=32, num_stages=1)),  # > 1024 pairs: chunks
 ]
 
 
 def check() -> None:
     """Each case against the torch path in float64; run with TRITON_INTERPRET=1."""
-    from workers.kernels.moe_fused import align, fused_moe
+    from workers.kernels.moe_align import align
+    from workers.kernels.moe_fused import fused_moe
     from workers.kernels.moe_tuning import MoEConfig
     from workers.model.moe_experts import grouped_experts
 

@@ -1,11 +1,10 @@
 """Fused MoE (Triton): a layer's routed experts in two grouped GEMMs and one reduce.
 
-1. `align`: the (token, slot) pairs sorted by expert, each expert's run padded to a multiple of
-   BLOCK_M, so that every M tile of pairs belongs to one expert (`tile_expert`; -1: an empty
-   tile, or pairs routed to another rank's experts). Torch ops on the device, no host sync:
-   the grid is sized by the bound sum_e ceil(n_e / BLOCK_M) <= min(pairs, pairs / BLOCK_M + E),
-   and a tile without pairs returns at once. Experts without pairs get no tile, so a decode step
-   reads only the experts its batch routes to.
+1. `moe_align.align`: the (token, slot) pairs grouped by expert, each expert's run padded to a
+   multiple of BLOCK_M, so that every M tile of pairs belongs to one expert (`tile_expert`; -1:
+   a tile past the runs). Two launches, no host sync: the grid is sized by a bound and a tile
+   without pairs returns at once. Pairs routed to another rank's experts get no slot, experts
+   without pairs no tile, so a decode step reads only the experts its batch routes to.
 2. `_w13_kernel`: each tile's token rows gathered from x times its expert's gate and up rows,
    SiLU(gate) * up in the epilogue -> act [padded pairs, I].
 3. `_w2_kernel`: act times the expert's down matrix, scaled in the epilogue by the pair's routing
@@ -24,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from workers.kernels.moe_align import align
 from workers.kernels.moe_tuning import MoEConfig, MoETable, moe_config, moe_table
 
 
@@ -92,33 +92,6 @@ def _w2_kernel(
     acc = acc * weight[:, None]
     out = out_ptr + pair[:, None].to(tl.int64) * stride_out + offs_n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
-
-
-def align(
-    topk_ids: torch.Tensor, first: int, num_local: int, block_m: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(pairs [tiles * block_m] of pair indices, sorted by expert and padded with `pairs` as
-    a sentinel; tile_expert [tiles], this rank's expert of each tile or -1)."""
-    n = topk_ids.numel()
-    device = topk_ids.device
-    local = topk_ids.flatten().long() - first
-    local = local.masked_fill((local < 0) | (local >= num_local), num_local)  # not ours: last
-    counts = torch.zeros(num_local + 1, dtype=torch.long, device=device)
-    counts.scatter_add_(0, local, torch.ones_like(local))
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded[num_local] = 0  # other ranks' pairs take no tile
-    pad_ends = padded.cumsum(0)
-    order = torch.argsort(local, stable=True)
-    sorted_local = local[order]
-    rank = torch.arange(n, device=device) - (counts.cumsum(0) - counts)[sorted_local]
-    tiles = min(n, triton.cdiv(n, block_m) + num_local)
-    pos = (pad_ends - padded)[sorted_local] + rank
-    pos = pos.masked_fill(sorted_local == num_local, tiles * block_m)  # a slot never read
-    pairs = torch.full((tiles * block_m + 1,), n, dtype=torch.long, device=device)
-    pairs.scatter_(0, pos, order)
-    starts = torch.arange(tiles, device=device) * block_m
-    tile_expert = torch.searchsorted(pad_ends[:num_local], starts, right=True)
-    return pairs, tile_expert.masked_fill(tile_expert >= num_local, -1)
 
 
 @functools.cache
