@@ -158,3 +158,23 @@ def test_speculative_decoding_and_fp8_kv_on_moe(tmp_path: Path, smollm2_dir: Pat
     assert [len(o.token_ids) for o in fp8] == [NEW_TOKENS] * len(PROMPTS)
     agree = sum(a == b for o, p in zip(fp8, plain) for a, b in zip(o.token_ids, p))
     assert agree >= len(PROMPTS)  # at least the first tokens, before any near tie cascades
+
+
+def test_transformers_stacked_expert_tensors_load(tmp_path: Path, smollm2_dir: Path) -> None:
+    """A checkpoint of transformers 5's in-memory tensors (as a GGUF file dequantised through it
+    is saved: `mlp.experts.gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]) gives the tokens of
+    the per-expert checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    path = moe_checkpoint(tmp_path / "per-expert", smollm2_dir, "mixtral")
+    want = [o.token_ids for o in LLM(str(path), **SMALL).generate(PROMPTS[:2], GREEDY)]
+    state = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+    assert "model.layers.0.mlp.experts.gate_up_proj" in state
+    stacked = tmp_path / "stacked"
+    stacked.mkdir()
+    for f in path.iterdir():
+        if f.suffix != ".safetensors":
+            (stacked / f.name).write_bytes(f.read_bytes())
+    save_file({k: v.contiguous() for k, v in state.items()}, stacked / "model.safetensors")
+    got = [o.token_ids for o in LLM(str(stacked), **SMALL).generate(PROMPTS[:2], GREEDY)]
+    assert got == want

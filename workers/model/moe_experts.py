@@ -27,14 +27,22 @@ _EXPERT_NAME = re.compile(
     r"^(?P<prefix>.*\.)(?:mlp|block_sparse_moe)\.experts\.(?P<expert>\d+)\."
     r"(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$"
 )
+# transformers 5's own stacked tensors (what its state_dict holds, e.g. a GGUF file dequantised
+# through it): gate_up_proj [E, 2I, H], down_proj [E, H, I]
+_STACKED_NAME = re.compile(r"^(?P<prefix>.*\.)mlp\.experts\.(?P<proj>gate_up_proj|down_proj)$")
 _PROJ_KIND = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",
               "down_proj": "down", "w2": "down"}  # fmt: skip
 KINDS = ("gate", "up", "down")
+ALL = -1  # the expert id of a stacked tensor: every expert
 
 
 def expert_weight(name: str) -> tuple[str, tuple[int, str]] | None:
-    """A checkpoint's per-expert tensor name -> (our stacked parameter, (expert, kind)); None for
-    other tensors."""
+    """A checkpoint's expert tensor name -> (our stacked parameter, (expert or ALL, kind));
+    None for other tensors."""
+    if (stacked := _STACKED_NAME.match(name)) is not None:
+        gate_up = stacked["proj"] == "gate_up_proj"
+        param, kind = ("w13", "gate_up") if gate_up else ("w2", "down")
+        return f"{stacked['prefix']}mlp.experts.{param}", (ALL, kind)
     m = _EXPERT_NAME.match(name)
     if m is None:
         return None
@@ -75,6 +83,18 @@ class StackedExperts(nn.Module):
         """Copy this rank's part of one expert's gate, up or down matrix (`shard_id`: (expert,
         kind)); an expert another rank holds is only noted as seen."""
         expert, kind = cast(tuple[int, str], shard_id)
+        if expert == ALL:  # a stacked tensor: each expert's matrices in turn
+            if weight.shape[0] != self.num_experts:
+                raise ValueError(f"{kind}: {weight.shape[0]} experts, the model has "
+                                 f"{self.num_experts}")  # fmt: skip
+            inter = weight.shape[1] // 2 if kind == "gate_up" else weight.shape[2]
+            for e in range(self.num_experts):
+                if kind == "down":
+                    self._load(param, weight[e], (e, "down"))
+                else:
+                    self._load(param, weight[e, :inter], (e, "gate"))
+                    self._load(param, weight[e, inter:], (e, "up"))
+            return
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"expert {expert} outside the model's {self.num_experts} experts")
         self._seen.add((expert, kind))
