@@ -73,3 +73,19 @@ def _term_scale(x, w13, w2, weights, ids, first) -> float:  # noqa: ANN001 - ten
                 total += float(weights[t, j]) * (w2[e].double().abs() @ act.abs())
         scale = max(scale, float(total.max()))
     return scale
+
+
+def test_launch_table_round_trips_and_picks_the_nearest_bucket() -> None:
+    import json
+
+    from workers.kernels.moe_tuning import MoEConfig, default_config, dumps, moe_config, parse
+
+    a3b = (128, 2048, 768, 8)
+    table = {a3b: {1: MoEConfig(16, 32, 128, 4, 4), 64: MoEConfig(32, 64, 64, 4, 3),
+                   8192: MoEConfig(64, 128, 64, 8, 3)}}  # fmt: skip
+    assert parse(json.loads(dumps(table, "NVIDIA H200"))) == table
+    assert moe_config(table, a3b, 1) == table[a3b][1]
+    assert moe_config(table, a3b, 3) == table[a3b][1]  # bucket 4: nearer 1 than 64
+    assert moe_config(table, a3b, 50) == table[a3b][64]
+    assert moe_config(table, a3b, 100_000) == table[a3b][8192]
+    assert moe_config(table, (64, 2048, 768, 8), 1) == default_config(1, 8, 64)  # not measured
