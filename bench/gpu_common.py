@@ -72,6 +72,44 @@ SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
             tie_word_embeddings=False,
         ),
     ),
+    "qwen3-30b-a3b": (  # 128 experts, 8 routed a token: ~3.3B of 30.5B parameters active
+        "Qwen3MoeForCausalLM",
+        dict(
+            vocab_size=151936,
+            hidden_size=2048,
+            intermediate_size=6144,
+            moe_intermediate_size=768,
+            num_hidden_layers=48,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            num_experts=128,
+            num_experts_per_tok=8,
+            norm_topk_prob=True,
+            max_position_embeddings=40960,
+            rope_theta=1000000.0,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "tiny-moe": (  # two small layers of 8 experts, top-2: bench_moe's CPU smoke run
+        "Qwen3MoeForCausalLM",
+        dict(
+            vocab_size=49152,
+            hidden_size=64,
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            max_position_embeddings=2048,
+            tie_word_embeddings=False,
+        ),
+    ),
 }
 PAGE_SIZE = 16  # the decode benchmarks' KV page
 SPIN_CYCLES = 100_000_000  # ~50 ms of a GPU's clock (`replay_ms`)
@@ -81,12 +119,15 @@ MAX_BATCHED_TOKENS = 16384  # a step's token budget in `decode_config`
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
-def bench_parser(doc: str, shape: str = "llama3-8b") -> argparse.ArgumentParser:
-    """The arguments every GPU bench takes: the tokenizer files, the model shape, where to put
-    the dummy model, a folder for the result file (`--out`), and overrides of the engine's
-    config (`--set`)."""
+def bench_parser(
+    doc: str, shape: str = "llama3-8b", tokenizer_dir: Path | None = None
+) -> argparse.ArgumentParser:
+    """The arguments every GPU bench takes: the tokenizer files (`tokenizer_dir`: a default,
+    else required), the model shape, where to put the dummy model, a folder for the result file
+    (`--out`), and overrides of the engine's config (`--set`)."""
     ap = argparse.ArgumentParser(description=doc.split("\n")[0])
-    ap.add_argument("--tokenizer-dir", type=Path, required=True)
+    ap.add_argument("--tokenizer-dir", type=Path, required=tokenizer_dir is None,
+                    default=tokenizer_dir)  # fmt: skip
     ap.add_argument("--shape", default=shape, choices=sorted(SHAPES))
     ap.add_argument("--work", type=Path, default=Path("/tmp/pdserve-bench"))
     add_out_argument(ap)

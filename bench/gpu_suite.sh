@@ -31,6 +31,11 @@
 #   spec_tests the speculative-decoding GPU tests alone (also part of `tests`)
 #   spec       speculative decoding: a repetitive workload on SmolLM2 (--model) with and without
 #              ngram drafts, and the verify step against the decode step (bench.spec_decode)
+#   moe_tests  the MoE GPU tests alone (fused expert kernel, engine on a tiny Qwen3-MoE; also
+#              part of `tests`)
+#   moe        Qwen3-30B-A3B shapes: decode at batch 1 and 64 against the routed-expert floor,
+#              prefill of 8192 tokens against the GEMM peak (bench/bench_moe.py)
+#   moe_sweep  tune the fused MoE kernel's launch table for this GPU (bench/sweep_moe.py --write)
 # Each part runs under its own time limit, so one hang cannot stall the rest; the script exits
 # 1 if any part failed. Needs a CUDA torch and `pip install -e ".[gpu]"` (flashinfer, nixl, ray).
 set -uo pipefail
@@ -115,6 +120,10 @@ part spec_tests 300 1 python3 -m pytest tests/gpu/test_speculative_gpu.py -m gpu
 spec_model=()
 [ -n "$MODEL" ] && spec_model=(--model "$MODEL")
 part spec 300 1 python3 -m bench.spec_decode "${tok[@]}" "${spec_model[@]}" --out "$OUT"
+part moe_tests 300 1 python3 -m pytest tests/gpu/test_moe_gpu.py -m gpu -q -rs \
+  -p no:cacheprovider --junitxml="$OUT/moe-tests.xml"
+part moe_sweep 900 1 python3 bench/sweep_moe.py --write
+part moe 600 1 python3 bench/bench_moe.py --device cuda "${tok[@]}" --out "$OUT"
 python3 -m bench.report --results "$OUT" --stdout > "$OUT/results.md"
 echo "results: $OUT/results.md; to publish them, copy the result files to bench/results/ and" \
   "run python -m bench.report"

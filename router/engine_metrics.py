@@ -61,7 +61,7 @@ SPEC_COUNTERS = {
     "spec_num_accepted_tokens": ("spec_decode_num_accepted_tokens", "Draft tokens accepted"),
 }
 # summed element-wise, or per key (`engine_deaths`), not here
-LIST_FIELDS = {"iteration_tokens", "spec_accepted_per_pos", "engine_deaths"}
+LIST_FIELDS = {"iteration_tokens", "spec_accepted_per_pos", "engine_deaths", "moe_expert_tokens"}
 
 
 # EngineStats fields that describe the present (gauges): a dead replica's are left out
@@ -157,6 +157,30 @@ def spec_families(
     return [*families.values(), positions]
 
 
+def moe_expert_tokens(
+    snapshot: Iterable[RoleStats], model: str, naming: Naming
+) -> list[Metric]:
+    """`moe_expert_tokens_total{role, layer, expert}` of MoE models: tokens routed to each
+    expert of each sparse layer by the forwards the engines sampled, over every replica that
+    ever posted (none for a dense model). A series per layer and expert: 48 x 128 = 6144 a
+    role for Qwen3-30B-A3B."""
+    counts: dict[tuple[str, int, int], int] = defaultdict(int)
+    for role, stats, _ in snapshot:
+        for name, per_expert in stats.moe_expert_tokens.items():
+            for expert, n in enumerate(per_expert):
+                counts[(role, int(name), expert)] += n
+    if not counts:
+        return []
+    family = CounterMetricFamily(
+        naming("moe_expert_tokens"),
+        "Tokens routed to each expert of each MoE layer (the steps that ran eagerly)",
+        labels=["model_name", naming.engine_label, "layer", "expert"],
+    )
+    for (role, layer, expert), n in sorted(counts.items()):
+        family.add_metric([model, role, str(layer), str(expert)], n)
+    return [family]
+
+
 class EngineStatsCollector(Collector):
     """Renders the latest engine snapshots; `update` replaces them."""
 
@@ -241,4 +265,5 @@ class EngineStatsCollector(Collector):
         )
         yield from spec_families(self.snapshot, sums, self.model_name, name)
         yield engine_deaths(self.snapshot, self.model_name, name)
+        yield from moe_expert_tokens(self.snapshot, self.model_name, name)
         yield from tier_families(sums, self.model_name, name)

@@ -236,6 +236,13 @@ class EngineConfig(BaseModel):
         "auto", description="dummy: random weights from config.json alone (benchmarks)"
     )
     tensor_parallel_size: int = Field(1, ge=1)
+    expert_parallel: bool = Field(
+        False,
+        description="MoE models: place whole experts on the ranks of the tensor-parallel group "
+        "(num_experts / tensor_parallel_size each) instead of splitting every expert over "
+        "them; each rank computes its experts for all tokens and the layer's all-reduce sums "
+        "the ranks' parts. No effect on dense models or one rank",
+    )
     seed: int = 0
     grammar_threads: int = Field(
         8,

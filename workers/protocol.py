@@ -311,6 +311,9 @@ class EngineStats(BaseModel):
     kv_onload_time_s: float = 0.0
     kv_onloads: int = 0
     num_swap_preemptions: int = 0  # preemptions whose pages went down the tiers
+    # MoE models: per sparse layer (its index), tokens routed to each expert by eagerly run
+    # forwards (`moe.routed_token_counts`), counted since the engine started
+    moe_expert_tokens: dict[str, list[int]] = {}
     # the engine's death (`EngineDeadError`): the exception type that killed it -> 1; the
     # routers skip a replica that posted one
     engine_deaths: dict[str, int] = {}

@@ -49,11 +49,11 @@ def check() -> None:
         assert err < atol, (fields, err, atol)
 
 
-def interpreted(check_name: str) -> None:
-    """Run `check_name` of this module in a process of its own: Triton reads TRITON_INTERPRET
+def interpreted(check_name: str, module: str = __name__) -> None:
+    """Run `check_name` of `module` in a process of its own: Triton reads TRITON_INTERPRET
     where a function is decorated."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": REPO}
-    code = f"from {__name__} import {check_name}; {check_name}()"
+    code = f"from {module} import {check_name}; {check_name}()"
     proc = subprocess.run([sys.executable, "-W", "ignore", "-c", code], env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]

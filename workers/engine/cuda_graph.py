@@ -37,6 +37,7 @@ from workers.attention.xqa_decode import XQABuffers
 from workers.config import KernelConfig
 from workers.kvcache.pool import KVPool
 from workers.model.llama import LlamaForCausalLM
+from workers.model.moe import reset_routed_token_counts
 from workers.sampling.sampler import argmax_rows
 
 logger = logging.getLogger(__name__)
@@ -82,6 +83,7 @@ class DecodeCudaGraphs:
             )  # fmt: skip
             self.attn[bs] = attn
             self._capture(bs, attn, mem_pool)
+        reset_routed_token_counts(model)  # the warm-up forwards' routing is no traffic
         torch.cuda.synchronize(device)
         logger.info(
             "captured decode CUDA graphs for batch sizes %s in %.1f s (%.0f MiB)",

@@ -31,6 +31,7 @@ from workers.engine.tp_runner import create_runner
 from workers.kvcache.allocator import PageAllocator
 from workers.kvcache.manager import KVManager
 from workers.model.files import load_tokenizer
+from workers.model.moe import routed_token_counts
 from workers.parallel.group import SINGLE, TPGroup
 from workers.protocol import EngineDeadError, EngineStats, GenerateRequest, RequestOutput
 from workers.sampling.sampler import SampleResult
@@ -336,6 +337,7 @@ class Engine:
             iteration_tokens=list(self.step_tokens.buckets),
             iteration_tokens_sum=self.step_tokens.sum,
             engine_deaths={} if self.dead is None else {type(self.dead.__cause__).__name__: 1},
+            moe_expert_tokens=routed_token_counts(self.runner.model),
             **({} if self.spec is None else self.spec.stats()),
             **({} if self.kv.tiers is None else self.kv.tiers.stats()),
         )

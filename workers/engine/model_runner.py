@@ -65,7 +65,9 @@ class ModelRunner:
             pdl.allow(cfg.kernels.pdl)
         self.dtype = cfg.resolved_dtype(self.device)
         self.model_dir = resolve_model(cfg.model, cfg.load_format)
-        self.model_config = load_model_config(self.model_dir)
+        self.model_config = load_model_config(self.model_dir).model_copy(
+            update={"expert_parallel": cfg.expert_parallel}
+        )
         if cfg.load_format == "dummy":
             self.model = build_dummy_model(
                 self.model_config, self.dtype, self.device, tp, cfg.seed, cfg.kernels.fold_norms

@@ -95,6 +95,7 @@ def _device(cfg: EngineConfig) -> torch.device:
 def _check_shardable(cfg: EngineConfig) -> None:
     """Raise the layers' own error (heads, features not divisible) before any rank starts."""
     model_config = load_model_config(resolve_model(cfg.model, cfg.load_format))
+    model_config = model_config.model_copy(update={"expert_parallel": cfg.expert_parallel})
     with torch.device("meta"):
         LlamaForCausalLM(model_config, TPGroup(0, cfg.tensor_parallel_size))
 

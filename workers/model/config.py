@@ -14,6 +14,8 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # config.json fields pdserve needs and gives no default
@@ -45,6 +47,23 @@ class ModelConfig(BaseModel):
     qk_norm: bool = False
     sliding_window: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Mixture of experts (workers/model/moe.py); num_experts 0: every layer a dense MLP
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
+    decoder_sparse_step: int = 1  # every step-th layer is sparse (those not in mlp_only_layers)
+    mlp_only_layers: tuple[int, ...] = ()
+    # How this process places experts (EngineConfig.expert_parallel), not the checkpoint's
+    expert_parallel: bool = False
+
+    def is_sparse_layer(self, layer_id: int) -> bool:
+        """Whether layer `layer_id` runs a sparse MoE block (HF's rule for Qwen3-MoE)."""
+        return (
+            self.num_experts > 0
+            and layer_id not in self.mlp_only_layers
+            and (layer_id + 1) % self.decoder_sparse_step == 0
+        )
 
     def context_limit(self, requested: int | None = None) -> int:
         """Longest sequence served: the model's, capped by a sliding window we don't implement
@@ -86,7 +105,7 @@ class ModelConfig(BaseModel):
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         num_heads = hf["num_attention_heads"]
         # Qwen's config classes default to no sliding window; Mistral's has no switch
-        windowed = hf.get("use_sliding_window", family not in ("qwen2", "qwen3"))
+        windowed = hf.get("use_sliding_window", family not in ("qwen2", "qwen3", "qwen3_moe"))
         return cls(
             architecture=arch,
             vocab_size=hf["vocab_size"],
@@ -102,7 +121,31 @@ class ModelConfig(BaseModel):
             max_position_embeddings=hf["max_position_embeddings"],
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=family == "qwen2" or bool(hf.get("attention_bias", False)),
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "qwen3_moe"),
             sliding_window=hf.get("sliding_window") if windowed else None,
             eos_token_ids=eos_ids,
+            **_moe_fields(family, hf),
         )
+
+
+def _moe_fields(family: str, hf: dict[str, Any]) -> dict[str, Any]:
+    """The routing fields of an MoE family's config.json, with its config class's defaults."""
+    # transformers 5 writes either family's expert count as num_local_experts
+    experts = hf.get("num_experts") or hf.get("num_local_experts")
+    if family == "mixtral":  # every layer sparse; top-k weights always renormalised
+        return dict(
+            num_experts=experts or 8,
+            num_experts_per_tok=hf.get("num_experts_per_tok", 2),
+            moe_intermediate_size=hf["intermediate_size"],
+            norm_topk_prob=True,
+        )
+    if family == "qwen3_moe":
+        return dict(
+            num_experts=experts or 128,
+            num_experts_per_tok=hf.get("num_experts_per_tok", 8),
+            moe_intermediate_size=hf.get("moe_intermediate_size", 768),
+            norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+            decoder_sparse_step=hf.get("decoder_sparse_step", 1) or 1,
+            mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
+        )
+    return {}

@@ -30,7 +30,9 @@ def _checkpoint_shapes(model: LlamaForCausalLM) -> Iterator[tuple[str, tuple[int
         ".up_proj.": cfg.intermediate_size,
     }
     for name, param in model.named_parameters():
-        if ".qkv_proj." in name or ".gate_up_proj." in name:
+        if name.endswith(".experts.w13") or name.endswith(".experts.w2"):
+            yield from _expert_shapes(name, cfg)
+        elif ".qkv_proj." in name or ".gate_up_proj." in name:
             for src, (dst, _) in STACKED_PARAMS.items():
                 if dst in name:
                     rows = fused_shapes[src]
@@ -44,6 +46,16 @@ def _checkpoint_shapes(model: LlamaForCausalLM) -> Iterator[tuple[str, tuple[int
             yield name, (cfg.vocab_size, hidden)
         else:  # norms and biases are replicated: the parameter's shape is the full shape
             yield name, tuple(param.shape)
+
+
+def _expert_shapes(name: str, cfg: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """The per-expert HF tensors (Qwen3-MoE's names) a stacked expert parameter loads from."""
+    prefix, inter, hidden = name.rsplit(".", 1)[0], cfg.moe_intermediate_size, cfg.hidden_size
+    projs = ("down_proj",) if name.endswith("w2") else ("gate_proj", "up_proj")
+    for e in range(cfg.num_experts):
+        for proj in projs:
+            shape = (hidden, inter) if proj == "down_proj" else (inter, hidden)
+            yield f"{prefix}.{e}.{proj}.weight", shape
 
 
 def load_dummy_weights(model: LlamaForCausalLM, seed: int = 0) -> None:

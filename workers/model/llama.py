@@ -30,6 +30,8 @@ from workers.model.layers import (
     silu_and_mul_linear,
     skinny_takes_all,
 )
+from workers.model.moe import SparseMoeBlock
+from workers.model.moe_experts import StackedExperts, expert_weight, moe_param_name
 from workers.parallel.group import TPGroup
 
 # checkpoint name fragment -> (our fragment, shard id)
@@ -130,7 +132,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer_id, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, tp)
+        self.mlp: MLP | SparseMoeBlock = (
+            SparseMoeBlock(cfg, tp) if cfg.is_sparse_layer(layer_id) else MLP(cfg, tp)
+        )
 
     def forward(
         self,
@@ -164,11 +168,11 @@ class DecoderLayer(nn.Module):
         s_in, s_mid, s_out = sums
         attn_norm, mlp_norm = self.input_layernorm, self.post_attention_layernorm
         residual = self.self_attn.forward_folded(residual, attn_norm, s_in, s_mid, cos_sin, attn)
-        return self.mlp.forward_folded(residual, mlp_norm, s_mid, s_out)
+        return cast(MLP, self.mlp).forward_folded(residual, mlp_norm, s_mid, s_out)  # dense only
 
     def folded_weights(self) -> list[torch.Tensor]:
         """The weights `forward_folded` multiplies, in its order."""
-        attn, mlp = self.self_attn, self.mlp
+        attn, mlp = self.self_attn, cast(MLP, self.mlp)  # folding: dense models only
         return [attn.qkv_proj.weight, attn.o_proj.weight, mlp.gate_up_proj.weight,
                 mlp.down_proj.weight]  # fmt: skip
 
@@ -267,7 +271,7 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.decoder_layers:
             pairs = [
                 (layer.input_layernorm.weight, layer.self_attn.qkv_proj.weight),
-                (layer.post_attention_layernorm.weight, layer.mlp.gate_up_proj.weight),
+                (layer.post_attention_layernorm.weight, cast(MLP, layer.mlp).gate_up_proj.weight),
             ]
             for gain, weight in pairs:
                 weight.data.copy_(weight.data.float() * gain.data.float()[None, :])
@@ -279,6 +283,8 @@ class LlamaForCausalLM(nn.Module):
         `KernelConfig.blocked_weights`), after any folding: its decode GEMM tiles then read
         contiguous memory."""
         for layer in self.decoder_layers:
+            if not isinstance(layer.mlp, MLP):  # experts: stacked, read by their own kernel
+                continue
             weight = layer.mlp.gate_up_proj.weight
             if weight.shape[0] // 2 % BLOCK_ROWS:
                 raise ValueError(
@@ -290,8 +296,8 @@ class LlamaForCausalLM(nn.Module):
     def _folding_pays(self) -> bool:
         """One rank, and the skinny GEMM runs every weight of a batch-1 decode step: where
         folding removes the norm kernels (`fold_norms=False` keeps them, for comparison)."""
-        if self.tp.size != 1 or not self.fold_norms:
-            return False
+        if self.tp.size != 1 or not self.fold_norms or self.config.num_experts:
+            return False  # MoE layers keep their norms: the router and experts read one input
         return self._skinny_runs_every_weight(1)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -305,9 +311,12 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
-            shard: int | str | None = None
+            shard: int | str | tuple[int, str] | None = None
+            name, expert = moe_param_name(name), expert_weight(name)
+            if expert is not None:
+                name, shard = expert
             for src, (dst, shard_id) in STACKED_PARAMS.items():
-                if src in name:
+                if shard is None and src in name:
                     name, shard = name.replace(src, dst), shard_id
                     break
             if name not in params:
@@ -321,5 +330,8 @@ class LlamaForCausalLM(nn.Module):
         missing = set(params) - loaded - tied
         if missing:
             raise ValueError(f"checkpoint lacks {sorted(missing)[:5]} ({len(missing)} tensors)")
+        for where, module in self.named_modules():
+            if isinstance(module, StackedExperts):
+                module.check_loaded(where)
         if self._folding_pays():
             self.fold_norm_gains()

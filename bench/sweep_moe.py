@@ -1,0 +1,93 @@
+"""Tune the fused MoE kernel's launch table for this GPU: per expert shape and token bucket, time
+each candidate `MoEConfig` on random bf16 experts and routing, and write the fastest to
+`workers/kernels/tables/moe_fused_<gpu>.json` (`moe_tuning`), which `fused_moe` then reads.
+
+    python bench/sweep_moe.py [--shapes 128,2048,768,8] [--tokens 1,2,...] [--write]
+
+A shape is "experts on a rank, hidden, expert intermediate, top-k": Qwen3-30B-A3B's by default,
+and its expert-parallel half (64 experts a rank); `--write` merges the results into the GPU's
+table (without it, the table is printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file: the repository's root on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from bench.gpu_common import cuda_ms  # noqa: E402
+from workers.kernels.moe_tuning import MoEConfig, MoETable, Shape, dumps, moe_table  # noqa: E402
+from workers.kernels.tuning import table_path  # noqa: E402
+
+SHAPES = "128,2048,768,8;64,2048,768,8"
+TOKENS = "1,2,4,8,16,32,64,128,256,512,1024,2048,4096,8192"
+
+
+def candidates(tokens: int, top_k: int, experts: int) -> list[MoEConfig]:
+    """Tiles that fit: block_m at most a few times an expert's expected pairs."""
+    per_expert = max(1, tokens * top_k // experts)
+    block_ms = [m for m in (16, 32, 64, 128) if m <= max(16, 2 * per_expert)]
+    out = []
+    for bm, bn, bk, warps, stages in itertools.product(
+        block_ms, (64, 128), (64, 128), (4, 8), (2, 3)
+    ):
+        if bm * bn >= 128 * 128 and warps == 4:  # large tiles: 8 warps only
+            continue
+        out.append(MoEConfig(bm, bn, bk, warps, stages))
+    return out
+
+
+def sweep(shape: Shape, token_counts: list[int]) -> dict[int, MoEConfig]:
+    from workers.kernels.moe_fused import fused_moe
+
+    E, H, inter, k = shape
+    gen = torch.Generator("cuda").manual_seed(0)
+    w13 = torch.randn(E, 2 * inter, H, generator=gen, device="cuda").bfloat16() / H**0.5
+    w2 = torch.randn(E, H, inter, generator=gen, device="cuda").bfloat16() / inter**0.5
+    best: dict[int, MoEConfig] = {}
+    for tokens in token_counts:
+        x = torch.randn(tokens, H, generator=gen, device="cuda").bfloat16()
+        logits = torch.randn(tokens, E, generator=gen, device="cuda")
+        weights, ids = torch.softmax(logits, -1).topk(k, dim=-1)
+        timed = []
+        for cfg in candidates(tokens, k, E):
+            try:
+                ms = cuda_ms(lambda: fused_moe(x, w13, w2, weights, ids, config=cfg))  # noqa: B023
+            except Exception as e:  # noqa: BLE001 - a config that does not compile is skipped
+                print(f"  {cfg}: {type(e).__name__}", flush=True)
+                continue
+            timed.append((ms, cfg))
+        ms, cfg = min(timed, key=lambda t: t[0])
+        print(f"{shape} tokens={tokens}: {ms * 1e3:.1f} us {cfg}", flush=True)
+        best[tokens] = cfg
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", default=SHAPES, help="';'-separated E,H,I,top_k")
+    ap.add_argument("--tokens", default=TOKENS)
+    ap.add_argument("--write", action="store_true", help="merge into the GPU's table file")
+    args = ap.parse_args()
+    gpu = torch.cuda.get_device_name()
+    table: MoETable = dict(moe_table(gpu))
+    token_counts = [int(t) for t in args.tokens.split(",")]
+    for spec in args.shapes.split(";"):
+        e, h, i, k = (int(v) for v in spec.split(","))
+        table[e, h, i, k] = {**table.get((e, h, i, k), {}), **sweep((e, h, i, k), token_counts)}
+    text = dumps(table, gpu)
+    if args.write:
+        table_path(gpu, "moe_fused").write_text(text)
+        print(f"wrote {table_path(gpu, 'moe_fused')}")
+    else:
+        print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""The fused MoE kernel (`workers/kernels/moe_fused.py`) in Triton's interpreter on the CPU,
+against the torch path (`moe_experts.grouped_experts`): every expert, and an expert-parallel
+rank's range; tiles of 16 and 32 pairs; shapes that no block divides. In fp16 (the interpreter's
+bf16 products are wrong). The GPU test is tests/gpu/test_moe_gpu.py."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.tolerance import reduction_atol
+from tests.unit.test_skinny_gemm_interpreted import interpreted
+
+CASES = [  # (tokens, experts held, first expert, Config fields)
+    (5, 6, 0, dict(block_m=16, block_n=16, block_k=32, num_stages=1)),
+    (11, 3, 3, dict(block_m=32, block_n=32, block_k=16, num_stages=1)),  # rank 1 of 2
+    (530, 6, 0, dict(block_m=64, block_n=32, block_k=32, num_stages=1)),  # > 1024 pairs: chunks
+]
+
+
+def check() -> None:
+    """Each case against the torch path in float64; run with TRITON_INTERPRET=1."""
+    from workers.kernels.moe_align import align
+    from workers.kernels.moe_fused import fused_moe
+    from workers.kernels.moe_tuning import MoEConfig
+    from workers.model.moe_experts import grouped_experts
+
+    dtype, E, H, inter, k = torch.float16, 6, 40, 24, 2  # H, I: tails of every block
+    gen = torch.Generator().manual_seed(0)
+    w13 = (torch.randn(E, 2 * inter, H, generator=gen) / H**0.5).to(dtype)
+    w2 = (torch.randn(E, H, inter, generator=gen) / inter**0.5).to(dtype)
+    for tokens, held, first, fields in CASES:
+        cfg = MoEConfig(**fields)
+        x = torch.randn(tokens, H, generator=gen).to(dtype)
+        ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(tokens)])
+        weights = torch.softmax(torch.randn(tokens, k, generator=gen), -1)
+        mine = slice(first, first + held)
+        out = fused_moe(x, w13[mine], w2[mine], weights, ids, first, E, cfg)
+        want = grouped_experts(
+            x.double(), w13[mine].double(), w2[mine].double(), weights.double(), ids, first
+        )
+        assert out.shape == (tokens, H) and out.dtype == dtype
+        # float32 sums, then act and each pair's row rounded to fp16 once each
+        scale = _term_scale(x, w13[mine], w2[mine], weights, ids, first)
+        atol = reduction_atol(inter, scale, dtype) + 2 * float(torch.finfo(dtype).eps) * scale
+        err = float((out.double() - want).abs().max())
+        assert err < atol, (fields, err, atol)
+        # each tile holds one expert's pairs; every routed pair of this rank in exactly one slot
+        pairs, tile_expert = align(ids, first, held, cfg.block_m)
+        slots = pairs[:-1].view(-1, cfg.block_m)
+        local = ids.flatten() - first
+        for tile, e in zip(slots, tile_expert.tolist()):
+            real = tile[tile < ids.numel()]
+            assert e >= 0 or len(real) == 0
+            assert (local[real] == e).all()
+        routed = ((local >= 0) & (local < held)).nonzero().flatten()
+        assert sorted(slots[slots < ids.numel()].tolist()) == routed.tolist()
+
+
+def test_fused_moe_equals_the_torch_path() -> None:
+    interpreted("check", __name__)
+
+
+def _term_scale(x, w13, w2, weights, ids, first) -> float:  # noqa: ANN001 - tensors
+    """The largest sum of term magnitudes of a token's output: sum_k w_k |W2_k| @ |act_k|."""
+    scale = 0.0
+    for t in range(x.shape[0]):
+        total = torch.zeros(w2.shape[1], dtype=torch.float64)
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j]) - first
+            if 0 <= e < w13.shape[0]:
+                gate, up = (w13[e].double() @ x[t].double()).chunk(2)
+                act = torch.nn.functional.silu(gate) * up
+                total += float(weights[t, j]) * (w2[e].double().abs() @ act.abs())
+        scale = max(scale, float(total.max()))
+    return scale
+
+
+def test_launch_table_round_trips_and_picks_the_nearest_bucket() -> None:
+    import json
+
+    from workers.kernels.moe_tuning import MoEConfig, default_config, dumps, moe_config, parse
+
+    a3b = (128, 2048, 768, 8)
+    table = {a3b: {1: MoEConfig(16, 32, 128, 4, 4), 64: MoEConfig(32, 64, 64, 4, 3),
+                   8192: MoEConfig(64, 128, 64, 8, 3)}}  # fmt: skip
+    assert parse(json.loads(dumps(table, "NVIDIA H200"))) == table
+    assert moe_config(table, a3b, 1) == table[a3b][1]
+    assert moe_config(table, a3b, 3) == table[a3b][1]  # bucket 4: nearer 1 than 64
+    assert moe_config(table, a3b, 50) == table[a3b][64]
+    assert moe_config(table, a3b, 100_000) == table[a3b][8192]
+    assert moe_config(table, (64, 2048, 768, 8), 1) == default_config(1, 8, 64)  # not measured

@@ -1,0 +1,85 @@
+"""The fused MoE kernel's launch configs per GPU model (`tables/moe_fused_<gpu>.json`, written by
+bench/sweep_moe.py): per expert shape "E,H,I,top_k" (this rank's experts), the config that ran
+fastest for each token-count bucket (a power of two). A GPU or shape without an entry takes
+`default_config`. No Triton here, so tables load and test on any machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from workers.kernels.tuning import table_path
+
+logger = logging.getLogger(__name__)
+
+Shape = tuple[int, int, int, int]  # (experts on this rank, hidden, intermediate, top_k)
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    block_m: int = 16  # (token, expert) pairs a tile; each expert's pairs padded to a multiple
+    block_n: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+MoETable = dict[Shape, dict[int, MoEConfig]]  # shape -> token bucket -> config
+
+
+def bucket(tokens: int) -> int:
+    return 1 << max(0, tokens - 1).bit_length()
+
+
+def default_config(tokens: int, top_k: int, num_experts: int) -> MoEConfig:
+    """Before a sweep: small tiles where each expert sees a few pairs (decode), larger where
+    each sees many (prefill)."""
+    per_expert = tokens * top_k / num_experts
+    if per_expert <= 16:
+        return MoEConfig(16, 64, 128, 4, 3)
+    if per_expert <= 64:
+        return MoEConfig(32, 64, 64, 4, 3)
+    return MoEConfig(64, 128, 64, 8, 3)
+
+
+def parse(data: dict[str, Any]) -> MoETable:
+    table: MoETable = {}
+    for key, per_bucket in data["configs"].items():
+        e, h, i, k = (int(v) for v in key.split(","))
+        table[e, h, i, k] = {int(b): MoEConfig(**f) for b, f in per_bucket.items()}
+    return table
+
+
+def dumps(table: MoETable, gpu_name: str) -> str:
+    """A table's JSON text: a shape per block, a token bucket a line."""
+    blocks = []
+    for shape in sorted(table):
+        lines = [f'      "{b}": {json.dumps(dataclasses.asdict(c))}'
+                 for b, c in sorted(table[shape].items())]  # fmt: skip
+        blocks.append(f'    "{",".join(map(str, shape))}": {{\n' + ",\n".join(lines) + "\n    }")
+    body = ",\n".join(blocks)
+    return f'{{\n  "gpu": {json.dumps(gpu_name)},\n  "configs": {{\n{body}\n  }}\n}}\n'
+
+
+@functools.cache
+def moe_table(gpu_name: str) -> MoETable:
+    """A GPU model's table, read once; empty where none was measured."""
+    path = table_path(gpu_name, "moe_fused")
+    if not path.is_file():
+        logger.info("no fused MoE launch table for %s (%s): default configs", gpu_name, path)
+        return {}
+    return parse(json.loads(path.read_text()))
+
+
+def moe_config(table: MoETable, shape: Shape, tokens: int) -> MoEConfig:
+    """The table's config for `tokens` tokens (the nearest measured bucket), else the default."""
+    per_bucket = table.get(shape)
+    if not per_bucket:
+        return default_config(tokens, shape[3], shape[0])
+    b = bucket(tokens)
+    return per_bucket[min(per_bucket, key=lambda m: (abs(m.bit_length() - b.bit_length()), m))]

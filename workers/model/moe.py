@@ -1,0 +1,87 @@
+"""A sparse mixture-of-experts block, in a decoder layer's MLP slot (`DecoderLayer.mlp`).
+
+A router (a linear layer to one logit per expert) picks each token's top-k experts by softmax
+probability; the token's output is the sum of those experts' SwiGLU MLPs weighted by their
+probabilities, renormalised over the k chosen where the family says so (`norm_topk_prob`:
+Qwen3-MoE's flag, always for Mixtral). Experts: `moe_experts.StackedExperts`.
+
+Families this block is meant to take next, without a second MoE module:
+- a shared expert (Qwen2-MoE, DeepSeek): a dense `MLP` beside the experts, its output (Qwen2-MoE:
+  times sigmoid of its own gate) added to the routed sum before the block returns;
+- grouped routing (DeepSeek-V3): `Router.forward` is the only place that turns logits into
+  (weights, ids); a sigmoid score, a bias for selection only and a top-groups mask go there.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from workers.model.config import ModelConfig
+from workers.model.layers import replicated_loader
+from workers.model.moe_experts import StackedExperts
+from workers.parallel.group import TPGroup
+
+
+class Router(nn.Module):
+    def __init__(self, hidden: int, num_experts: int, top_k: int, renormalize: bool) -> None:
+        super().__init__()
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok={top_k} must be in 1..{num_experts}")
+        # every rank routes every token: the router is replicated
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False)
+        self.weight.weight_loader = replicated_loader  # type: ignore[attr-defined]
+        self.top_k = top_k
+        self.renormalize = renormalize
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's top-k (weights in float32, expert ids), softmax in float32 as HF does."""
+        probs = torch.softmax(torch.mm(x, self.weight.t()).float(), dim=-1)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, ids
+
+
+class SparseMoeBlock(nn.Module):
+    routed_tokens: torch.Tensor
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
+        super().__init__()
+        self.gate = Router(
+            cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob
+        )
+        self.experts = StackedExperts(
+            cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, tp, cfg.expert_parallel
+        )
+        # (token, expert) pairs routed to each expert by eager forwards (`routed_token_counts`)
+        counts = torch.zeros(cfg.num_experts, dtype=torch.long)
+        self.register_buffer("routed_tokens", counts, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sum of the block's output (its experts, or its slice of every
+        expert): the next norm sums it over the group, as for a dense MLP."""
+        weights, ids = self.gate(x)
+        if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+            # A decode graph's replays are not counted: its padding rows would count too
+            flat = ids.flatten()
+            self.routed_tokens.index_add_(0, flat, torch.ones_like(flat))
+        return self.experts(x, weights, ids)
+
+
+def routed_token_counts(model: nn.Module) -> dict[str, list[int]]:
+    """Per sparse layer (its index), the tokens routed to each expert so far by the forwards
+    that ran eagerly: every prefill chunk, and decode steps outside the CUDA graphs (all steps
+    on the CPU): a sample of the routing, read on the host (one wait for the device)."""
+    return {
+        name.split(".")[-2]: block.routed_tokens.tolist()
+        for name, block in model.named_modules()
+        if isinstance(block, SparseMoeBlock)
+    }
+
+
+def reset_routed_token_counts(model: nn.Module) -> None:
+    """Forget what warm-up forwards routed (the CUDA graphs' before their capture)."""
+    for block in model.modules():
+        if isinstance(block, SparseMoeBlock):
+            block.routed_tokens.zero_()
