@@ -4,12 +4,14 @@ Llama (failover is about the streams' bookkeeping, not the weights; its steps ar
 2 prefill + 2 decode replicas, small KV pools, faults injected through `EngineConfig.faults`
 (each strikes once in the cluster, on the request whose prompt holds its marker): a prefill
 replica exits after computing a prompt, then a decode replica exits mid-stream, then a KV read
-fails. Each wave is concurrent greedy streams. Then, in an application of its own, a sticky step
-error: from a replica's n-th step on every step raises, as a device error that stays would; the
-engine dies, its streams fail over and Serve replaces it (a decode replica mid-stream, then a
-prefill replica). Every stream must end as it does undisturbed (the same prompts again once the
-faults are spent): every token, the same ones but where a resumed stream met a near-tie
-(`tests/e2e/streams.py`); none may end in an error. Afterwards no page is pinned on any replica.
+fails. Each wave is concurrent greedy streams. Every stream must end as it does undisturbed (the
+same prompts again once the faults are spent): every token, the same ones but where a resumed
+stream met a near-tie (`tests/e2e/streams.py`); none may end in an error. Afterwards no page is
+pinned on any replica.
+
+The sticky step error (an engine whose every step raises from its n-th on: it dies, its streams
+fail over, Serve replaces it) is tested end to end in `tests/e2e/test_engine_death.py`, on
+SmolLM2 with every stream's exact text, a decode replica mid-stream and a prefill replica.
 """
 
 from __future__ import annotations
@@ -35,42 +37,25 @@ FAULTS = [
     {"point": "kv_read", "action": "fail", "prompt_contains": "[fail read]"},
 ]
 TOPICS = ["the sea", "a red fox", "the moon", "bread"]
-# A decode replica's 6th step (mid-stream in the first wave); a prefill replica's 3rd (a wave
-# or two later: each wave is one or two prefill steps a replica).
-STICKY = [
-    {"point": "step", "action": "raise", "role": "decode", "after": 6},
-    {"point": "step", "action": "raise", "role": "prefill", "after": 3},
-]
-STICKY_WAVES_MAX = 6
 WAVES = [[Ask(p, MAX_TOKENS) for p in [f"Write a poem about {t}:" for t in TOPICS]
           + [f"{m} Tell me about {t}."]]
          for m, t in (("[kill prefill]", "tea"), ("[kill decode]", "rain"),
                       ("[fail read]", "snow"))]  # fmt: skip
 
 
-def chaos_app(serve_url: str, name: str, model: str, fault_list: list[dict]) -> Iterator[str]:
+@pytest.fixture
+def base_url(serve_url: str, tiny_llama: str) -> Iterator[str]:
     pool = {"num_replicas": 2, "num_cpus_per_rank": 0.25}
     args = {
-        "engine": {"model": model, "num_kv_pages": 96, "max_model_len": 256,
-                   "faults": fault_list},  # fmt: skip
+        "engine": {"model": tiny_llama, "num_kv_pages": 96, "max_model_len": 256, "faults": FAULTS},
         "served_model_name": MODEL,
         "prefill": pool,
         "decode": pool,
         "kv_transfer": {"lease_s": 10},
         "router": {"num_cpus": 0, "failover_deadline_s": DEADLINE_S, "replica_timeout_s": 15},
     }
-    with deployed(serve_url, name, args) as base:
+    with deployed(serve_url, "chaos", args) as base:
         yield base
-
-
-@pytest.fixture
-def base_url(serve_url: str, tiny_llama: str) -> Iterator[str]:
-    yield from chaos_app(serve_url, "chaos", tiny_llama, FAULTS)
-
-
-@pytest.fixture
-def sticky_url(serve_url: str, tiny_llama: str) -> Iterator[str]:
-    yield from chaos_app(serve_url, "chaos-sticky", tiny_llama, STICKY)
 
 
 def struck() -> int:
@@ -93,14 +78,3 @@ def test_no_stream_is_lost_when_replicas_fail(base_url: str) -> None:
     disturbed = [wave(base_url, MODEL, asks) for asks in WAVES]
     assert struck() == before + len(FAULTS)  # each fault did strike, once
     check_waves(base_url, disturbed, WAVES)
-
-
-def test_no_stream_is_lost_to_a_sticky_step_error(sticky_url: str) -> None:
-    """Waves of the first wave's prompts until both engines have died (a decode one, then a
-    prefill one), each stream as undisturbed."""
-    before = struck()
-    disturbed: list[list[Streamed]] = []
-    while struck() < before + len(STICKY) and len(disturbed) < STICKY_WAVES_MAX:
-        disturbed.append(wave(sticky_url, MODEL, WAVES[0]))
-    assert struck() == before + len(STICKY), len(disturbed)
-    check_waves(sticky_url, disturbed, [WAVES[0]] * len(disturbed))

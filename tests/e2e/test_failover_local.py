@@ -9,8 +9,10 @@ stream to one replica's death: real Ray Serve, NIXL and HTTP.
 - The prefill replica exits after computing a prompt, under 10 concurrent streams: the decode
   replica prefills them itself (a busy replica, not a dead one), and every stream ends
   byte-identical.
-The undisturbed run is the same prompts again once the fault is spent and the replica replaced.
-Afterwards no page is pinned.
+The undisturbed run is the same prompts on the shared colocated configs/local.yaml application
+(`local_apps`, tests/e2e/conftest.py), so no test waits for a replacement replica to compare;
+the prefill-kill test waits for the application to be healthy again (the decode replica the
+first test killed replaced) before it strikes. Afterwards no page is pinned.
 - A prefill replica that is never scheduled (no node has its resources): a chat is answered by
   the decode replica prefilling it, at once, not after `replica_timeout_s`.
 """
@@ -114,15 +116,16 @@ def prefill_generated(base_url: str) -> float:
     return counters["prefill generation_tokens"]
 
 
-def test_a_decode_death_loses_no_stream_even_a_long_one(base_url: str) -> None:
+def test_a_decode_death_loses_no_stream_even_a_long_one(
+    base_url: str, local_apps: dict[str, str]
+) -> None:
     sent = asks("[pd: kill decode]", long=True)
     before, generated = struck(), prefill_generated(base_url)
     got = wave(base_url, MODEL, sent)
     assert struck() == before + 1
     # the prefill replica decoded the streams on: more than one token a request
     assert prefill_generated(base_url) - generated > 2 * len(sent)
-    wait_healthy(base_url)  # the replacement decode replica
-    want = wave(base_url, MODEL, sent)
+    want = wave(local_apps["colocated"], MODEL, sent)
     check_identical(got, want, sent)
     # the long stream outlived the deadline after the death (at its 8th token, seconds in)
     print(f"long stream: {got[-1].took:.1f} s")
@@ -130,12 +133,12 @@ def test_a_decode_death_loses_no_stream_even_a_long_one(base_url: str) -> None:
     wait_until(lambda: pinned(base_url) == 0, 60, interval_s=1, what="no page pinned")
 
 
-def test_a_prefill_death_loses_no_stream(base_url: str) -> None:
+def test_a_prefill_death_loses_no_stream(base_url: str, local_apps: dict[str, str]) -> None:
+    wait_healthy(base_url)  # both pools live: an earlier test may have killed a replica
     sent = asks("[pd: kill prefill]")
     before = struck()
     got = wave(base_url, MODEL, sent)
     assert struck() == before + 1
-    wait_healthy(base_url)  # the replacement prefill replica
-    want = wave(base_url, MODEL, sent)
+    want = wave(local_apps["colocated"], MODEL, sent)
     check_identical(got, want, sent)
     wait_until(lambda: pinned(base_url) == 0, 60, interval_s=1, what="no page pinned")
