@@ -18,9 +18,24 @@ from workers.protocol import INT8_SCALE_BYTES
 INT8_MAX = 127
 
 
+def hadamard(dim: int, device: torch.device) -> torch.Tensor | None:
+    """The orthonormal, symmetric Sylvester-Hadamard matrix of size `dim` (a power of 2), else
+    None: rows are rotated by it before rounding, which spreads a few large channels over all
+    of them, and rotated back when read (H H = I, exact up to float32 rounding)."""
+    if dim & (dim - 1):
+        return None
+    h = torch.ones(1, 1, device=device)
+    while h.shape[0] < dim:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    return h / dim**0.5
+
+
 def quantize_rows(x: torch.Tensor) -> torch.Tensor:
-    """`x` `[..., D]` -> int8 `[..., D + 4]`: the rounded values, then the row's float32 scale."""
+    """`x` `[..., D]` -> int8 `[..., D + 4]`: the rotated, rounded values, then the row's
+    float32 scale."""
     x = x.float()
+    if (h := hadamard(x.shape[-1], x.device)) is not None:
+        x = x @ h
     scale = x.abs().amax(-1, keepdim=True) / INT8_MAX
     # A zero row keeps scale 0; dividing by the smallest normal instead gives its zeros.
     values = (x / scale.clamp_min(torch.finfo(torch.float32).tiny)).round_()
@@ -31,4 +46,7 @@ def quantize_rows(x: torch.Tensor) -> torch.Tensor:
 def dequantize_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """int8 rows `[..., D + 4]` back to `[..., D]` in `dtype` (multiplied in float32)."""
     scale = rows[..., -INT8_SCALE_BYTES:].contiguous().view(torch.float32)
-    return (rows[..., :-INT8_SCALE_BYTES].float() * scale).to(dtype)
+    x = rows[..., :-INT8_SCALE_BYTES].float() * scale
+    if (h := hadamard(x.shape[-1], x.device)) is not None:
+        x = x @ h
+    return x.to(dtype)
