@@ -11,6 +11,8 @@ heterogeneous TP move them with the values, and no replica has to agree on anyth
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 
 from workers.protocol import INT8_SCALE_BYTES
@@ -18,6 +20,7 @@ from workers.protocol import INT8_SCALE_BYTES
 INT8_MAX = 127
 
 
+@cache  # one per (size, device): built once, read at every layer's write and read
 def hadamard(dim: int, device: torch.device) -> torch.Tensor | None:
     """The orthonormal, symmetric Sylvester-Hadamard matrix of size `dim` (a power of 2), else
     None: rows are rotated by it before rounding, which spreads a few large channels over all
