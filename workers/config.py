@@ -210,11 +210,13 @@ class EngineConfig(BaseModel):
     max_model_len: int | None = Field(None, ge=1)
     max_num_seqs: int = Field(256, ge=1, description="running sequences at most")
     max_num_batched_tokens: int = Field(2048, ge=1, description="token budget of one step")
-    kv_cache_dtype: Literal["auto", "fp8_e4m3"] = Field(
+    kv_cache_dtype: Literal["auto", "fp8_e4m3", "int8"] = Field(
         "auto",
         description="auto: K/V stored in the model's dtype; fp8_e4m3: in FP8 (E4M3), one byte "
         "an element, twice the tokens per GiB and half the bytes per hand-off, scaled per layer "
-        "by the checkpoint's k_scale/v_scale where it has them, else 1.0 (docs/fp8_kv_cache.md)",
+        "by the checkpoint's k_scale/v_scale where it has them, else 1.0; int8: one byte an "
+        "element plus a float32 scale per token and head computed as K/V are written, closer "
+        "to a bf16 cache; read by the torch backend only (docs/fp8_kv_cache.md)",
     )
     enable_prefix_caching: bool = True
     attention_backend: Literal["auto", "torch", "flashinfer"] = Field(
@@ -274,6 +276,13 @@ class EngineConfig(BaseModel):
     )  # fmt: skip
 
     @model_validator(mode="after")
+    def _int8_kv_backend(self) -> EngineConfig:
+        if self.kv_cache_dtype == "int8" and self.attention_backend == "flashinfer":
+            msg = "kv_cache_dtype=int8 is read by the torch attention backend only (FlashInfer"
+            raise ValueError(msg + " has no int8 pages with per-row scales): set auto or torch")
+        return self
+
+    @model_validator(mode="after")
     def _offload_fits(self) -> EngineConfig:
         if self.kv_offload is not None and not self.enable_prefix_caching:
             raise ValueError("kv_offload needs enable_prefix_caching: the tiers hold its pages")
@@ -296,14 +305,15 @@ class EngineConfig(BaseModel):
         return getattr(torch, self.dtype)
 
     def resolved_backend(self, device: torch.device, dtype: torch.dtype | None = None) -> str:
-        """FlashInfer needs CUDA and a 16-bit model dtype (KV in it or FP8); `auto` falls back to
-        torch otherwise."""
+        """FlashInfer needs CUDA and a 16-bit model dtype (KV in it or FP8, not int8); `auto`
+        falls back to torch otherwise."""
         if self.attention_backend == "auto":
             import torch
 
             has_flashinfer = importlib.util.find_spec("flashinfer") is not None
             half = dtype in (None, torch.bfloat16, torch.float16)
-            return "flashinfer" if device.type == "cuda" and has_flashinfer and half else "torch"
+            fits = has_flashinfer and half and self.kv_cache_dtype != "int8"
+            return "flashinfer" if device.type == "cuda" and fits else "torch"
         return self.attention_backend
 
     def resolved_overlap(self, device: torch.device) -> bool:

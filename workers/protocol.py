@@ -163,8 +163,11 @@ class TokenLogprob(BaseModel):
     rank: int | None = None  # in its distribution, 1 = the most likely (prompt tokens)
 
 
+INT8_SCALE_BYTES = 4  # an int8 pool's row ends in its float32 scale (kvcache/int8_rows.py)
+
+
 class KVLayout(BaseModel):
-    """Shape of one KV page on one rank: [num_layers, 2, page_size, num_kv_heads, head_dim]."""
+    """Shape of one KV page on one rank: [num_layers, 2, page_size, num_kv_heads, row_width]."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -176,8 +179,13 @@ class KVLayout(BaseModel):
     kv_head_offset: int = Field(0, description="first global KV head this rank holds")
 
     @property
+    def row_width(self) -> int:
+        """Elements of one (token, head) row: head_dim, and an int8 pool's scale after it."""
+        return self.head_dim + (INT8_SCALE_BYTES if self.dtype == "int8" else 0)
+
+    @property
     def page_bytes(self) -> int:
-        elems = self.num_layers * 2 * self.page_size * self.num_kv_heads * self.head_dim
+        elems = self.num_layers * 2 * self.page_size * self.num_kv_heads * self.row_width
         import torch  # here: the routers use these types and never load torch
 
         return elems * getattr(torch, self.dtype).itemsize

@@ -169,19 +169,36 @@ def fp8_llm(smollm2_dir: Path) -> LLM:
     return llm
 
 
+@pytest.fixture(scope="module")
+def int8_llm(smollm2_dir: Path) -> LLM:
+    """int8 KV (a scale per token and head inside the rows): the torch backend, no graphs."""
+    llm = LLM(
+        str(smollm2_dir), device="cuda", dtype="bfloat16", kv_cache_memory_gb=1,
+        kv_cache_dtype="int8",
+    )  # fmt: skip
+    assert llm.engine.runner.pool.pages.dtype == torch.int8
+    return llm
+
+
+GOAL = 1.5  # the 8-bit cache's error within 1.5x of the bf16 KV cache's, mean and max
+
+
 def test_fp8_log_probs_against_hf_float32_next_to_bf16(
-    hf_real, prompts: list[list[int]], fp8_llm: LLM, bf16_llm: LLM
+    hf_real, prompts: list[list[int]], fp8_llm: LLM, int8_llm: LLM, bf16_llm: LLM
 ) -> None:
     """The 48 teacher-forced contexts of `test_smollm2_gpu`: the top-5 log-prob error against HF
-    float32 of the engine with FP8 KV, with bf16 KV, and of HF bf16; batched, then from the
-    prefix cache (FP8 pages read back)."""
+    float32 of the engine with FP8 KV, int8 KV, bf16 KV, and of HF bf16; batched, then from the
+    prefix cache (8-bit pages read back). int8 meets the goal (within 1.5x of bf16 KV's mean
+    and max); E4M3 cannot (3 mantissa bits, docs/notes/fp8-kv.md) and is held loosely."""
     contexts, reference, hf_errors = _teacher_forced(hf_real, prompts)
     params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=TOP)
     hf_mean = sum(hf_errors) / len(hf_errors)
     summary = {}
-    for name, llm in (("bf16 KV", bf16_llm), ("FP8 KV", fp8_llm), ("FP8 KV cached", fp8_llm)):
+    runs = [("bf16 KV", bf16_llm), ("FP8 KV", fp8_llm), ("FP8 KV cached", fp8_llm),
+            ("int8 KV", int8_llm), ("int8 KV cached", int8_llm)]  # fmt: skip
+    for name, llm in runs:
         outs = llm.generate(contexts, params)
-        if name == "FP8 KV cached":
+        if name.endswith("cached"):
             assert all(o.num_cached_tokens > 0 for o in outs)
         errors = _top_errors(outs, reference)
         summary[name] = (max(errors), sum(errors) / len(errors))
@@ -193,6 +210,36 @@ def test_fp8_log_probs_against_hf_float32_next_to_bf16(
         # the mean catches a wrong page or scale (nats everywhere); the max is one context's
         # top-5 tail, which FP8 moved by 0.97 nats (2.4 with a bf16 model) on the CPU
         assert mean <= 4 * hf_mean + 0.05 and worst <= 4.0, (name, summary)
+    bf16_worst, bf16_mean = summary["bf16 KV"]
+    for name in ("int8 KV", "int8 KV cached"):
+        worst, mean = summary[name]
+        assert worst <= GOAL * bf16_worst and mean <= GOAL * bf16_mean, (name, summary)
+
+
+def _decode_errors(hf_real, prompts: list[list[int]], llm: LLM) -> tuple[float, float]:  # noqa: ANN001
+    """Max and mean top-5 error of the decode steps against HF float32, teacher-forced on the
+    engine's own greedy text (the first step is the prefill's and is left out)."""
+    params = SamplingParams(max_tokens=TEACHER_TOKENS, temperature=0.0, logprobs=TOP)
+    errors = []
+    for prompt, out in zip(prompts, llm.generate(prompts, params)):
+        assert out.logprobs is not None
+        ref = _hf_log_probs(hf_real, prompt + out.token_ids)
+        for t, step in enumerate(out.logprobs[1:], start=1):
+            row = ref[len(prompt) + t - 1]
+            errors.append(max(abs(lp - float(row[tok])) for tok, lp in step.top.items()))
+    return max(errors), sum(errors) / len(errors)
+
+
+def test_int8_decode_log_probs_within_goal_of_bf16(
+    hf_real, prompts: list[list[int]], int8_llm: LLM, bf16_llm: LLM
+) -> None:
+    """Decode steps read int8 pages (torch backend): within 1.5x of bf16 KV's error."""
+    bf16, int8 = (
+        _decode_errors(hf_real, prompts, bf16_llm),
+        _decode_errors(hf_real, prompts, int8_llm),
+    )
+    print(f"decode steps, top-5 error vs HF float32 (max, mean): bf16 KV {bf16}, int8 KV {int8}")
+    assert int8[0] <= GOAL * bf16[0] and int8[1] <= GOAL * bf16[1], (bf16, int8)
 
 
 @pytest.mark.parametrize("kernel", ["triton", "xqa"])

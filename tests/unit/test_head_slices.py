@@ -70,7 +70,8 @@ def read_as_nixl(local_rows: np.ndarray, remote_rows: np.ndarray) -> None:
         ctypes.memmove(dst, src, n)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float8_e4m3fn"])  # FP8: pages moved as bytes
+# FP8 and int8: pages moved as bytes; int8 rows carry their scales (head_dim + 4 bytes)
+@pytest.mark.parametrize("dtype", ["float32", "float8_e4m3fn", "int8"])
 @pytest.mark.parametrize("spare_run", [True, False])  # read in place, or gathered first
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 2), (2, 1), (1, 4), (4, 2)])
 def test_a_staged_read_puts_every_head_where_the_decode_rank_keeps_it(
@@ -79,7 +80,7 @@ def test_a_staged_read_puts_every_head_where_the_decode_rank_keeps_it(
     gen = torch.Generator().manual_seed(prefill_tp * 10 + decode_tp)
     prefill = [KVPool(lay, 16, "cpu") for lay in layouts(prefill_tp, dtype=dtype)]
     for pool in prefill:
-        pool.pages.copy_(torch.randn(pool.pages.shape, generator=gen))
+        pool.pages.copy_(torch.randn(pool.pages.shape, generator=gen) * 50)
     decode = [KVPool(lay, 40, "cpu") for lay in layouts(decode_tp, dtype=dtype)]
     remote_pages = [3, 4, 5, 9, 2]  # a run and two strays
     local_pages = [7, 8, 1, 2, 3]

@@ -80,8 +80,11 @@ def test_disk_tier_below_a_small_host_tier_token_identical(
     drain_and_check_released(llm.engine)
 
 
-def test_fp8_pages_stay_fp8_through_the_host_tier(tiny_llama: str) -> None:
-    fp8 = dict(kv_cache_dtype="fp8_e4m3")
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "int8"])  # int8: scales inside the pages
+def test_one_byte_pages_stay_as_they_are_through_the_host_tier(
+    tiny_llama: str, kv_dtype: str
+) -> None:
+    fp8 = dict(kv_cache_dtype=kv_dtype)
     ref = LLM(tiny_llama, enable_prefix_caching=False, max_num_batched_tokens=4096, **fp8)
     expected = ([o.token_ids for o in ref.generate(TURN1, GREEDY)],
                 [o.token_ids for o in ref.generate(TURN2, GREEDY)])  # fmt: skip
@@ -90,7 +93,7 @@ def test_fp8_pages_stay_fp8_through_the_host_tier(tiny_llama: str) -> None:
     assert all(c == 40 for c in two_turns(llm, expected))
     tiers = llm.engine.kv.tiers
     assert tiers is not None and tiers.page_bytes == llm.engine.runner.pool.layout.page_bytes
-    assert llm.engine.stats().kv_host_hit_tokens > 0  # one byte an element: FP8 as it was
+    assert llm.engine.stats().kv_host_hit_tokens > 0  # one byte an element: as it was
 
 
 def test_a_restarted_engine_reuses_its_disk_files_and_others_ignore_them(

@@ -94,15 +94,15 @@ class TorchAttention(AttentionBackend):
         layer = self.pool.layer(layer_id)
         raw, stored, scales = as_bytes(layer), layer.dtype, self.pool.scales
 
-        def gather(kv: int) -> torch.Tensor:  # [B, Hkv, max_kv, D]
-            part = raw[:, kv]  # [pages, page_size, Hkv, D]: each page one contiguous row
+        def gather(kv: int, scale: float) -> torch.Tensor:  # [B, Hkv, max_kv, D]
+            part = raw[:, kv]  # [pages, page_size, Hkv, row]: each page one contiguous row
             rows = part.flatten(1).index_select(0, g.pages)
             rows = rows.view(g.num_seqs, -1, *part.shape[2:])[:, : g.max_kv]
-            return rows.view(stored).transpose(1, 2)
+            # Transposed after dequantizing: every dtype gives SDPA the same strides (its CPU
+            # kernel, and so its rounding, depends on them).
+            return dequantize(rows.view(stored), q.dtype, scale).transpose(1, 2)
 
-        keys, values = gather(0), gather(1)
-        keys = dequantize(keys, q.dtype, scales.k[layer_id])
-        values = dequantize(values, q.dtype, scales.v[layer_id])
+        keys, values = gather(0, scales.k[layer_id]), gather(1, scales.v[layer_id])
         num_kv_heads, head_dim = keys.shape[1], keys.shape[3]
         group = q.shape[1] // num_kv_heads
         if g.padded_rows is not None:
@@ -112,9 +112,7 @@ class TorchAttention(AttentionBackend):
         # [B * max_q, Hq, D] -> [B, Hkv, max_q * group, D]: query head h uses KV head h // group.
         q = q.view(g.num_seqs, g.max_q, num_kv_heads, group, head_dim).permute(0, 2, 1, 3, 4)
         q = q.reshape(g.num_seqs, num_kv_heads, g.max_q * group, head_dim)
-        out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=g.mask, scale=self.scale
-        )
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=g.mask, scale=self.scale)
         out = out.view(g.num_seqs, num_kv_heads, g.max_q, group, head_dim).permute(0, 2, 1, 3, 4)
         out = out.reshape(g.num_seqs * g.max_q, num_kv_heads * group, head_dim)
         return out if g.padded_rows is None else out[g.padded_rows]

@@ -6,7 +6,8 @@ for K and one for V per layer, taken from the checkpoint where it has them (`k_s
 `v_scale` tensors, vLLM's convention) and 1.0 otherwise. Per tensor, because the hand-off then
 moves pages as they are: every TP rank, prefill or decode, any split of the heads, reads the
 same scale. Static, because a page's bytes must mean the same thing in every replica that reads
-them. Why 1.0 suffices for SmolLM2 and Llama-class models: docs/fp8_kv_cache.md.
+them. What 1.0 costs in accuracy: docs/fp8_kv_cache.md. `int8` stores each row with a scale of
+its own instead (`int8_rows.py`), and ignores these scales.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-KV_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn}
+from workers.kvcache.int8_rows import dequantize_rows, quantize_rows
+
+KV_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "int8": torch.int8}
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448; a plain cast past it gives NaN
 _SCALE_KEY = re.compile(r"layers\.(\d+)\.self_attn\.(?:attn\.)?([kv])_scale$")
 
@@ -69,7 +72,10 @@ def checkpoint_scales(model_dir: Path, num_layers: int) -> KVScales | None:
 
 
 def quantize(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
-    """`x` as the pool stores it: cast, or for FP8 divided by `scale` and saturated."""
+    """`x` as the pool stores it: cast, for FP8 divided by `scale` and saturated, for int8 as
+    rows with their own scales (`scale` unused)."""
+    if dtype == torch.int8:
+        return quantize_rows(x)
     if not is_fp8(dtype):
         return x.to(dtype)
     if scale != 1.0:
@@ -85,5 +91,7 @@ def as_bytes(x: torch.Tensor) -> torch.Tensor:
 
 def dequantize(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
     """Stored values back in `dtype` (the torch backend's reads)."""
+    if x.dtype == torch.int8:
+        return dequantize_rows(x, dtype)
     x = x.to(dtype)
     return x * scale if scale != 1.0 else x

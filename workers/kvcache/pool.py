@@ -1,6 +1,7 @@
 """The KV page pool: one pre-allocated tensor per worker rank.
 
-Layout `[num_pages, num_layers, 2, page_size, num_kv_heads, head_dim]`: page p holds every
+Layout `[num_pages, num_layers, 2, page_size, num_kv_heads, row_width]` (`row_width` is head_dim,
+plus 4 bytes of scale in an int8 pool, `int8_rows.py`): page p holds every
 layer's K and V for `page_size` token slots, contiguous in memory. A run of consecutive page ids
 is therefore one contiguous byte range, which NIXL moves as one descriptor (DESIGN.md, KV pool).
 A layer's view `[num_pages, 2, page_size, heads, dim]` has a strided page dimension, which the
@@ -54,7 +55,7 @@ class KVPool:
                 2,
                 layout.page_size,
                 layout.num_kv_heads,
-                layout.head_dim,
+                layout.row_width,
             ),
             getattr(torch, layout.dtype),
             torch.device(device),
@@ -89,7 +90,7 @@ class KVPool:
         return self.pages.numel() * self.pages.element_size()
 
     def layer(self, layer_id: int) -> torch.Tensor:
-        """`[num_pages, 2, page_size, num_kv_heads, head_dim]`, page dimension strided."""
+        """`[num_pages, 2, page_size, num_kv_heads, row_width]`, page dimension strided."""
         return self.pages[:, layer_id]
 
     def page_address(self, page_id: int) -> int:

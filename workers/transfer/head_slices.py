@@ -131,7 +131,7 @@ def scatter_heads(
     if pages.element_size() == 1:  # FP8: moved as the bytes they are (any 1-byte dtype)
         pages = pages.view(torch.uint8)
     n = len(local_pages)
-    shape = (n, remote.num_layers, 2, remote.page_size, remote.num_kv_heads, remote.head_dim)
+    shape = (n, remote.num_layers, 2, remote.page_size, remote.num_kv_heads, remote.row_width)
     spare = merge_page_runs(spare_pages, range(len(spare_pages)))
     if len(spare) == 1:  # as allocated on a pool without churn: read in place
         stream = pages[spare[0].local_start : spare[0].local_start + len(spare_pages)]
