@@ -20,7 +20,7 @@ INTRO = f"""\
 # Configuration
 
 Generated from the config schema (`cluster/config.py`, `cluster/pool_config.py`,
-`workers/config.py`) by
+`workers/config/`) by
 `{REGENERATE}`;
 do not edit it by hand. A unit test fails when the two differ.
 
