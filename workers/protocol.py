@@ -47,8 +47,11 @@ class StructuredOutputs(BaseModel):
 
     @model_validator(mode="after")
     def _exactly_one(self) -> StructuredOutputs:
-        kinds = [k for k in ("json_schema", "regex", "choice", "grammar", "structural_tag")
-                 if getattr(self, k) is not None] + (["json_object"] if self.json_object else [])
+        kinds = [
+            k
+            for k in ("json_schema", "regex", "choice", "grammar", "structural_tag")
+            if getattr(self, k) is not None
+        ] + (["json_object"] if self.json_object else [])
         if len(kinds) != 1:
             raise ValueError(f"structured_outputs needs exactly one constraint, got {kinds or 0}")
         return self
@@ -134,14 +137,26 @@ class SamplingParams(BaseModel):
         return self.temperature == 0.0
 
 
+class LoRARequest(BaseModel):
+    """A LoRA adapter a request runs with, as vLLM's: its name, an id unique per adapter (> 0;
+    the prefix cache and the device slots key by it) and its PEFT directory."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int = Field(ge=1)
+    lora_path: str = Field(min_length=1)
+
+
 class GenerateRequest(BaseModel):
-    """One prompt, already tokenized, with its sampling rules."""
+    """One prompt, already tokenized, with its sampling rules (and adapter: None, the base)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams = SamplingParams()
+    lora: LoRARequest | None = None
 
     @field_validator("prompt_token_ids")
     @classmethod

@@ -30,6 +30,7 @@ from workers.engine.tier_ranks import build_tiers
 from workers.engine.tp_runner import create_runner
 from workers.kvcache.allocator import PageAllocator
 from workers.kvcache.manager import KVManager
+from workers.lora.manager import request_adapter
 from workers.model.files import load_tokenizer
 from workers.parallel.group import SINGLE, TPGroup
 from workers.protocol import EngineDeadError, EngineStats, GenerateRequest, RequestOutput
@@ -62,7 +63,8 @@ class Engine:
         self.allocator = PageAllocator(self.runner.pool.num_pages)
         tiers = build_tiers(self.runner, cfg)
         self.kv = KVManager(self.allocator, cfg.page_size, cfg.enable_prefix_caching, tiers)
-        self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        limits = (cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_loras)
+        self.scheduler = Scheduler(self.kv, *limits)
         eos = {*self.runner.model_config.eos_token_ids, self.tokenizer.eos_token_id} - {None}
         self.eos_token_ids = frozenset(eos)
         self.seqs: dict[str, Sequence] = {}
@@ -107,6 +109,7 @@ class Engine:
         check_token_ids(req, self.max_model_len, self.runner.model_config.vocab_size)
         try:
             constraint = self.grammars.constraint(req.params)
+            lora = request_adapter(self.runner.lora, req.lora)  # a bad adapter fails it now
         except ValueError as e:
             raise RequestRejectedError(str(e)) from e
         longest = min(n + req.params.max_tokens, self.max_model_len)
@@ -130,9 +133,14 @@ class Engine:
                 req.params.include_stop_str_in_output,
             ),
             constraint=constraint,
+            lora=lora,
         )
         self.seqs[req.request_id] = seq
         return seq
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        self.kv.drop_lora(lora_int_id)  # unloaded: its prefix-cache pages, host copy, slot
+        return self.runner.lora is not None and self.runner.lora.remove(lora_int_id)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its pages; None if it is unknown or already done."""
@@ -339,4 +347,3 @@ class Engine:
             **({} if self.spec is None else self.spec.stats()),
             **({} if self.kv.tiers is None else self.kv.tiers.stats()),
         )
-
