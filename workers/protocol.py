@@ -308,6 +308,11 @@ class EngineStats(BaseModel):
     spec_accepted_per_pos: list[int] = []
     # KV events: page stores and evictions this replica published to the routers
     kv_events_published: int = 0
+    # LoRA (EngineConfig.enable_lora; 0: off): device slots, and the adapters of the running
+    # and waiting requests, by name
+    max_loras: int = 0
+    lora_running: list[str] = []
+    lora_waiting: list[str] = []
     # KV tiers below the device pool (EngineConfig.kv_offload): pages and bytes each holds now,
     # prompt tokens found there, bytes moved down (device -> host) and up (loads), the loads'
     # copy time

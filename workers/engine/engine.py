@@ -63,7 +63,7 @@ class Engine:
         self.allocator = PageAllocator(self.runner.pool.num_pages)
         tiers = build_tiers(self.runner, cfg)
         self.kv = KVManager(self.allocator, cfg.page_size, cfg.enable_prefix_caching, tiers)
-        limits = (cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_loras)
+        limits = (cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_loras * cfg.enable_lora)
         self.scheduler = Scheduler(self.kv, *limits)
         eos = {*self.runner.model_config.eos_token_ids, self.tokenizer.eos_token_id} - {None}
         self.eos_token_ids = frozenset(eos)
@@ -336,8 +336,7 @@ class Engine:
             kv_pages_evictable=0 if self.kv.radix is None else self.kv.radix.num_evictable_pages,
             prefix_cache_queries=self.kv.prefix_queries,
             prefix_cache_hits=self.kv.prefix_hits,
-            num_preemptions=self.scheduler.num_preemptions,
-            num_swap_preemptions=self.scheduler.num_swap_preemptions,
+            **self.scheduler.stats(),
             num_handoffs_pending=self._num_handoffs_pending(),
             prompt_tokens_computed=self.prompt_tokens_computed,
             generation_tokens=self.generation_tokens,

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Iterable
+from typing import Any
 
 from workers.kvcache.manager import KVManager
 from workers.scheduler.step import StepInput
@@ -27,10 +29,10 @@ logger = logging.getLogger(__name__)
 
 class Scheduler:
     def __init__(
-        self, kv: KVManager, max_num_seqs: int, max_num_batched_tokens: int, max_loras: int = 1
+        self, kv: KVManager, max_num_seqs: int, max_num_batched_tokens: int, max_loras: int = 0
     ) -> None:
         self.kv = kv
-        self.max_loras = max_loras  # distinct LoRA adapters in one step (their device slots)
+        self.max_loras = max_loras  # distinct LoRA adapters in one step (0: LoRA is off)
         self.max_num_seqs = max_num_seqs
         self.budget = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -147,6 +149,21 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
         self.num_swap_preemptions += self.kv.tiers is not None
+
+    def stats(self) -> dict[str, Any]:
+        """`EngineStats`' scheduler counters, and the adapters of its running and waiting
+        sequences (vLLM's `lora_requests_info`)."""
+
+        def names(seqs: Iterable[Sequence]) -> list[str]:
+            return sorted({s.lora.lora_name for s in seqs if s.lora is not None})
+
+        return {
+            "num_preemptions": self.num_preemptions,
+            "num_swap_preemptions": self.num_swap_preemptions,
+            "max_loras": self.max_loras,
+            "lora_running": names(self.running),
+            "lora_waiting": names([*self.waiting, *self.loading]),
+        }
 
     def finished_step(self, step: StepInput) -> None:
         for seq, n in zip(step.seqs, step.num_new_tokens):
