@@ -51,7 +51,9 @@ class LoRARegistry:
         return found
 
     def adapters(self) -> list[LoRARequest]:
-        return [*self._static.values(), *self._runtime().values()]
+        """Those of the config in its order, then those loaded at run time by name."""
+        runtime = sorted(self._runtime().values(), key=lambda r: r.lora_name)
+        return [*self._static.values(), *runtime]
 
     def load(self, name: str | None, path: str | None) -> str:
         """vLLM's /v1/load_lora_adapter: 400 for a missing field or a name taken, 404 for a path
@@ -71,7 +73,7 @@ class LoRARegistry:
         kv = ray_internal_kv()
         if kv is None:
             self._local[name] = _request(name, path)
-        elif not kv._internal_kv_put(self._key + name, path, overwrite=False):
+        elif kv._internal_kv_put(self._key + name, path, overwrite=False):  # it existed
             raise BadRequestError(f"The lora adapter '{name}' has already been loaded.")
         return f"Success: LoRA adapter '{name}' added successfully."
 
