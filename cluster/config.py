@@ -22,6 +22,11 @@ from workers.config import EngineConfig, KVTransferConfig
 MIN_FAILOVER_DEADLINE_S = STALE_AFTER_S + POST_INTERVAL_S + FRESH_S
 
 
+class LoRAModule(Strict):
+    name: str = Field(min_length=1, description="the model name requests give")
+    path: str = Field(min_length=1, description="the PEFT adapter's directory")
+
+
 class RouterConfig(Strict):
     num_replicas: int = Field(1, ge=1)
     num_cpus: float = Field(1, ge=0)
@@ -155,6 +160,14 @@ class RouterConfig(Strict):
         description="/invocations (SageMaker's) answers without the API key, for a gateway that "
         "authenticates in front; off, it needs the key as /v1 does",
     )
+    # LoRA adapters (engine.enable_lora): served under their names beside the base model
+    lora_modules: tuple[LoRAModule, ...] = Field(
+        (), description="adapters offered from the start: a request's `model` picks one by name"
+    )
+    allow_runtime_lora_updating: bool = Field(
+        False, description="POST /v1/load_lora_adapter and /v1/unload_lora_adapter add and remove "
+        "adapters at run time (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING); off, they are 404",
+    )  # fmt: skip
 
     @field_validator("failover_deadline_s")
     @classmethod
@@ -188,6 +201,14 @@ class AppConfig(Strict):
         # An engine's share of its GPU is its pool's Ray GPU fraction, which PoolConfig passes.
         if self.engine.gpu_share != 1:
             raise ValueError("set a pool's num_gpus_per_rank (prefill, decode), not gpu_share")
+        return self
+
+    @model_validator(mode="after")
+    def _lora_enabled(self) -> AppConfig:
+        r = self.router
+        if (r.lora_modules or r.allow_runtime_lora_updating) and not self.engine.enable_lora:
+            raise ValueError("router.lora_modules and allow_runtime_lora_updating need "
+                             "engine.enable_lora")  # fmt: skip
         return self
 
     @model_validator(mode="after")

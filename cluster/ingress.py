@@ -17,6 +17,7 @@ from router.admission import IngressLimits
 from router.backend import GenerationBackend
 from router.failover import FailoverPolicy
 from router.health import PoolWatch
+from router.lora_registry import LoRARegistry
 from router.metric_names import Naming
 from router.metrics import Metrics
 from router.metrics_board import MetricsBoard
@@ -61,6 +62,11 @@ class OpenAIIngress:
         if self.tool_parser == "auto":
             self.tool_parser = default_parser(self.tokenizer.chat_template,
                                               model_config.architecture)
+        self.loras = None
+        if self.config.engine.enable_lora:  # adapters by name, shared by the app's routers
+            modules = {m.name: m.path for m in r.lora_modules}
+            self.loras = LoRARegistry(self.config.model_name, modules,
+                                      self.config.engine.max_lora_rank, app_name)
         self.sampling_defaults = generation_defaults(model_dir)
         if self.sampling_defaults:
             logger.info("sampling defaults from generation_config.json: %s", self.sampling_defaults)
@@ -96,4 +102,6 @@ class OpenAIIngress:
             ),
             health=self.health,
             tool_parser=self.tool_parser,
+            loras=self.loras,
+            allow_runtime_lora_updating=self.config.router.allow_runtime_lora_updating,
         )

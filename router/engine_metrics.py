@@ -10,6 +10,7 @@ the `block_size` label: twice as many with an FP8 KV cache).
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -61,7 +62,8 @@ SPEC_COUNTERS = {
     "spec_num_accepted_tokens": ("spec_decode_num_accepted_tokens", "Draft tokens accepted"),
 }
 # summed element-wise, or per key (`engine_deaths`), not here
-LIST_FIELDS = {"iteration_tokens", "spec_accepted_per_pos", "engine_deaths", "moe_expert_tokens"}
+LIST_FIELDS = {"iteration_tokens", "spec_accepted_per_pos", "engine_deaths", "moe_expert_tokens",
+               "lora_running", "lora_waiting"}  # fmt: skip
 
 
 # EngineStats fields that describe the present (gauges): a dead replica's are left out
@@ -267,3 +269,26 @@ class EngineStatsCollector(Collector):
         yield engine_deaths(self.snapshot, self.model_name, name)
         yield from moe_expert_tokens(self.snapshot, self.model_name, name)
         yield from tier_families(sums, self.model_name, name)
+        yield from lora_info(self.snapshot, name)
+
+
+def lora_info(snapshot: Iterable[RoleStats], name: Naming) -> Iterable[Metric]:
+    """vLLM's `lora_requests_info` per role where LoRA is on: the adapters of the live replicas'
+    running and waiting requests (names joined by commas), the device slots of one replica
+    (`max_lora`), and, as vLLM's, the time of the reading as its value."""
+    roles: dict[str, tuple[set[str], set[str], int]] = {}
+    for role, stats, live in snapshot:
+        if live and stats.max_loras:
+            running, waiting, _ = roles.setdefault(role, (set(), set(), stats.max_loras))
+            running.update(stats.lora_running)
+            waiting.update(stats.lora_waiting)
+    if not roles:
+        return
+    labels = [name.engine_label, "max_lora", "running_lora_adapters", "waiting_lora_adapters"]
+    info = GaugeMetricFamily(name("lora_requests_info"), "Running stats on LoRA requests",
+                             labels=labels)  # fmt: skip
+    now = time.time()
+    for role, (running, waiting, slots) in sorted(roles.items()):
+        info.add_metric([role, str(slots), ",".join(sorted(running)), ",".join(sorted(waiting))],
+                        now)  # fmt: skip
+    yield info

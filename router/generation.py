@@ -37,7 +37,7 @@ from router.protocol import (
 )
 from router.tokenizer import Prompts, RawPrompt
 from router.tools.choice import ToolPlan
-from workers.api import GenerateRequest, RequestOutput, TokenLogprob
+from workers.api import GenerateRequest, LoRARequest, RequestOutput, TokenLogprob
 
 
 @dataclass
@@ -123,10 +123,11 @@ def build_job(req: SamplingFields, prompt_ids: list[list[int]], prompts: Prompts
               metrics: Metrics, defaults: Mapping[str, float] | None = None,
               tools: ToolPlan | None = None,
               constraints: Mapping[str, Any] | None = None,
-              arrival: float | None = None) -> Job:
+              arrival: float | None = None, lora: LoRARequest | None = None) -> Job:
     """The job of one request. `constraints`: the SamplingParams fields of the request's
     constraints (`router.structured.constraint_params`); `tools`: its tool plan, for its
-    answers; `arrival`: when it came (`time.monotonic()`, its queue time)."""
+    answers; `arrival`: when it came (`time.monotonic()`, its queue time); `lora`: the
+    adapter it runs with (`model`: its name then)."""
     chat = isinstance(req, ChatCompletionRequest)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     requested = req.max_tokens
@@ -141,7 +142,7 @@ def build_job(req: SamplingFields, prompt_ids: list[list[int]], prompts: Prompts
                                      constraints=constraints)
             name = rid if len(prompt_ids) * req.n == 1 else f"{rid}-{index}"
             requests.append(GenerateRequest(request_id=name, prompt_token_ids=tuple(ids),
-                                            params=params))
+                                            params=params, lora=lora))
             timer = metrics.request_timer(len(ids), req.n, max_tokens, arrival)
             choices.append(ChoiceState(index=index, prompt=p, timer=timer))
     opts = req.stream_options

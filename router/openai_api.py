@@ -4,7 +4,8 @@ The Serve ingress mounts the returned FastAPI app with `@serve.ingress`; anythin
 `GenerationBackend` (the colocated `LocalBackend`, a prefill -> decode backend) can sit behind it.
 
     POST /v1/completions, /v1/chat/completions   SSE when stream=true, else one JSON body
-    GET  /v1/models                              the one served model
+    GET  /v1/models                              the served model and its LoRA adapters
+    POST /v1/load_lora_adapter, /v1/unload_lora_adapter   at run time, where allowed
     GET  /health                                 200 (empty); 503 while a pool has no live replica
     GET  /metrics                                Prometheus text, `pdserve:` or `vllm:` names
     POST /tokenize, /detokenize                  vLLM's helpers
@@ -43,6 +44,8 @@ from router.errors import (
 from router.extra_routes import extra_routes
 from router.generation import Job, build_job, merge_streams
 from router.health import PoolWatch
+from router.lora_registry import LoRARegistry
+from router.lora_routes import lora_routes
 from router.metrics import Metrics, RequestOutcome, error_status
 from router.metrics_board import MetricsBoard
 from router.params import check_supported
@@ -63,7 +66,7 @@ from router.structured import constraint_params
 from router.tokenizer import Prompts
 from router.tools.choice import ToolPlan, plan_tools
 from router.tools.parsers import default_parser
-from workers.api import RequestOutput
+from workers.api import LoRARequest, RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +87,8 @@ def build_openai_app(
     tool_parser: str | None = None,
     prompt_tokens_details: bool = False,
     open_invocations: bool = False,
+    loras: LoRARegistry | None = None,
+    allow_runtime_lora_updating: bool = False,
 ) -> FastAPI:
     """The app for one served model; `tokenizer` is the model's transformers tokenizer.
 
@@ -98,6 +103,8 @@ def build_openai_app(
     the one the chat template's tool format names.
     `prompt_tokens_details`: fill usage.prompt_tokens_details (null otherwise, as vLLM).
     `open_invocations`: /invocations needs no API key (`router.auth`).
+    `loras`: the LoRA adapters a request's `model` may name (none without);
+    `allow_runtime_lora_updating`: mount /v1/load_lora_adapter and /v1/unload_lora_adapter.
     """
     prompts = Prompts(tokenizer, max_model_len)
     metrics = metrics or Metrics(served_model_name)
@@ -125,18 +132,23 @@ def build_openai_app(
     admission = (Admission(on_reject=metrics.reject) if limits is None else
                  Admission(limits.max_queued_requests, limits.retry_after_s, metrics.reject))
 
-    def check_model(name: str | None) -> None:
-        if name and name != served_model_name:  # "" serves the model, as absent (vLLM)
+    def check_model(name: str | None) -> LoRARequest | None:
+        """The LoRA adapter `name` picks (None: the base model; "" too, as absent in vLLM)."""
+        if loras is not None:
+            return loras.resolve(name)
+        if name and name != served_model_name:
             raise unknown_model(name)
+        return None
 
     async def run(
         req: SamplingFields, prompt_ids: list[list[int]], slot: Slot, outcome: RequestOutcome,
-        arrival: float, tools: ToolPlan | None = None,
+        arrival: float, tools: ToolPlan | None = None, lora: LoRARequest | None = None,
     ) -> Response:
         # In a thread: checking a constraint may compile a grammar.
         constraints = await asyncio.to_thread(constraint_params, req, prompts, tools)
-        job = build_job(req, prompt_ids, prompts, served_model_name, metrics, sampling_defaults,
-                        tools, constraints, arrival)
+        model = served_model_name if lora is None else lora.lora_name
+        job = build_job(req, prompt_ids, prompts, model, metrics, sampling_defaults, tools,
+                        constraints, arrival, lora)
         job.outcome, job.prompt_tokens_details = outcome, prompt_tokens_details
         merged = merge_streams([backend.generate(r) for r in job.requests], job.leaders())
         try:
@@ -162,16 +174,16 @@ def build_openai_app(
     @v1.post("/completions")
     async def completions(req: CompletionRequest) -> Response:
         arrival = time.monotonic()
-        check_model(req.model)
+        lora = check_model(req.model)
         check_supported(req)
         with admission.slot() as slot, metrics.outcome() as outcome:
             ids = await asyncio.to_thread(prompts.completion_prompts, req.prompt)
-            return await run(req, ids, slot, outcome, arrival)
+            return await run(req, ids, slot, outcome, arrival, lora=lora)
 
     @v1.post("/chat/completions")
     async def chat_completions(req: ChatCompletionRequest) -> Response:
         arrival = time.monotonic()
-        check_model(req.model)
+        lora = check_model(req.model)
         check_supported(req)
         tools = plan_tools(req.tools, req.tool_choice, tool_parser)
         with admission.slot() as slot, metrics.outcome() as outcome:
@@ -183,14 +195,20 @@ def build_openai_app(
                 req.chat_template_kwargs,
                 None if tools is None else tools.tools,
             )
-            return await run(req, [ids], slot, outcome, arrival, tools)
+            return await run(req, [ids], slot, outcome, arrival, tools, lora)
 
     @v1.get("/models")
     async def models() -> ModelList:
         card = ModelCard(id=served_model_name, root=served_model_name, max_model_len=max_model_len)
-        return ModelList(data=[card])
+        adapters = [] if loras is None else await asyncio.to_thread(loras.adapters)
+        return ModelList(data=[card] + [
+            ModelCard(id=a.lora_name, root=a.lora_path, parent=served_model_name,
+                      max_model_len=max_model_len) for a in adapters
+        ])  # fmt: skip
 
     app.include_router(v1)
+    if loras is not None and allow_runtime_lora_updating:
+        app.include_router(lora_routes(loras))
 
     @app.get("/health")
     async def health_check() -> Response:

@@ -51,6 +51,7 @@ from router.failover import (
 from router.liveness import PoolLiveness
 from router.routing.dead_replicas import DeadReplicas
 from router.routing.disagg import DecodeCacheView, prefill_remotely
+from router.routing.policy import cache_ids
 from workers.api import GenerateRequest, RequestOutput, read_pool
 
 logger = logging.getLogger(__name__)
@@ -86,7 +87,7 @@ class DisaggregatedBackend:
             return False
         if await self.live.down("prefill") or await self.live.down("decode"):
             return False  # a decode replica prefills, or the prefill replica runs it whole
-        prompt = req.prompt_token_ids
+        prompt = cache_ids(req)  # the decode caches' names of its pages (by adapter)
         cache = self.decode_cache
         uncached = len(prompt) if cache is None else cache.uncached_tokens(prompt)
         return prefill_remotely(uncached, self.prefills_waiting, self.decode_prefill_max_tokens,

@@ -8,7 +8,7 @@ through which the router sees every replica's counters. The router imports nothi
 
 from __future__ import annotations
 
-from workers.kvcache.kv_events import KVEventBatch, page_hashes
+from workers.kvcache.kv_events import KVEventBatch, lora_cache_ids, page_hashes
 from workers.protocol import (
     ITERATION_TOKENS_BUCKETS,
     MAX_LOGPROBS,
@@ -17,6 +17,7 @@ from workers.protocol import (
     FinishReason,
     GenerateRequest,
     KVHandle,
+    LoRARequest,
     RequestOutput,
     SamplingParams,
     StructuredOutputs,
@@ -45,6 +46,7 @@ __all__ = [
     "KVEventBatch",
     "KVEventRead",
     "KVHandle",
+    "LoRARequest",
     "Posted",
     "RequestOutput",
     "SamplingParams",
@@ -52,6 +54,7 @@ __all__ = [
     "StructuredOutputs",
     "TokenLogprob",
     "check_structured_outputs",
+    "lora_cache_ids",
     "page_hashes",
     "read_kv_events",
     "read_pool",

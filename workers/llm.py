@@ -11,7 +11,13 @@ from tqdm import tqdm
 
 from workers.config import DEFAULT_MODEL, EngineConfig
 from workers.engine.engine import Engine
-from workers.protocol import FinishReason, GenerateRequest, SamplingParams, TokenLogprob
+from workers.protocol import (
+    FinishReason,
+    GenerateRequest,
+    LoRARequest,
+    SamplingParams,
+    TokenLogprob,
+)
 
 Prompt = str | list[int]
 Message = dict[str, Any]
@@ -55,18 +61,25 @@ class LLM:
         prompts: Prompt | Seq[Prompt],
         params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[GenerationOutput]:
-        """Run every prompt to completion as one continuously batched workload."""
+        """Run every prompt to completion as one continuously batched workload; with
+        `lora_request` (one for all prompts, or one per prompt, None for the base model) under
+        those LoRA adapters."""
         batch = _as_prompt_list(prompts)
         plist = params if isinstance(params, Seq) else [params or SamplingParams()] * len(batch)
         if len(plist) != len(batch):
             raise ValueError(f"{len(batch)} prompts but {len(plist)} sampling params")
+        loras = lora_request if isinstance(lora_request, Seq) else [lora_request] * len(batch)
+        if len(loras) != len(batch):
+            raise ValueError(f"{len(batch)} prompts but {len(loras)} LoRA requests")
         outputs: dict[str, GenerationOutput] = {}
         order = []
-        for prompt, p in zip(batch, plist):
+        for prompt, p, lora in zip(batch, plist, loras):
             ids = self._encode(prompt)
             rid = f"offline-{next(self._ids)}"
-            self.engine.add_request(GenerateRequest(request_id=rid, prompt_token_ids=ids, params=p))
+            req = GenerateRequest(request_id=rid, prompt_token_ids=ids, params=p, lora=lora)
+            self.engine.add_request(req)
             outputs[rid] = GenerationOutput(
                 request_id=rid,
                 prompt_token_ids=ids,

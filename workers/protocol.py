@@ -137,14 +137,26 @@ class SamplingParams(BaseModel):
         return self.temperature == 0.0
 
 
+class LoRARequest(BaseModel):
+    """A LoRA adapter a request runs with, as vLLM's: its name, an id unique per adapter (> 0;
+    the prefix cache and the device slots key by it) and its PEFT directory."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int = Field(ge=1)
+    lora_path: str = Field(min_length=1)
+
+
 class GenerateRequest(BaseModel):
-    """One prompt, already tokenized, with its sampling rules."""
+    """One prompt, already tokenized, with its sampling rules (and adapter: None, the base)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams = SamplingParams()
+    lora: LoRARequest | None = None
 
     @field_validator("prompt_token_ids")
     @classmethod
@@ -305,6 +317,11 @@ class EngineStats(BaseModel):
     spec_accepted_per_pos: list[int] = []
     # KV events: page stores and evictions this replica published to the routers
     kv_events_published: int = 0
+    # LoRA (EngineConfig.enable_lora; 0: off): device slots, and the adapters of the running
+    # and waiting requests, by name
+    max_loras: int = 0
+    lora_running: list[str] = []
+    lora_waiting: list[str] = []
     # KV tiers below the device pool (EngineConfig.kv_offload): pages and bytes each holds now,
     # prompt tokens found there, bytes moved down (device -> host) and up (loads), the loads'
     # copy time

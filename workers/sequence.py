@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from workers.detokenizer import IncrementalDetokenizer
-from workers.protocol import FinishReason, SamplingParams, TokenLogprob
+from workers.protocol import FinishReason, LoRARequest, SamplingParams, TokenLogprob
 from workers.sampling.constraint import Constraint
 
 
@@ -50,6 +50,12 @@ class Sequence:
     draft_ids: list[int] = field(default_factory=list)
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    lora: LoRARequest | None = None  # the adapter it runs with; None: the base model
+
+    @property
+    def lora_id(self) -> int:
+        """Its adapter's id, 0 for the base model (the prefix cache keys pages by it)."""
+        return 0 if self.lora is None else self.lora.lora_int_id
 
     @property
     def num_tokens(self) -> int:

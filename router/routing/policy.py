@@ -34,9 +34,16 @@ from typing import TypeVar
 
 from router.routing.loads import LoadBoard
 from router.routing.prefix_index import PrefixIndex, uncached_tokens
-from workers.api import KVEventBatch, page_hashes
+from workers.api import GenerateRequest, KVEventBatch, lora_cache_ids, page_hashes
 
 R = TypeVar("R", bound=Hashable)  # a replica key (Serve's ReplicaID)
+
+
+def cache_ids(req: GenerateRequest) -> Sequence[int]:
+    """`req`'s prompt as the engines' prefix caches name its pages: by its LoRA adapter too
+    (`lora_cache_ids`); the same object for a base request, so its names are hashed once."""
+    lora = getattr(req, "lora", None)  # Serve's routers see any request with a prompt
+    return lora_cache_ids(req.prompt_token_ids, 0 if lora is None else lora.lora_int_id)
 
 
 class InFlight:

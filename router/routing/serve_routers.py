@@ -38,6 +38,7 @@ from router.routing.kv_feed import KVEventFeed
 from router.routing.policy import (
     DecodeLoadPolicy,
     PrefixAwarePolicy,
+    cache_ids,
     decode_load,
     decode_load_order,
 )
@@ -132,7 +133,7 @@ class PrefillRouter(_PolicyRouter):
     def rank(self, req: Any, candidates: list[RunningReplica]) -> list[list[RunningReplica]]:
         self._apply_events()
         by_id = {r.replica_id.unique_id: r for r in candidates}
-        best = [by_id[k] for k in self.policy.rank(req.prompt_token_ids) if k in by_id]
+        best = [by_id[k] for k in self.policy.rank(cache_ids(req)) if k in by_id]
         chosen = {r.replica_id for r in best}
         rest = [r for r in candidates if r.replica_id not in chosen]
         return [[r] for r in best] + ([rest] if rest else [])
@@ -152,7 +153,7 @@ class PrefillRouter(_PolicyRouter):
         req = _request_of(pending_request)
         if req is not None:
             request = pending_request.metadata.internal_request_id
-            self.policy.routed(replica_id.unique_id, request, req.prompt_token_ids)
+            self.policy.routed(replica_id.unique_id, request, cache_ids(req))
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         gone = set(self._replicas) - {r.replica_id for r in replicas}

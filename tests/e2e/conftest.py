@@ -49,6 +49,8 @@ def in_both_modes(check: Callable[..., None]) -> Callable[..., None]:
     params = [p for name, p in inspect.signature(check).parameters.items() if name != "mode"]
     test.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
     return test
+
+
 VLLM_MAX_QUEUED = 4  # the vLLM-named application's router admits this many requests at a time
 HEALTHY_DEADLINE_S = 120  # a replica killed by an earlier module is replaced within this
 
@@ -106,8 +108,11 @@ def wait_healthy(base: str) -> None:
 @pytest.fixture(scope="session")
 def _local_apps(serve_url: str) -> Iterator[dict[str, str]]:
     for mode in MODES:
-        # usage.prompt_tokens_details on: tests read the prefix cache's hits from it
-        args = local_args(mode, enable_prompt_tokens_details=True)
+        # usage.prompt_tokens_details on: tests read the prefix cache's hits from it; LoRA
+        # adapters loaded at run time (test_lora_serving.py)
+        args = local_args(mode, enable_prompt_tokens_details=True,
+                          allow_runtime_lora_updating=True)  # fmt: skip
+        args["engine"].update(enable_lora=True, max_loras=2, max_lora_rank=8)
         if mode == "disaggregated":  # each pool on a node of its own: every hand-off crosses
             args["prefill"]["resources"] = {PREFILL_NODE: 1}
             args["decode"]["resources"] = {DECODE_NODE: 1}

@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("cluster", "router", "workers")  # top first
 # Inside workers, top first: a module may import from its own room and the rooms after it.
 WORKER_ROOMS = (
-    "__init__", "api", "serve", "disagg", "llm", "engine", "spec", "scheduler", "transfer", "model",
+    "__init__", "api", "serve", "disagg", "llm", "engine", "spec", "scheduler", "transfer", "lora",
+    "model",
     "attention", "kvcache", "sequence", "detokenizer", "sampling", "parallel", "kernels",
     "config", "protocol", "ray_kv", "env",
 )  # fmt: skip

@@ -225,6 +225,14 @@ class EngineConfig(BaseModel):
         "prefix pages are dropped)",
     )  # fmt: skip
 
+    # ---- LoRA adapters (docs/architecture.md, "LoRA adapters") ----
+    enable_lora: bool = Field(False, description="serve PEFT LoRA adapters beside the base model")
+    max_loras: int = Field(1, ge=1, description="adapters on the device at once (a step's most)")
+    max_lora_rank: int = Field(16, ge=1, le=512, description="the largest adapter rank accepted")
+    max_cpu_loras: int | None = Field(
+        None, ge=1, description="adapters cached in host memory (LRU); None: max_loras"
+    )
+
     @model_validator(mode="after")
     def _int8_kv_backend(self) -> EngineConfig:
         if self.kv_cache_dtype == "int8" and self.attention_backend == "flashinfer":
@@ -236,6 +244,9 @@ class EngineConfig(BaseModel):
     def _offload_fits(self) -> EngineConfig:
         if self.kv_offload is not None and not self.enable_prefix_caching:
             raise ValueError("kv_offload needs enable_prefix_caching: the tiers hold its pages")
+        if (self.max_cpu_loras or self.max_loras) < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras "
+                             f"({self.max_loras}): the host holds each device one")  # fmt: skip
         return self
 
     def resolved_device(self) -> torch.device:

@@ -30,6 +30,7 @@ from workers.engine.tier_ranks import build_tiers
 from workers.engine.tp_runner import create_runner
 from workers.kvcache.allocator import PageAllocator
 from workers.kvcache.manager import KVManager
+from workers.lora.manager import request_adapter
 from workers.model.files import load_tokenizer
 from workers.model.moe import routed_token_counts
 from workers.parallel.group import SINGLE, TPGroup
@@ -63,7 +64,8 @@ class Engine:
         self.allocator = PageAllocator(self.runner.pool.num_pages)
         tiers = build_tiers(self.runner, cfg)
         self.kv = KVManager(self.allocator, cfg.page_size, cfg.enable_prefix_caching, tiers)
-        self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        limits = (cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_loras * cfg.enable_lora)
+        self.scheduler = Scheduler(self.kv, *limits)
         eos = {*self.runner.model_config.eos_token_ids, self.tokenizer.eos_token_id} - {None}
         self.eos_token_ids = frozenset(eos)
         self.seqs: dict[str, Sequence] = {}
@@ -108,6 +110,7 @@ class Engine:
         check_token_ids(req, self.max_model_len, self.runner.model_config.vocab_size)
         try:
             constraint = self.grammars.constraint(req.params)
+            lora = request_adapter(self.runner.lora, req.lora)  # a bad adapter fails it now
         except ValueError as e:
             raise RequestRejectedError(str(e)) from e
         longest = min(n + req.params.max_tokens, self.max_model_len)
@@ -131,9 +134,14 @@ class Engine:
                 req.params.include_stop_str_in_output,
             ),
             constraint=constraint,
+            lora=lora,
         )
         self.seqs[req.request_id] = seq
         return seq
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        self.kv.drop_lora(lora_int_id)  # unloaded: its prefix-cache pages, host copy, slot
+        return self.runner.lora is not None and self.runner.lora.remove(lora_int_id)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its pages; None if it is unknown or already done."""
@@ -329,8 +337,7 @@ class Engine:
             kv_pages_evictable=0 if self.kv.radix is None else self.kv.radix.num_evictable_pages,
             prefix_cache_queries=self.kv.prefix_queries,
             prefix_cache_hits=self.kv.prefix_hits,
-            num_preemptions=self.scheduler.num_preemptions,
-            num_swap_preemptions=self.scheduler.num_swap_preemptions,
+            **self.scheduler.stats(),
             num_handoffs_pending=self._num_handoffs_pending(),
             prompt_tokens_computed=self.prompt_tokens_computed,
             generation_tokens=self.generation_tokens,
@@ -341,4 +348,3 @@ class Engine:
             **({} if self.spec is None else self.spec.stats()),
             **({} if self.kv.tiers is None else self.kv.tiers.stats()),
         )
-

@@ -25,6 +25,7 @@ from workers.kernels.host_staging import to_device
 from workers.kvcache.kv_dtype import checkpoint_scales, is_fp8, kv_storage_dtype
 from workers.kvcache.page_table import PageTable
 from workers.kvcache.pool import KVPool
+from workers.lora.manager import build_lora, lora_step
 from workers.model.dummy import build_dummy_model
 from workers.model.files import load_model_config, resolve_model
 from workers.model.loader import load_model
@@ -79,6 +80,7 @@ class ModelRunner:
             )  # fmt: skip
         if cfg.kernels.blocked_weights:
             self.model.block_weights()
+        self.lora = build_lora(cfg, self.model, self.model_config, self._to_device)
         attn = self.model.attention
         kv_dtype = kv_storage_dtype(cfg.kv_cache_dtype, self.dtype)
         self.kv_layout = KVLayout(
@@ -193,7 +195,9 @@ class ModelRunner:
         """`step`'s inputs as host arrays, laid out for a CUDA graph where one applies
         (`_graph_layout`)."""
         token_rows, pad_to = self._graph_layout(step)
-        return self.build_plan(step, token_rows, pad_to)
+        plan = self.build_plan(step, token_rows, pad_to)
+        plan.lora = None if self.lora is None else self.lora.assign(step.seqs, step.num_new_tokens)
+        return plan
 
     def build_plan(self, step: StepInput, token_rows: bool, pad_to: int | None) -> StepPlan:
         """`step`'s inputs as host arrays. `token_rows`: every new token is a row of its own
@@ -278,7 +282,8 @@ class ModelRunner:
             index = self._to_device(np.asarray(rows, dtype=np.int64))
             return StepOutputs(logits[index], greedy_ids[index], None)
         self.attn.plan(batch)
-        hidden = self.model(input_ids, positions, self.attn)
+        with lora_step(self.lora, plan.lora):
+            hidden = self.model(input_ids, positions, self.attn)
         prompt = self._prompt_logprobs(hidden, plan) if plan.prompt_rows else None
         if not rows:
             return StepOutputs(None, None, prompt)
@@ -329,7 +334,7 @@ class ModelRunner:
         launches a layer take several times its GPU work on the host (docs/benchmarks.md, prefill).
         Rows of a chunk each read their sequence's KV up to themselves, so this is done only
         while those reads stay within as many bytes as the weights (read once a step)."""
-        if self.graphs is None or step.scores_prompt():
+        if self.graphs is None or step.scores_prompt() or any(s.lora for s in step.seqs):
             return False, None
         ps = self.cfg.page_size
         pairs = list(zip(step.seqs, step.num_new_tokens))

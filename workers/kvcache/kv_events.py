@@ -23,6 +23,19 @@ from dataclasses import dataclass, field
 ROOT = 0x5EED  # the name "before" the first page
 
 
+LORA_SALT = 1 << 32  # above every token id: an adapter's cache ids sit in a range of their own
+
+
+def lora_cache_ids(token_ids: Sequence[int], lora_id: int) -> Sequence[int]:
+    """The ids the prefix cache keys a request's pages by (and names them from): its tokens,
+    shifted by its LoRA adapter's id times LORA_SALT (0, the base model: unchanged), so that the
+    same text under two adapters never shares KV."""
+    if not lora_id:
+        return token_ids
+    shift = lora_id * LORA_SALT
+    return [t + shift for t in token_ids]
+
+
 def page_hashes(token_ids: Sequence[int], page_size: int, parent: int = ROOT) -> list[int]:
     """Chained names of the whole pages of `token_ids`, following the page named `parent`."""
     n = len(token_ids) // page_size

@@ -20,7 +20,7 @@ sequence that leaves meanwhile leaves the job to end on its own; its pages still
 from __future__ import annotations
 
 from workers.kvcache.allocator import PageAllocator
-from workers.kvcache.kv_events import ROOT
+from workers.kvcache.kv_events import LORA_SALT, ROOT, lora_cache_ids
 from workers.kvcache.radix_cache import RadixCache
 from workers.kvcache.tiers.offloader import OnloadJob, TieredStore
 from workers.sequence import Sequence
@@ -51,7 +51,7 @@ class KVManager:
         if self.radix is None or seq.wants_prompt_logprobs:  # those come from computing it
             return
         self._onloaded.discard(seq)
-        match = self.radix.match_prefix(seq.token_ids, max_tokens=seq.num_tokens - 1)
+        match = self.radix.match_prefix(_ids(seq), max_tokens=seq.num_tokens - 1)
         self.radix.lock(match.node)
         seq.prefix_node = match.node
         seq.pages = list(match.pages)
@@ -72,10 +72,11 @@ class KVManager:
             return False
         if tiers.is_loading_for(seq):
             return True
-        match = radix.match_prefix(seq.token_ids, max_tokens=seq.num_tokens - 1)
+        ids = _ids(seq)
+        match = radix.match_prefix(ids, max_tokens=seq.num_tokens - 1)
         start, end = len(match.pages), (seq.num_tokens - 1) // self.page_size
         parent = match.node.names[-1] if match.node.names else ROOT
-        found = tiers.lookup(seq.token_ids, start, end, parent)
+        found = tiers.lookup(ids, start, end, parent)
         if not found:
             return False
         radix.lock(match.node)
@@ -85,7 +86,7 @@ class KVManager:
             radix.unlock(match.node)
             tiers.unpin(found)
             return None
-        tokens = seq.token_ids[: (start + len(found)) * self.page_size]
+        tokens = ids[: (start + len(found)) * self.page_size]
         tiers.start(OnloadJob(seq, match.node, tokens, match.pages, pages, found))
         return True
 
@@ -135,7 +136,7 @@ class KVManager:
         full = min(seq.num_computed_tokens, len(seq.token_ids)) // self.page_size  # known ids
         if full <= seq.num_tree_pages:
             return
-        tokens = seq.token_ids[: full * self.page_size]
+        tokens = _ids(seq)[: full * self.page_size]
         result = self.radix.insert(tokens, seq.pages[:full])
         self.radix.lock(result.node)
         if seq.prefix_node is not None:
@@ -145,6 +146,12 @@ class KVManager:
             seq.pages[:full] = self.radix.match_prefix(tokens).pages
             self.allocator.free(result.duplicate_pages)
         seq.num_tree_pages = full
+
+    def drop_lora(self, lora_id: int) -> int:
+        """Free the cached pages of an unloaded LoRA adapter (held ones stay till released)."""
+        if self.radix is None:
+            return 0
+        return self.radix.drop_where(lambda key: key[0] // LORA_SALT == lora_id)
 
     def release(self, seq: Sequence, cache: bool = True) -> None:
         """Give back every page of `seq`: computed ones to the tree where `cache`, else freed."""
@@ -166,3 +173,8 @@ class KVManager:
     @property
     def num_pinned_pages(self) -> int:
         return 0 if self.radix is None else self.radix.num_locked_pages
+
+
+def _ids(seq: Sequence) -> list[int]:
+    """`seq`'s ids as the prefix cache keys them (its adapter's range, `lora_cache_ids`)."""
+    return list(lora_cache_ids(seq.token_ids, seq.lora_id))

@@ -31,7 +31,7 @@ Invariants:
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -195,6 +195,21 @@ class RadixCache:
             else:
                 self._remove_leaf(leaf)
             freed += take
+        return freed
+
+    def drop_where(self, owns: Callable[[tuple[int, ...]], bool]) -> int:
+        """Evict the unlocked pages of the prefixes whose first page `owns` (an unloaded LoRA
+        adapter's, `lora_cache_ids`); return how many were freed."""
+        order, stack = [], [c for key, c in self.root.children.items() if owns(key)]
+        while stack:
+            node = stack.pop()
+            order.append(node)
+            stack.extend(node.children.values())
+        freed = 0
+        for node in reversed(order):  # children before their parents
+            if node.parent is not None and not node.children and not node.ref:
+                freed += len(node.pages)
+                self._remove_leaf(node)
         return freed
 
     def check_invariants(self) -> None:

@@ -12,7 +12,8 @@ from collections.abc import Iterator
 import torch
 
 from workers.model.config import ModelConfig
-from workers.model.llama import STACKED_PARAMS, LlamaForCausalLM
+from workers.model.llama import LlamaForCausalLM
+from workers.model.weight_names import STACKED_PARAMS
 from workers.parallel.group import TPGroup
 
 INIT_STD = 0.02

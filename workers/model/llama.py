@@ -1,7 +1,7 @@
 """The Llama family (Llama 2/3, Mistral, Qwen2 with qkv bias, Qwen3 with q/k norm) over paged KV.
 
 Module names mirror HF checkpoints so weight names map one to one, except the fused projections
-(`qkv_proj` from q/k/v_proj, `gate_up_proj` from gate/up_proj), listed in `STACKED_PARAMS`.
+(`qkv_proj` from q/k/v_proj, `gate_up_proj` from gate/up_proj): `weight_names.STACKED_PARAMS`.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from typing import cast
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from workers.attention.base import AttentionBackend
@@ -30,18 +31,11 @@ from workers.model.layers import (
     silu_and_mul_linear,
     skinny_takes_all,
 )
+from workers.model.lora_layers import LayerLoRA, LoRAContext
 from workers.model.moe import SparseMoeBlock
-from workers.model.moe_experts import StackedExperts, expert_weight, moe_param_name
+from workers.model.moe_experts import StackedExperts
+from workers.model.weight_names import param_name
 from workers.parallel.group import TPGroup
-
-# checkpoint name fragment -> (our fragment, shard id)
-STACKED_PARAMS: dict[str, tuple[str, int | str]] = {
-    ".q_proj.": (".qkv_proj.", "q"),
-    ".k_proj.": (".qkv_proj.", "k"),
-    ".v_proj.": (".qkv_proj.", "v"),
-    ".gate_proj.": (".gate_up_proj.", 0),
-    ".up_proj.": (".gate_up_proj.", 1),
-}
 
 
 class Attention(nn.Module):
@@ -57,11 +51,15 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, False, tp)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.lora: LayerLoRA | None = None  # set where LoRA is enabled (workers/lora/slots.py)
 
     def forward(
         self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, ...], attn: AttentionBackend
     ) -> torch.Tensor:
         # This rank's partial sum: the norm after attention sums it over the group.
+        if self.lora is not None and self.lora.active:
+            out = self.attend(self.lora.add("qkv", x, self.qkv_proj(x)), cos_sin, attn)
+            return self.lora.add("o", out, self.o_proj(out, reduce=False))
         return self.o_proj(self.attend(self.qkv_proj(x), cos_sin, attn), reduce=False)
 
     def forward_folded(
@@ -111,9 +109,14 @@ class MLP(nn.Module):
         size = cfg.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [size, size], False, tp)
         self.down_proj = RowParallelLinear(size, cfg.hidden_size, False, tp)
+        self.lora: LayerLoRA | None = None  # set where LoRA is enabled (workers/lora/slots.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum: the next norm sums it over the group."""
+        if self.lora is not None and self.lora.active:
+            gate, up = self.lora.add("gate_up", x, self.gate_up_proj(x)).chunk(2, dim=-1)
+            act = F.silu(gate) * up
+            return self.lora.add("down", act, self.down_proj(act, reduce=False))
         return self.down_proj(silu_and_mul_linear(x, self.gate_up_proj.weight), reduce=False)
 
     def forward_folded(
@@ -199,6 +202,9 @@ class LlamaForCausalLM(nn.Module):
         self.tp = tp
         self.fold_norms = fold_norms
         self.norms_folded = False  # see fold_norm_gains
+        # each layer's (input, post-attention) norm gains as they were before folding
+        self.folded_gains: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.lora_context: LoRAContext | None = None  # workers/lora/slots.py
 
     @property
     def decoder_layers(self) -> list[DecoderLayer]:
@@ -212,7 +218,8 @@ class LlamaForCausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
     ) -> torch.Tensor:
         """Packed tokens `[T]` -> final hidden states `[T, hidden]`."""
-        if self.norms_folded and self._folded_forward_runs(input_ids):
+        lora_step = self.lora_context is not None and self.lora_context.step is not None
+        if self.norms_folded and not lora_step and self._folded_forward_runs(input_ids):
             return self._forward_folded(input_ids, positions, attn)
         x = self.model.embed_tokens(input_ids)
         cos_sin = self.rotary.cos_sin(positions, x.dtype)
@@ -269,6 +276,8 @@ class LlamaForCausalLM(nn.Module):
         the norm now a scale the GEMM applies (`_forward_folded`). In 16 bits the folded weights
         round once more (relative 2^-9 at most, as the normed activations did)."""
         for layer in self.decoder_layers:
+            gains = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+            self.folded_gains.append((gains[0].clone(), gains[1].clone()))
             pairs = [
                 (layer.input_layernorm.weight, layer.self_attn.qkv_proj.weight),
                 (layer.post_attention_layernorm.weight, cast(MLP, layer.mlp).gate_up_proj.weight),
@@ -311,14 +320,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
-            shard: int | str | tuple[int, str] | None = None
-            name, expert = moe_param_name(name), expert_weight(name)
-            if expert is not None:
-                name, shard = expert
-            for src, (dst, shard_id) in STACKED_PARAMS.items():
-                if shard is None and src in name:
-                    name, shard = name.replace(src, dst), shard_id
-                    break
+            name, shard = param_name(name)
             if name not in params:
                 raise ValueError(
                     f"checkpoint tensor {name!r} has no place in {type(self).__name__}"

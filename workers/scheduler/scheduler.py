@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Iterable
+from typing import Any
 
 from workers.kvcache.manager import KVManager
 from workers.scheduler.step import StepInput
@@ -26,8 +28,11 @@ logger = logging.getLogger(__name__)
 
 
 class Scheduler:
-    def __init__(self, kv: KVManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self, kv: KVManager, max_num_seqs: int, max_num_batched_tokens: int, max_loras: int = 0
+    ) -> None:
         self.kv = kv
+        self.max_loras = max_loras  # distinct LoRA adapters in one step (0: LoRA is off)
         self.max_num_seqs = max_num_seqs
         self.budget = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -65,6 +70,7 @@ class Scheduler:
         tokens the host has not seen) a sequence that finds no free page waits a step instead."""
         step = StepInput(seqs=[], num_new_tokens=[])
         budget = self.budget
+        loras: set[int] = set()  # the step's adapters
         for seq in list(self.running):
             if budget == 0:
                 break
@@ -72,6 +78,8 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             if seq.num_tokens - seq.num_prompt_tokens >= seq.params.max_tokens:
                 continue  # its last token is still being sampled: nothing more to compute
+            if not self._lora_fits(seq, loras):
+                continue  # its adapter waits for a step with a free slot
             if len(seq.draft_ids) >= budget:  # the budget cuts its drafts
                 del seq.draft_ids[budget - 1 :]
             n = min(seq.num_uncomputed_tokens, budget)
@@ -86,6 +94,8 @@ class Scheduler:
             self.waiting.appendleft(seq)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if not self._lora_fits(seq, loras):
+                break  # FIFO: it waits for a slot of its adapter
             started = self.kv.start_onload(seq)
             if started is None:
                 break  # its pages are below but no room to load them yet: FIFO, retry next step
@@ -106,6 +116,14 @@ class Scheduler:
         if not step.seqs and self.loading and self.kv.tiers is not None:
             self.kv.tiers.wait(0.01)  # nothing to run until a load ends: do not spin
         return step if step.seqs else None
+
+    def _lora_fits(self, seq: Sequence, loras: set[int]) -> bool:
+        """Whether `seq`'s adapter joins the step's without passing max_loras (then noted)."""
+        if seq.lora_id and seq.lora_id not in loras:
+            if len(loras) >= self.max_loras:
+                return False
+            loras.add(seq.lora_id)
+        return True
 
     def _reserve(self, seq: Sequence, n: int, step: StepInput, preempt: bool) -> bool:
         """Reserve pages for `seq`'s next `n` tokens, preempting newer sequences to make room
@@ -131,6 +149,21 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
         self.num_swap_preemptions += self.kv.tiers is not None
+
+    def stats(self) -> dict[str, Any]:
+        """`EngineStats`' scheduler counters, and the adapters of its running and waiting
+        sequences (vLLM's `lora_requests_info`)."""
+
+        def names(seqs: Iterable[Sequence]) -> list[str]:
+            return sorted({s.lora.lora_name for s in seqs if s.lora is not None})
+
+        return {
+            "num_preemptions": self.num_preemptions,
+            "num_swap_preemptions": self.num_swap_preemptions,
+            "max_loras": self.max_loras,
+            "lora_running": names(self.running),
+            "lora_waiting": names([*self.waiting, *self.loading]),
+        }
 
     def finished_step(self, step: StepInput) -> None:
         for seq, n in zip(step.seqs, step.num_new_tokens):

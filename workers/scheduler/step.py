@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from workers.protocol import LoRARequest
 from workers.sampling.sampler import SampledTensors, SampleResult
 from workers.sequence import Sequence
 
@@ -56,6 +57,9 @@ class StepPlan:
     prompt_rows: list[int] = field(default_factory=list)
     prompt_targets: list[tuple[int, int, int]] = field(default_factory=list)
     prompt_top_n: int = 0  # top logprobs per prompt token: the most any sequence asks
+    # LoRA (`LoRAManager.assign`): the step's adapters with their device slots, and each
+    # token's slot (-1: none); None for a step of base requests only (the graphs may run it)
+    lora: tuple[list[tuple[int, LoRARequest]], np.ndarray] | None = None
 
 
 @dataclass

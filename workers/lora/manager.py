@@ -1,0 +1,151 @@
+"""Which adapters a rank holds: a host cache of loaded adapters (least recently used dropped
+past `max_cpu_loras`), the device slots (`max_loras`), and each step's tokens' slots.
+
+Rank 0 picks the slots (`assign`, when planning a step) and the plan carries them; every rank
+fills a slot from its own host cache, loading the adapter's files on a miss (`activate`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+
+import numpy as np
+import torch
+
+from workers.config import EngineConfig
+from workers.lora.adapter import LoRAAdapter, LoRAAdapterError, load_adapter
+from workers.lora.slots import LoRASlots
+from workers.model.config import ModelConfig
+from workers.model.llama import LlamaForCausalLM
+from workers.model.lora_layers import LoRAStep
+from workers.protocol import LoRARequest
+from workers.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+NO_ADAPTER = -1  # a token's slot when it runs with the base model alone
+# A step's adapters with their slots, and each of its tokens' slot (`LoRAManager.assign`).
+StepLoRA = tuple[list[tuple[int, LoRARequest]], np.ndarray]
+
+
+class LoRAManager:
+    def __init__(
+        self, cfg: EngineConfig, model: LlamaForCausalLM, model_config: ModelConfig,
+        to_device: Callable[[np.ndarray], torch.Tensor],
+    ) -> None:  # fmt: skip
+        self.model_config = model_config
+        self.max_rank = cfg.max_lora_rank
+        self.max_cpu = cfg.max_cpu_loras or cfg.max_loras
+        self.slots = LoRASlots(model, cfg.max_loras, cfg.max_lora_rank)
+        self.host: OrderedDict[int, LoRAAdapter] = OrderedDict()  # by lora_int_id, LRU first
+        self.resident: list[LoRARequest | None] = [None] * cfg.max_loras  # each slot's adapter
+        self._slot_use: list[int] = [0] * cfg.max_loras  # the step that last used each slot
+        self._steps = 0
+        self._to_device = to_device
+
+    def adapter(self, request: LoRARequest) -> LoRAAdapter:
+        """`request`'s adapter from the host cache, loaded (and checked) on a miss."""
+        found = self.host.get(request.lora_int_id)
+        if found is not None and found.request == request:
+            self.host.move_to_end(request.lora_int_id)
+            return found
+        adapter = load_adapter(request, self.model_config, self.max_rank)
+        self.slots.check(adapter)
+        if found is not None:  # an id reused for other files: drop the old one
+            self.remove(request.lora_int_id)
+        self.host[request.lora_int_id] = adapter
+        while len(self.host) > self.max_cpu:
+            old, _ = self.host.popitem(last=False)
+            logger.info("LoRA host cache full: dropped adapter %d", old)
+        return adapter
+
+    def remove(self, lora_int_id: int) -> bool:
+        """Forget an adapter (unloaded): its host copy and its device slot. Whether it was held."""
+        held = self.host.pop(lora_int_id, None) is not None
+        for slot, owner in enumerate(self.resident):
+            if owner is not None and owner.lora_int_id == lora_int_id:
+                self.resident[slot] = None
+                self.slots.clear(slot)
+                held = True
+        return held
+
+    def assign(self, seqs: list[Sequence], num_new_tokens: list[int]) -> StepLoRA | None:
+        """Slots for a step's distinct adapters (at most max_loras: the scheduler's cap), and
+        each of its tokens' slot (NO_ADAPTER for base requests'), the sequences' tokens in
+        order; None for a step without adapters. Resident adapters keep their slots, the others
+        take free or least recently used ones."""
+        wanted = {s.lora.lora_int_id: s.lora for s in seqs if s.lora is not None}
+        if not wanted:
+            return None
+        self._steps += 1
+        taken = {s for s, owner in enumerate(self.resident) if owner in wanted.values()}
+        out = []
+        for request in wanted.values():
+            if request in self.resident:
+                slot = self.resident.index(request)
+            else:
+                free = [s for s in range(len(self.resident)) if s not in taken]
+                if not free:
+                    raise RuntimeError(f"a step holds more than {len(self.resident)} adapters")
+                slot = min(free, key=lambda s: (self.resident[s] is not None, self._slot_use[s]))
+                taken.add(slot)
+            self._slot_use[slot] = self._steps
+            out.append((slot, request))
+        slot_of = {r.lora_int_id: slot for slot, r in out}
+        per_seq = [slot_of.get(s.lora_id, NO_ADAPTER) for s in seqs]
+        return out, np.repeat(np.asarray(per_seq, dtype=np.int64), num_new_tokens)
+
+    @contextmanager
+    def running(self, step: StepLoRA) -> Iterator[None]:
+        """While a step's forward runs: its slots filled, the model's hooks on its tokens."""
+        self.activate(*step)
+        try:
+            yield
+        finally:
+            self.slots.context.step = None
+
+    def activate(self, assigned: list[tuple[int, LoRARequest]], token_slots: np.ndarray) -> None:
+        """Fill the slots a step needs and point the model's hooks at its tokens' slots."""
+        for slot, request in assigned:
+            if self.resident[slot] != request:
+                self.slots.fill(slot, self.adapter(request))
+                self.resident[slot] = request
+        groups: list[tuple[int, torch.Tensor | None]] = []
+        for slot, _ in assigned:
+            rows = np.flatnonzero(token_slots == slot)
+            every = len(rows) == len(token_slots)
+            groups.append((slot, None if every else self._to_device(rows.astype(np.int64))))
+        self.slots.context.step = LoRAStep(groups)
+
+    @property
+    def resident_names(self) -> list[str]:
+        return [r.lora_name for r in self.resident if r is not None]
+
+
+def request_adapter(manager: LoRAManager | None, lora: LoRARequest | None) -> LoRARequest | None:
+    """A request's adapter, loaded into the host cache now so that a bad one fails the request
+    (LoRAAdapterError) rather than a step."""
+    if lora is None:
+        return None
+    if manager is None:
+        raise LoRAAdapterError("LoRA adapters need an engine with enable_lora")
+    manager.adapter(lora)
+    return lora
+
+
+def build_lora(
+    cfg: EngineConfig, model: LlamaForCausalLM, model_config: ModelConfig,
+    to_device: Callable[[np.ndarray], torch.Tensor],
+) -> LoRAManager | None:  # fmt: skip
+    """A rank's LoRA manager where `cfg.enable_lora`."""
+    return LoRAManager(cfg, model, model_config, to_device) if cfg.enable_lora else None
+
+
+def lora_step(manager: LoRAManager | None, step: StepLoRA | None) -> AbstractContextManager[None]:
+    """The context a step's forward runs in: its adapters' hooks on, where it has any."""
+    if manager is None or step is None:
+        return nullcontext()
+    return manager.running(step)

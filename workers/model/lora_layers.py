@@ -1,0 +1,55 @@
+"""The LoRA hook of the dense projections: `y = lora.add(name, x, y)` after the base product.
+
+`LoRAContext.step` says which adapter slots this step's tokens run with; None (a step of base
+requests only) and the model runs its usual path, folded norms and CUDA graphs included, the
+hooks never reached. The stacks are filled by `workers/lora/slots.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from workers.kernels.lora_ops import Groups, add_lora
+
+
+@dataclass
+class LoRAStep:
+    groups: Groups  # per slot in the step: its tokens' rows (only tokens with an adapter)
+
+
+class LoRAContext:
+    """Shared by a model's hooks: the step being run, set around its forward."""
+
+    def __init__(self) -> None:
+        self.step: LoRAStep | None = None
+
+
+@dataclass
+class ProjectionStack:
+    """One projection's adapters, slot by slot: A [slots, parts x rank, in] (this rank's input
+    columns for a row-parallel one), B [slots, out, rank] (this rank's output rows for a
+    column-parallel one), and the parts' sizes along the output."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    out_parts: list[int]
+
+
+class LayerLoRA:
+    """A layer's hook: its projections' stacks, read under the model's context."""
+
+    def __init__(self, context: LoRAContext, stacks: dict[str, ProjectionStack]) -> None:
+        self.context = context
+        self.stacks = stacks
+
+    @property
+    def active(self) -> bool:
+        return self.context.step is not None
+
+    def add(self, name: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        step, stack = self.context.step, self.stacks.get(name)
+        if step is None or stack is None:
+            return y
+        return add_lora(x, y, stack.a, stack.b, step.groups, stack.out_parts)
