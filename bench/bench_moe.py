@@ -154,7 +154,8 @@ def main() -> None:
     print("PREFILL", row, flush=True)
     measured = dict(gemm_peak_tflops=round(peak), **floor.measured()) if floor and peak else None
     model = f"{shape} shapes, random {'bf16' if cuda else 'float32'} weights, page {PAGE_SIZE}"
-    write_result(args.out, "moe", rows, model=model, measured=measured)
+    title = "MoE decode against the routed-expert floor, prefill against the GEMM peak"
+    write_result(args.out, "moe", rows, model=model, title=title, measured=measured)
 
 
 if __name__ == "__main__":

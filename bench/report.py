@@ -40,6 +40,7 @@ ORDER = (
     "gemm-decode-tp2",
     "gemm-decode-gated",
     "prefill",
+    "moe",
     "offline-gpu",
     "serving",
     "serving-long-prompts",

@@ -36,7 +36,8 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's top-k (weights in float32, expert ids), softmax in float32 as HF does."""
-        probs = torch.softmax(torch.mm(x, self.weight.t()).float(), dim=-1)
+        # logits in the model's dtype, softmax in float32 (as HF): one launch casts and normalises
+        probs = torch.softmax(torch.mm(x, self.weight.t()), dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
