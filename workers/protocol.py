@@ -47,11 +47,9 @@ class StructuredOutputs(BaseModel):
 
     @model_validator(mode="after")
     def _exactly_one(self) -> StructuredOutputs:
-        kinds = [
-            k
-            for k in ("json_schema", "regex", "choice", "grammar", "structural_tag")
-            if getattr(self, k) is not None
-        ] + (["json_object"] if self.json_object else [])
+        named = ("json_schema", "regex", "choice", "grammar", "structural_tag")
+        kinds = [k for k in named if getattr(self, k) is not None]
+        kinds += ["json_object"] if self.json_object else []
         if len(kinds) != 1:
             raise ValueError(f"structured_outputs needs exactly one constraint, got {kinds or 0}")
         return self
@@ -317,8 +315,7 @@ class EngineStats(BaseModel):
     spec_accepted_per_pos: list[int] = []
     # KV events: page stores and evictions this replica published to the routers
     kv_events_published: int = 0
-    # LoRA (EngineConfig.enable_lora; 0: off): device slots, and the adapters of the running
-    # and waiting requests, by name
+    # LoRA (0: off): device slots; the adapters of running and waiting requests, by name
     max_loras: int = 0
     lora_running: list[str] = []
     lora_waiting: list[str] = []
@@ -336,8 +333,7 @@ class EngineStats(BaseModel):
     kv_onload_time_s: float = 0.0
     kv_onloads: int = 0
     num_swap_preemptions: int = 0  # preemptions whose pages went down the tiers
-    # MoE models: per sparse layer (its index), tokens routed to each expert by eagerly run
-    # forwards (`moe.routed_token_counts`), counted since the engine started
+    # MoE: per sparse layer, tokens routed to each expert by eager forwards since the start
     moe_expert_tokens: dict[str, list[int]] = {}
     # the engine's death (`EngineDeadError`): the exception type that killed it -> 1; the
     # routers skip a replica that posted one

@@ -192,8 +192,7 @@ class ModelRunner:
         return sampled
 
     def plan(self, step: StepInput) -> StepPlan:
-        """`step`'s inputs as host arrays, laid out for a CUDA graph where one applies
-        (`_graph_layout`)."""
+        """`step`'s inputs as host arrays, laid out for a CUDA graph where one applies."""
         token_rows, pad_to = self._graph_layout(step)
         plan = self.build_plan(step, token_rows, pad_to)
         plan.lora = None if self.lora is None else self.lora.assign(step.seqs, step.num_new_tokens)
