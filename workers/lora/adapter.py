@@ -67,20 +67,24 @@ def load_adapter(request: LoRARequest, cfg: ModelConfig, max_rank: int) -> LoRAA
     if not config_file.is_file():
         raise LoRAAdapterError(f"{where}: no adapter_config.json")
     conf = json.loads(config_file.read_text())
+    tensors = _read_tensors(path, where)
+    # before the options: PEFT adds rank/alpha patterns to an adapter on fused experts
+    if experts := [k for k in tensors if ".experts." in k]:
+        raise LoRAAdapterError(
+            f"{where}: tensor {experts[0]!r} targets expert weights (LoRA on MoE experts is not "
+            "supported)"
+        )
     _check_config(conf, where)
     rank, alpha = int(conf["r"]), float(conf.get("lora_alpha", conf["r"]))
     if rank > max_rank:
         raise LoRAAdapterError(f"{where}: rank {rank} exceeds max_lora_rank {max_rank}")
     scaling = alpha / math.sqrt(rank) if conf.get("use_rslora") else alpha / rank
-    tensors = _read_tensors(path, where)
     parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         m = _KEY.search(key)
-        if m is None or ".experts." in key:
-            what = "expert weights (LoRA on MoE experts is not supported)"
+        if m is None:
             raise LoRAAdapterError(
-                f"{where}: tensor {key!r} targets "
-                + (what if ".experts." in key else f"no supported module of {TARGET_MODULES}")
+                f"{where}: tensor {key!r} targets no supported module of {TARGET_MODULES}"
             )
         layer, module, ab = int(m.group(1)), m.group(2), m.group(3)
         if module not in TARGET_MODULES:
