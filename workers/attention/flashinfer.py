@@ -28,6 +28,7 @@ import torch
 from workers.attention import xqa_decode
 from workers.attention.base import AttentionBackend, AttentionBatch, store_kv
 from workers.attention.paged_metadata import PagedMetadata, paged_metadata
+from workers.attention.replan_gate import ReplanGate
 from workers.attention.rotary import apply_rotary
 from workers.attention.xqa_decode import XQABuffers, XQADecode
 from workers.kernels import fp8_decode, rope, split_kv_decode
@@ -81,11 +82,13 @@ class _PagedFlashInfer(AttentionBackend):
         self._plan_dtypes = dict(q_data_type=pool.compute_dtype, kv_data_type=pool.pages.dtype)
         self._wrapper: _Wrapper | None = None
         self._slot_pages = self._slot_offsets = torch.empty(0)
+        self._plans = ReplanGate()  # a plan's pinned source outlives its queued copy
 
     def _plan_decode(
         self, wrapper: flashinfer.BatchDecodeWithPagedKVCacheWrapper, meta: PagedMetadata
     ) -> None:
-        wrapper.plan(
+        self._plans.plan(
+            wrapper,
             meta.kv_indptr,
             meta.kv_indices,
             meta.last_page_len,
@@ -179,7 +182,8 @@ class FlashInferAttention(_PagedFlashInfer):
             self._plan_decode(self._decode, meta)
             self._wrapper = self._decode
             return
-        self._prefill.plan(
+        self._plans.plan(
+            self._prefill,
             meta.qo_indptr,
             meta.kv_indptr,
             meta.kv_indices,
