@@ -8,14 +8,17 @@ different batch composition cannot flip a greedy token there, so tokens must mat
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.engine_checks import drain_and_check_released
 from tests.unit.test_kv_tiers import GREEDY, POOL, TURN1, TURN2, pages_gb, two_turns
-from workers import LLM
+from workers import LLM, SamplingParams
 from workers.config import KVOffloadConfig
+from workers.protocol import GenerateRequest
 
 pytestmark = pytest.mark.gpu
 
@@ -47,3 +50,88 @@ def test_tiers_on_gpu_give_the_tokens_of_no_tiers(
     assert store is not None and store.num_loading == 0
     assert all(e.pins == 0 for e in store.host.entries.values())
     assert store.host.num_free + len(store.host) == store.host.capacity  # no host row leaked
+
+
+SLEEP_CYCLES = 1_000_000  # ~0.5 ms of GPU time
+DOCS = [[100 + 37 * d + i for i in range(40)] for d in range(8)]  # 10 pages each; the pool: 29
+LONG = [[500 + 31 * i + j for j in range(20)] for i in range(4)]  # 15 pages each by their end
+LONG_PARAMS = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+
+
+def rounds() -> list[dict[str, tuple[list[int], SamplingParams]]]:
+    """Three rounds, each started at once: the documents' first turns; their second turns with
+    sequences that outgrow the pool; their third turns."""
+
+    def turn(t: int) -> dict[str, tuple[list[int], SamplingParams]]:
+        return {f"d{d}t{t}": (doc + [7, 8, 9 + t], GREEDY) for d, doc in enumerate(DOCS)}
+
+    second = turn(1) | {f"long{i}": (p, LONG_PARAMS) for i, p in enumerate(LONG)}
+    return [turn(0), second, turn(2)]
+
+
+@pytest.fixture
+def late_side_streams(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every copy down and every load lands late (a kernel ahead of it on its own stream), so a
+    step that did not wait for a copy, or a load that did not wait for a step, shows in the
+    tokens."""
+    from workers.kvcache.tiers import data
+
+    down, runs = data.TierData._down, data._runs
+
+    def late_down(self: data.TierData, slot: int, page: int) -> None:
+        with torch.cuda.stream(self._copy):
+            torch.cuda._sleep(SLEEP_CYCLES)
+        down(self, slot, page)
+
+    def late_runs(sources: list) -> list:
+        torch.cuda._sleep(SLEEP_CYCLES)  # on the load stream: `_run` calls it there
+        return runs(sources)
+
+    monkeypatch.setattr(data.TierData, "_down", late_down)
+    monkeypatch.setattr(data, "_runs", late_runs)
+
+
+@pytest.mark.usefixtures("late_side_streams")
+@pytest.mark.parametrize(("tier", "overlap"), [("host", True), ("disk", True), ("host", False)])
+def test_loads_spills_and_preemptions_at_once_give_the_tokens_of_no_tiers(
+    smollm2_random: Path, tmp_path: Path, tier: str, overlap: bool
+) -> None:
+    """Each round starts all its requests at once on a 29-page pool: loads run beside spills,
+    decodes and preemptions (swaps), and two requests are aborted while they load. Every other
+    request's greedy tokens are those of an engine without tiers; nothing leaks."""
+    model = str(smollm2_random)
+    ref = LLM(model, **GPU, page_size=4, num_kv_pages=600, enable_prefix_caching=False)
+    if tier == "host":
+        tiers = KVOffloadConfig(cpu_gb=pages_gb(model, 100, **GPU))
+    else:  # 6 host rows, reused all the time: most pages go on to files and come back
+        tiers = KVOffloadConfig(cpu_gb=pages_gb(model, 6, **GPU), disk_dir=str(tmp_path),
+                                disk_gb=pages_gb(model, 300, **GPU))  # fmt: skip
+    llm = LLM(model, **GPU, **POOL, kv_offload=tiers, overlap_scheduling=overlap)
+    engine, aborted = llm.engine, set[str]()
+    for requests in rounds():
+        expected = ref.generate([p for p, _ in requests.values()],
+                                [s for _, s in requests.values()])  # fmt: skip
+        got: dict[str, list[int]] = {rid: [] for rid in requests}
+        for rid, (prompt, params) in requests.items():
+            engine.add_request(GenerateRequest(request_id=rid, prompt_token_ids=prompt,
+                                               params=params))  # fmt: skip
+        for step in itertools.count():
+            if step == 1:  # the first step started the loads it could
+                for seq in list(engine.scheduler.loading)[:2]:
+                    engine.abort(seq.request_id)
+                    aborted.add(seq.request_id)
+            if not engine.has_work():
+                break
+            for chunk in engine.step():
+                got[chunk.request_id] += chunk.token_ids
+        for rid, out in zip(requests, expected, strict=True):
+            assert rid in aborted or got[rid] == out.token_ids, rid
+    stats = engine.stats()
+    assert stats.kv_onloads >= 4 and aborted
+    if not overlap:  # with overlap a sequence short of a page may wait a step instead
+        assert stats.num_swap_preemptions > 0
+    drain_and_check_released(engine)
+    store = engine.kv.tiers
+    assert store is not None and store.num_loading == 0
+    assert all(e.pins == 0 for e in store.host.entries.values())
+    assert store.host.num_free + len(store.host) == store.host.capacity

@@ -167,6 +167,8 @@ class TierData:
             copy_s = began.elapsed_time(ended) / 1e3  # from the fence on: not a step's wait
             return LoadResult(None, len(op.copies) * self.page_bytes, read_s + copy_s)
         except Exception as e:  # noqa: BLE001 - reported; the pages are computed instead
+            if self._load is not None:
+                self._load.synchronize()  # the pages are freed next: no copy of ours lands after
             return LoadResult(f"{type(e).__name__}: {e}")
         finally:
             self._done.set()
