@@ -148,10 +148,10 @@ def test_flashinfer_steps_behind_late_copies_down_keep_their_schedules(
     schedule must still reach its own step (`workers/attention/replan_gate.py`). Tokens are
     judged against HF float32 (bf16 flips near-ties with the batch: `test_engine_gpu.py`)."""
     model = str(smollm2_random)
+    host_gb = pages_gb(model, 50, **GPU)  # 50 float32 pages: 100 of bfloat16
     llm = LLM(model, device="cuda", dtype="bfloat16", attention_backend="flashinfer",
               cuda_graph_batch_sizes=(1, 2, 4, 8, 16), overlap_scheduling=True, **POOL,
-              kv_offload=KVOffloadConfig(cpu_gb=pages_gb(model, 50, **GPU)))  # fmt: skip
-    # (50 float32 pages: 100 of bfloat16)
+              kv_offload=KVOffloadConfig(cpu_gb=host_gb))  # fmt: skip
     for requests in rounds():
         outs = llm.generate([p for p, _ in requests.values()], [s for _, s in requests.values()])
         for (prompt, params), out in zip(requests.values(), outs, strict=True):
