@@ -19,8 +19,8 @@ def test_a_queued_step_keeps_its_schedule_when_the_next_is_planned(kind: str) ->
     from workers.attention.flashinfer import FlashInferAttention
 
     hq, hkv, d = HEADS["gqa-32/8-d128"]
-    pool, first = random_batch(kind, 16, hkv, d, seed=21, kv_lens=[600, 9, 300, 1, 77])
-    _, second = random_batch(kind, 16, hkv, d, seed=22, pool=pool)  # 9 other sequences
+    pool, second = random_batch(kind, 16, hkv, d, seed=22)  # nine sequences: the larger pool
+    _, first = random_batch(kind, 16, hkv, d, seed=21, pool=pool, kv_lens=[600, 9, 300, 1, 77])
     q1 = qkv(first.num_tokens, hq, hkv, d, seed=21)[0]
     q2 = qkv(second.num_tokens, hq, hkv, d, seed=22)[0]
     expected = []
