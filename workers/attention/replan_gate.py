@@ -1,15 +1,16 @@
 """A FlashInfer wrapper is planned again only once the copy of its previous plan has run.
 
-FlashInfer's `plan` writes a step's work schedule (tile and request indices, split offsets)
-into a page-locked host buffer of the wrapper and queues its copy to the device on the current
-stream without waiting (`cudaMemcpyAsync(int_buffer, page_locked_int_buffer, ...)` in its
+FlashInfer's `plan` writes a step's work schedule (tile and request indices, split offsets) into
+a page-locked host buffer of the wrapper and queues its copy to the device on the current stream
+without waiting (`cudaMemcpyAsync(int_buffer, page_locked_int_buffer, ...)` in its
 `scheduler.cuh`); the wrapper's next `plan` rewrites that host buffer. With overlap scheduling
 the host plans step n+1 having waited only for step n-1 (`Engine.step`; not even that when step
 n-1 sampled nothing), so step n's copy may not have run yet: it waits behind the work queued
-before it, and on the copy engines behind KV tier transfers. Copied late, it carries step n+1's
-schedule into step n's kernels, which index step n's own smaller arrays with it: an illegal
-memory access, or wrong attention. Under `CUDA_LAUNCH_BLOCKING=1` every copy ends before `plan`
-returns, so the race never shows there.
+before it (with KV tiers, the copies down an eviction makes the compute stream wait for). Copied
+late, it carries step n+1's schedule into step n's kernels, which index step n's own arrays with
+it: an illegal memory access where those are smaller, else wrong attention. Under
+`CUDA_LAUNCH_BLOCKING=1` each kernel launch returns only once the work queued before it is done,
+so the host is never ahead and the race never shows.
 
 `ReplanGate.plan` waits, before a wrapper's plan, for an event recorded after that wrapper's last
 plan: on the host's critical path only when the GPU really is that far behind.
