@@ -314,3 +314,27 @@ def test_a_prefix_loads_back_in_one_copy_and_byte_exact() -> None:
     store.flush()
     assert [job.error for job in store.poll()] == [None]
     assert torch.equal(pool[10:14], pool[3:7])
+
+
+def test_a_failed_load_ends_only_after_the_copies_it_queued(tmp_path: Path) -> None:
+    """A failed load's pages are freed when it is polled, so none of its copies may still be
+    queued then: on a GPU the load stream is synchronised before the failure is reported (a
+    stand-in stream here; the file is missing)."""
+    import torch
+
+    from workers.kvcache.tiers.data import DISK, LoadOp, TierData
+    from workers.kvcache.tiers.disk import PageFiles
+    from workers.kvcache.tiers.index import TierEntry
+
+    class Stream:
+        synced = 0
+
+        def synchronize(self) -> None:
+            self.synced += 1
+
+    data = TierData(torch.zeros(4, 8, dtype=torch.uint8), 2, PageFiles(str(tmp_path), 8, {}))
+    data._load = stream = Stream()  # type: ignore[assignment]
+    data.apply([LoadOp(0, ((1, DISK, TierEntry(5, 0, (1, 2))),))])
+    data.flush()
+    [result] = data.finished()[0].values()
+    assert result.error is not None and stream.synced == 1
