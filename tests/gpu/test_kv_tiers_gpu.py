@@ -3,7 +3,10 @@ files) on the copy stream and come back on the load stream, overlapped with othe
 greedy tokens are those of an engine without tiers, and no device page or host row leaks.
 
 float32 with the torch backend on SmolLM2's shape (random weights), as test_engine_gpu.py: a
-different batch composition cannot flip a greedy token there, so tokens must match exactly.
+different batch composition cannot flip a greedy token there, so tokens must match exactly. The
+stress tests delay every copy down and every load on its own stream, so a missing wait shows;
+the last one runs the served configuration (bfloat16, FlashInfer, CUDA graphs), judged against
+HF float32 as test_engine_gpu.py does.
 """
 
 from __future__ import annotations
