@@ -63,7 +63,7 @@ SPEC_COUNTERS = {
 }
 # summed element-wise, or per key (`engine_deaths`), not here
 LIST_FIELDS = {"iteration_tokens", "spec_accepted_per_pos", "engine_deaths", "moe_expert_tokens",
-               "lora_running", "lora_waiting"}  # fmt: skip
+               "lora_running", "lora_waiting", "lora_resident", "lora_resident_ids"}  # fmt: skip
 
 
 # EngineStats fields that describe the present (gauges): a dead replica's are left out
