@@ -14,7 +14,9 @@ from tests.lora_adapters import ALL_MODULES, make_lora_adapter
 from workers import LoRARequest, SamplingParams
 from workers.config import EngineConfig
 from workers.engine.engine import Engine
-from workers.kvcache.kv_events import LORA_SALT
+from workers.kvcache.allocator import PageAllocator
+from workers.kvcache.kv_events import LORA_SALT, lora_cache_ids
+from workers.kvcache.radix_cache import RadixCache
 from workers.protocol import GenerateRequest
 from workers.serve import lora_sync
 from workers.serve.decode import DecodeWorker
@@ -89,6 +91,29 @@ def test_an_adapter_listed_under_another_path_is_freed(engine, loras) -> None:
     _run(engine, "a2", a)
     assert free_unloaded(engine, {"a": "/elsewhere"}) == ["a"]
     assert "a" not in engine.stats().lora_resident
+
+
+class _Tiers:
+    """The KV tiers below the pool, as the radix cache offers them evicted pages."""
+
+    def __init__(self) -> None:
+        self.spilled: list[int] = []
+
+    def spill(self, pages: list[int], *_: Any) -> list[bool]:
+        self.spilled += pages
+        return [False] * len(pages)
+
+
+def test_an_unloaded_adapters_pages_are_freed_not_spilled_to_the_tiers() -> None:
+    cache = RadixCache(2, PageAllocator(16))
+    cache.below = tiers = _Tiers()  # type: ignore[assignment]
+    for lora, tokens in ((1, [5, 6, 7, 8]), (2, [5, 6, 9, 9])):
+        ids = lora_cache_ids(tokens, lora)
+        cache.insert(ids, cache.allocator.allocate(2))
+    free = cache.allocator.num_free
+    assert cache.drop_where(lambda key: key[0] // LORA_SALT == 1) == 2
+    assert cache.allocator.num_free == free + 2 and tiers.spilled == []
+    assert cache.evict(2) == 2 and len(tiers.spilled) == 2  # an LRU eviction still spills
 
 
 class _FakeEngine:
