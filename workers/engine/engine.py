@@ -27,7 +27,7 @@ from workers.engine.grammar_gate import GrammarGate
 from workers.engine.speculation import build_speculator
 from workers.engine.step_tokens import StepCount, StepTokens
 from workers.engine.tier_ranks import build_tiers
-from workers.engine.tp_runner import create_runner
+from workers.engine.tp_runner import create_runner, remove_lora
 from workers.kvcache.allocator import PageAllocator
 from workers.kvcache.manager import KVManager
 from workers.lora.manager import lora_stats, request_adapter
@@ -134,7 +134,7 @@ class Engine:
 
     def remove_lora(self, lora_int_id: int) -> bool:
         self.kv.drop_lora(lora_int_id)  # unloaded: its prefix-cache pages, host copy, slot
-        return self.runner.lora is not None and self.runner.lora.remove(lora_int_id)
+        return remove_lora(self.runner, lora_int_id)  # on every TP rank
 
     def lora_ids_in_use(self) -> set[int]:
         """The adapters of requests whose pages are held here: an unload waits for them."""
