@@ -82,6 +82,7 @@ def _request_routers(cfg: AppConfig) -> tuple[dict[str, Any] | None, dict[str, A
         "load_weight": r.prefix_load_weight,
         "pages_per_replica": r.prefix_index_pages,
         "kv_events_period_s": kv_events_period_s,
+        "lora_miss_tokens": r.lora_miss_tokens,
     }
     prefix = {
         "request_router_class": "router.routing.serve_routers:PrefillRouter",
@@ -90,7 +91,7 @@ def _request_routers(cfg: AppConfig) -> tuple[dict[str, Any] | None, dict[str, A
     }
     load = {
         "request_router_class": "router.routing.serve_routers:DecodeRouter",
-        "request_router_kwargs": {"page_size": page_size},
+        "request_router_kwargs": {"page_size": page_size, "lora_miss": r.lora_miss_requests},
         "request_routing_stats_period_s": r.routing_stats_period_s,
     }
     prefill_router = prefix if r.prefix_aware else None
@@ -115,16 +116,17 @@ def build_app(args: dict[str, Any] | AppConfig) -> Application:
     transfer = cfg.kv_transfer.model_dump()
     prefill_router, decode_router = _request_routers(cfg)
     stall_s = cfg.router.replica_timeout_s  # a step this long: keepalives stop, the router gives up
+    # the replicas free adapters unloaded at run time; without run-time loads there are none
+    sync_s = cfg.router.lora_sync_period_s if cfg.router.allow_runtime_lora_updating else 0.0
+    shared = (transfer, cfg.kv_events_period(), stall_s, sync_s)
     decode = serve.deployment(**_deployment_options("decode", cfg.decode, decode_router))(
         DecodeReplica
-    ).bind(cfg.decode.engine(cfg.engine).model_dump(), transfer, cfg.kv_events_period(), stall_s)
+    ).bind(cfg.decode.engine(cfg.engine).model_dump(), *shared)
     prefill = None
     if cfg.mode == "disaggregated":
         prefill = serve.deployment(**_deployment_options("prefill", cfg.prefill, prefill_router))(
             PrefillReplica
-        ).bind(
-            cfg.prefill.engine(cfg.engine).model_dump(), transfer, cfg.kv_events_period(), stall_s
-        )
+        ).bind(cfg.prefill.engine(cfg.engine).model_dump(), *shared)
     router = serve.deployment(
         name="router",
         num_replicas=cfg.router.num_replicas,

@@ -168,6 +168,21 @@ class RouterConfig(Strict):
         False, description="POST /v1/load_lora_adapter and /v1/unload_lora_adapter add and remove "
         "adapters at run time (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING); off, they are 404",
     )  # fmt: skip
+    lora_sync_period_s: float = Field(
+        1.0, gt=0, description="allow_runtime_lora_updating: how often each replica compares "
+        "the run-time adapters it holds with the app's list; an unloaded adapter's device slot, "
+        "host copy and cached pages are freed within this period (and one engine step) of the "
+        "unload, or of the end of the last request on that replica already using it",
+    )  # fmt: skip
+    lora_miss_tokens: int = Field(
+        256, ge=0, description="prefix-aware routing: a replica that does not hold a request's "
+        "LoRA adapter (device slot or host copy) costs this many more prompt tokens to compute "
+        "(loading the adapter), so replicas holding it are preferred, not required",
+    )  # fmt: skip
+    lora_miss_requests: float = Field(
+        2.0, ge=0, description="load-aware decode routing: a replica that does not hold a "
+        "request's LoRA adapter counts as running this many more requests",
+    )  # fmt: skip
 
     @field_validator("failover_deadline_s")
     @classmethod

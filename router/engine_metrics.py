@@ -63,7 +63,7 @@ SPEC_COUNTERS = {
 }
 # summed element-wise, or per key (`engine_deaths`), not here
 LIST_FIELDS = {"iteration_tokens", "spec_accepted_per_pos", "engine_deaths", "moe_expert_tokens",
-               "lora_running", "lora_waiting"}  # fmt: skip
+               "lora_running", "lora_waiting", "lora_resident", "lora_resident_ids"}  # fmt: skip
 
 
 # EngineStats fields that describe the present (gauges): a dead replica's are left out
@@ -159,9 +159,7 @@ def spec_families(
     return [*families.values(), positions]
 
 
-def moe_expert_tokens(
-    snapshot: Iterable[RoleStats], model: str, naming: Naming
-) -> list[Metric]:
+def moe_expert_tokens(snapshot: Iterable[RoleStats], model: str, naming: Naming) -> list[Metric]:
     """`moe_expert_tokens_total{role, layer, expert}` of MoE models: tokens routed to each
     expert of each sparse layer by the forwards the engines sampled, over every replica that
     ever posted (none for a dense model). A series per layer and expert: 48 x 128 = 6144 a
@@ -270,6 +268,7 @@ class EngineStatsCollector(Collector):
         yield from moe_expert_tokens(self.snapshot, self.model_name, name)
         yield from tier_families(sums, self.model_name, name)
         yield from lora_info(self.snapshot, name)
+        yield from lora_resident(self.snapshot, self.model_name, name)
 
 
 def lora_info(snapshot: Iterable[RoleStats], name: Naming) -> Iterable[Metric]:
@@ -292,3 +291,23 @@ def lora_info(snapshot: Iterable[RoleStats], name: Naming) -> Iterable[Metric]:
         info.add_metric([role, str(slots), ",".join(sorted(running)), ",".join(sorted(waiting))],
                         now)  # fmt: skip
     yield info
+
+
+def lora_resident(snapshot: Iterable[RoleStats], model: str, name: Naming) -> Iterable[Metric]:
+    """`lora_resident_adapters{role, lora_name}` where LoRA is on: the live replicas holding each
+    adapter (a device slot or a host copy); an unloaded adapter leaves it as they free it."""
+    counts: dict[tuple[str, str], int] = defaultdict(int)
+    roles = set()
+    for role, stats, live in snapshot:
+        if live and stats.max_loras:
+            roles.add(role)
+            for adapter in stats.lora_resident:
+                counts[(role, adapter)] += 1
+    if not roles:
+        return
+    family = GaugeMetricFamily(name("lora_resident_adapters"),
+                               "Replicas holding a LoRA adapter (device slot or host copy)",
+                               labels=["model_name", name.engine_label, "lora_name"])  # fmt: skip
+    for (role, adapter), n in sorted(counts.items()):
+        family.add_metric([model, role, adapter], n)
+    yield family

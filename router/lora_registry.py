@@ -3,9 +3,10 @@
 Adapters come from the config (`router.lora_modules`) and, with
 `router.allow_runtime_lora_updating`, from POST /v1/load_lora_adapter at run time. Those loaded at
 run time live in Ray's internal KV under the application's name when this process is connected to
-Ray, so every router replica of the app sees them (a load on one replica, a request on another);
-without Ray, in this process only. Each adapter's `lora_int_id` is derived from its name and
-path: replicas agree on it without talking, and the engines load it on demand from the path.
+Ray (`workers/lora/registered.py`), so every router replica of the app sees them (a load on one
+replica, a request on another), and the engine replicas free an adapter once it leaves; without
+Ray, in this process only. Each adapter's `lora_int_id` is derived from its name and path:
+replicas agree on it without talking, and the engines load it on demand from the path.
 """
 
 from __future__ import annotations
@@ -13,12 +14,11 @@ from __future__ import annotations
 import json
 import zlib
 from pathlib import Path
-from types import ModuleType
 
 from router.errors import BadRequestError, NotFoundError, unknown_model
 from workers.api import LoRARequest
-
-KV_PREFIX = "pdserve-lora:"
+from workers.lora.registered import read_registered, registry_prefix
+from workers.ray_kv import ray_internal_kv
 
 
 def lora_int_id(name: str, path: str) -> int:
@@ -34,7 +34,8 @@ class LoRARegistry:
         self.max_lora_rank = max_lora_rank
         self._static = {n: _request(n, p) for n, p in modules.items()}
         self._local: dict[str, LoRARequest] = {}  # loaded at run time, without Ray
-        self._key = f"{KV_PREFIX}{app_name}:"
+        self._app = app_name
+        self._key = registry_prefix(app_name)
 
     def resolve(self, model: str | None) -> LoRARequest | None:
         """The adapter a request's `model` names; None for the base model (or no name); an
@@ -45,7 +46,7 @@ class LoRARegistry:
         kv = ray_internal_kv()
         if found is None and kv is not None:
             path = kv._internal_kv_get(self._key + model)
-            found = None if path is None else _request(model, _text(path))
+            found = None if path is None else _request(model, _text(path), runtime=True)
         if found is None:
             raise unknown_model(model)
         return found
@@ -72,7 +73,7 @@ class LoRARegistry:
             )
         kv = ray_internal_kv()
         if kv is None:
-            self._local[name] = _request(name, path)
+            self._local[name] = _request(name, path, runtime=True)
         elif kv._internal_kv_put(self._key + name, path, overwrite=False):  # it existed
             raise BadRequestError(f"The lora adapter '{name}' has already been loaded.")
         return f"Success: LoRA adapter '{name}' added successfully."
@@ -93,29 +94,17 @@ class LoRARegistry:
         return f"Success: LoRA adapter '{name}' removed successfully."
 
     def _runtime(self) -> dict[str, LoRARequest]:
-        kv = ray_internal_kv()
-        if kv is None:
+        registered = read_registered(self._app)
+        if registered is None:
             return self._local
-        out = {}
-        for key in kv._internal_kv_list(self._key):
-            key = _text(key)
-            path = kv._internal_kv_get(key)
-            if path is not None:
-                name = key[len(self._key) :]
-                out[name] = _request(name, _text(path))
-        return out
-
-
-def ray_internal_kv() -> ModuleType | None:
-    """Ray's internal KV when this process is connected to Ray."""
-    from ray.experimental import internal_kv
-
-    return internal_kv if internal_kv._internal_kv_initialized() else None
+        return {n: _request(n, p, runtime=True) for n, p in registered.items()}
 
 
 def _text(value: str | bytes) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def _request(name: str, path: str) -> LoRARequest:
-    return LoRARequest(lora_name=name, lora_int_id=lora_int_id(name, path), lora_path=path)
+def _request(name: str, path: str, runtime: bool = False) -> LoRARequest:
+    return LoRARequest(
+        lora_name=name, lora_int_id=lora_int_id(name, path), lora_path=path, runtime=runtime
+    )

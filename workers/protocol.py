@@ -9,14 +9,7 @@ from __future__ import annotations
 import json
 from typing import Literal
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    NonNegativeInt,
-    field_validator,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, field_validator, model_validator
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
@@ -137,13 +130,15 @@ class SamplingParams(BaseModel):
 
 class LoRARequest(BaseModel):
     """A LoRA adapter a request runs with, as vLLM's: its name, an id unique per adapter (> 0;
-    the prefix cache and the device slots key by it) and its PEFT directory."""
+    the prefix cache and the device slots key by it) and its PEFT directory. `runtime`: loaded
+    through POST /v1/load_lora_adapter, so a replica frees it once the app's registry drops it."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     lora_name: str = Field(min_length=1)
     lora_int_id: int = Field(ge=1)
     lora_path: str = Field(min_length=1)
+    runtime: bool = False
 
 
 class GenerateRequest(BaseModel):
@@ -315,10 +310,13 @@ class EngineStats(BaseModel):
     spec_accepted_per_pos: list[int] = []
     # KV events: page stores and evictions this replica published to the routers
     kv_events_published: int = 0
-    # LoRA (0: off): device slots; the adapters of running and waiting requests, by name
+    # LoRA (0: off): device slots; the adapters of running and waiting requests, by name; those
+    # the replica holds (a device slot or its host copy), by name and by lora_int_id
     max_loras: int = 0
     lora_running: list[str] = []
     lora_waiting: list[str] = []
+    lora_resident: list[str] = []
+    lora_resident_ids: list[int] = []
     # KV tiers below the device pool (EngineConfig.kv_offload): pages and bytes each holds now,
     # prompt tokens found there, bytes moved down (device -> host) and up (loads), the loads'
     # copy time

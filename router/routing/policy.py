@@ -17,8 +17,14 @@ beat the best cost found; the least-loaded replica itself is the candidate for a
 prompt. Among equally loaded idle replicas the hash ring of `LoadBoard.pick_least` decides by the
 prompt's first page, so several routers send a new prefix to the same replica.
 
+A request with a LoRA adapter adds `lora_miss_tokens` to the cost of each replica that does not
+hold it (its routing stats' `lora_ids`: a device slot or a host copy), the work of loading it
+there; the replicas holding it are costed too, so one of them wins unless another's cached
+prefix or lighter load outweighs the miss.
+
 Decode (`DecodeLoadPolicy`): fewest requests running first, then most free KV pages; a replica
-whose last reported free pages cannot hold the request ranks after all that can.
+whose last reported free pages cannot hold the request ranks after all that can, and one that
+does not hold the request's adapter counts `lora_miss` more running requests.
 
 Replica keys are any hashable with a stable `str()` (Serve's `ReplicaID`); a request key is any
 string unique among requests in flight (Serve's internal request id).
@@ -29,7 +35,7 @@ from __future__ import annotations
 import random
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
 from typing import TypeVar
 
 from router.routing.loads import LoadBoard
@@ -42,8 +48,19 @@ R = TypeVar("R", bound=Hashable)  # a replica key (Serve's ReplicaID)
 def cache_ids(req: GenerateRequest) -> Sequence[int]:
     """`req`'s prompt as the engines' prefix caches name its pages: by its LoRA adapter too
     (`lora_cache_ids`); the same object for a base request, so its names are hashed once."""
+    return lora_cache_ids(req.prompt_token_ids, lora_id(req))
+
+
+def lora_id(req: GenerateRequest) -> int:
+    """`req`'s adapter's `lora_int_id`, 0 for the base model."""
     lora = getattr(req, "lora", None)  # Serve's routers see any request with a prompt
-    return lora_cache_ids(req.prompt_token_ids, 0 if lora is None else lora.lora_int_id)
+    return 0 if lora is None else lora.lora_int_id
+
+
+def holds_lora(stats: Mapping[str, object], lora_int_id: int) -> bool:
+    """Whether a replica's routing stats list the adapter (always, for the base model)."""
+    held = stats.get("lora_ids", ())
+    return not lora_int_id or (isinstance(held, Collection) and lora_int_id in held)
 
 
 class InFlight:
@@ -117,6 +134,7 @@ class PrefixAwarePolicy:
         pages_per_replica: int | None = None,
         confirm_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
+        lora_miss_tokens: int = 256,
     ) -> None:
         """`pages_per_replica`: None for an index fed by the replicas' KV events (`apply()`),
         else the bound of an index that guesses from what this router sent."""
@@ -124,22 +142,31 @@ class PrefixAwarePolicy:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.page_size = page_size
         self.load_weight = load_weight
+        self.lora_miss_tokens = lora_miss_tokens
         self.index = PrefixIndex(pages_per_replica, confirm_s, clock)
         self.in_flight = InFlight()
         self.loads: LoadBoard[Hashable] = LoadBoard()
         self._named: tuple[Sequence[int], list[int]] = ((), [])  # the last prompt hashed
 
-    def rank(self, prompt: Sequence[int]) -> list[Hashable]:
+    def rank(
+        self, prompt: Sequence[int], lora_holders: Collection[Hashable] | None = None
+    ) -> list[Hashable]:
         """The candidate replicas for `prompt`, best first: those holding a prefix that could
-        beat the least-loaded replica, and that one. The first has the least cost over the
-        whole pool (ties: the least-loaded replica the ring gives, then ring order)."""
+        beat the least-loaded replica, that one, and with `lora_holders` (the replicas holding
+        the request's adapter; None for the base model) those. The first has the least cost
+        over the whole pool (ties: the least-loaded replica the ring gives, then ring order)."""
         self.index.expire()
         least = self.loads.pick_least(self._salt(prompt))
         if least is None:
             return []
         names, n, w, ps = self._page_names(prompt), len(prompt), self.load_weight, self.page_size
         least_load, pick = least
-        best = n + w * least_load  # `pick`'s cost at most
+        lora_miss = self.lora_miss_tokens
+
+        def miss(r: Hashable) -> int:  # the adapter's load, where r does not hold it
+            return 0 if lora_holders is None or r in lora_holders else lora_miss
+
+        best = n + w * least_load + miss(pick)  # `pick`'s cost at most
         cost: dict[Hashable, float] = {}
         owners, loads, below = self.index.owners, self.loads, 0
         for i in range(len(names) - 1, -1, -1):
@@ -153,9 +180,14 @@ class PrefixAwarePolicy:
             for r in holders:
                 if r not in cost and r in loads:
                     lower = self.index.load_cost(names, i + 1, r) * ps  # tokens' worth of loads
-                    cost[r] = c = uncached + lower + w * loads.get(r)
+                    cost[r] = c = uncached + lower + w * loads.get(r) + miss(r)
                     best = min(best, c)
-        cost.setdefault(pick, n + w * least_load)
+        cost.setdefault(pick, n + w * least_load + miss(pick))
+        for r in lora_holders or ():  # they may beat those the walk costed, which miss it
+            if r not in cost and r in loads:
+                depth = self.index.depth(names, r)
+                lower = self.index.load_cost(names, depth, r) * ps
+                cost[r] = self.uncached_tokens(n, depth) + lower + w * loads.get(r)
         return sorted(cost, key=lambda r: (cost[r], r != pick, loads.position(r)))
 
     def uncached_tokens(self, prompt_len: int, matched_pages: int) -> int:
@@ -200,8 +232,11 @@ class PrefixAwarePolicy:
 
 
 class DecodeLoadPolicy:
-    def __init__(self, page_size: int, rng: random.Random | None = None) -> None:
+    def __init__(
+        self, page_size: int, rng: random.Random | None = None, lora_miss: float = 2.0
+    ) -> None:
         self.page_size = page_size
+        self.lora_miss = lora_miss
         self.in_flight = InFlight()
         self._rng = rng or random.Random()
 
@@ -211,15 +246,18 @@ class DecodeLoadPolicy:
         num_tokens: int,
         stats: Mapping[R, Mapping[str, float]],
         queue_lens: Mapping[R, int] | None = None,
+        lora_int_id: int = 0,
     ) -> list[R]:
-        """`replicas` best first for a request that will hold `num_tokens` tokens of KV.
-        `stats`: each replica's last `record_routing_stats()` (num_running, kv_free_pages)."""
+        """`replicas` best first for a request that will hold `num_tokens` tokens of KV, with
+        the adapter `lora_int_id` (0: none). `stats`: each replica's last
+        `record_routing_stats()` (num_running, kv_free_pages, lora_ids)."""
         pages = -(-num_tokens // self.page_size)
 
         def key(r: R) -> tuple[bool, float, float, float]:
             s = stats.get(r, {})
             pending = max(self.in_flight.count(r), (queue_lens or {}).get(r, 0))
             running, fits = decode_load(s, pending, pages)
+            running += 0 if holds_lora(s, lora_int_id) else self.lora_miss
             return (not fits, running, -s.get("kv_free_pages", float("inf")), self._rng.random())
 
         return sorted(replicas, key=key)

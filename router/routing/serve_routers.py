@@ -41,6 +41,8 @@ from router.routing.policy import (
     cache_ids,
     decode_load,
     decode_load_order,
+    holds_lora,
+    lora_id,
 )
 
 logger = logging.getLogger(__name__)
@@ -105,7 +107,8 @@ class _PolicyRouter(RequestRouter):
 
 class PrefillRouter(_PolicyRouter):
     """Longest cached prefix weighed against pending prefill work (`PrefixAwarePolicy`), on an
-    index fed by the pool's KV events (`kv_events_period_s` > 0) or guessed from what it sent.
+    index fed by the pool's KV events (`kv_events_period_s` > 0) or guessed from what it sent;
+    a replica whose routing stats do not list the request's adapter costs `lora_miss_tokens`.
     Replicas are keyed by `ReplicaID.unique_id`, the name they publish their events under."""
 
     policy: PrefixAwarePolicy
@@ -116,12 +119,14 @@ class PrefillRouter(_PolicyRouter):
         load_weight: float = 1.0,
         pages_per_replica: int = 1 << 16,
         kv_events_period_s: float = 0.0,
+        lora_miss_tokens: int = 256,
     ) -> None:
         exact = kv_events_period_s > 0
         self.policy = PrefixAwarePolicy(
             page_size,
             load_weight=load_weight,
             pages_per_replica=None if exact else pages_per_replica,
+            lora_miss_tokens=lora_miss_tokens,
         )
         self._pool = self._deployment_id.name
         self._feed = (
@@ -133,7 +138,10 @@ class PrefillRouter(_PolicyRouter):
     def rank(self, req: Any, candidates: list[RunningReplica]) -> list[list[RunningReplica]]:
         self._apply_events()
         by_id = {r.replica_id.unique_id: r for r in candidates}
-        best = [by_id[k] for k in self.policy.rank(cache_ids(req)) if k in by_id]
+        lora = lora_id(req)
+        holders = {k for k, r in by_id.items() if holds_lora(r.routing_stats or {}, lora)}
+        best = [by_id[k] for k in self.policy.rank(cache_ids(req), holders if lora else None)
+                if k in by_id]  # fmt: skip
         chosen = {r.replica_id for r in best}
         rest = [r for r in candidates if r.replica_id not in chosen]
         return [[r] for r in best] + ([rest] if rest else [])
@@ -192,19 +200,22 @@ class DecodePrefixRouter(PrefillRouter):
 
 
 class DecodeRouter(_PolicyRouter):
-    """Decode pool: fewest running requests, then most free KV pages."""
+    """Decode pool: fewest running requests (`lora_miss` more where the replica does not hold
+    the request's adapter), then most free KV pages."""
 
     policy: DecodeLoadPolicy
 
-    def initialize_state(self, page_size: int = 16) -> None:  # type: ignore[override]
-        self.policy = DecodeLoadPolicy(page_size)
+    def initialize_state(  # type: ignore[override]  # Serve passes request_router_kwargs
+        self, page_size: int = 16, lora_miss: float = 2.0
+    ) -> None:
+        self.policy = DecodeLoadPolicy(page_size, lora_miss=lora_miss)
 
     def rank(self, req: Any, candidates: list[RunningReplica]) -> list[list[RunningReplica]]:
         by_id = {r.replica_id.unique_id: r for r in candidates}
         cache = self.replica_queue_len_cache
         queue_lens = {r.replica_id.unique_id: cache.get(r.replica_id) or 0 for r in candidates}
         stats = {k: r.routing_stats or {} for k, r in by_id.items()}
-        ranked = self.policy.rank(list(by_id), kv_tokens(req), stats, queue_lens)
+        ranked = self.policy.rank(list(by_id), kv_tokens(req), stats, queue_lens, lora_id(req))
         return [[by_id[k]] for k in ranked]
 
     def on_request_routed(

@@ -1,6 +1,7 @@
 """LoRA under tensor parallelism on the CPU (gloo): two ranks, each holding its split of the
 adapters (B by output rows for q/k/v and gate/up, A by input columns for o and down), give the
-tokens of HF PEFT on the unsplit model, for a batch mixing the base model and two adapters."""
+tokens of HF PEFT on the unsplit model, for a batch mixing the base model and two adapters; an
+unload frees the adapter on every rank."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 from tests.conftest import hf_greedy_batch
 from tests.lora_adapters import ALL_MODULES, make_lora_adapter, peft_model
 from workers import LLM, LoRARequest, SamplingParams
+from workers.engine.tp_runner import RemoveLoRA
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4, 5,"]
 NEW_TOKENS = 10
@@ -40,6 +42,13 @@ def test_two_ranks_give_peft_tokens(ray_cluster, tiny_llama: str, tmp_path: Path
     with LLM(tiny_llama, tensor_parallel_size=2, enable_lora=True, max_loras=2, max_lora_rank=8,
              num_kv_pages=64, page_size=4) as llm:  # fmt: skip
         outs = llm.generate(batch, GREEDY, lora_request=loras)
+        # an unload reaches rank 1 too: it no longer holds the adapter, and holds the other one
+        assert llm.engine.remove_lora(adapters[0].lora_int_id)
+        runner = llm.engine.runner
+        assert runner.command(RemoveLoRA(adapters[0].lora_int_id)) == [False]
+        assert runner.command(RemoveLoRA(adapters[1].lora_int_id)) == [True]
+        again = llm.generate(batch[:1], GREEDY, lora_request=adapters[0])[0]
+        assert again.token_ids == refs["a"][0]  # loaded again from its files on both ranks
     for i, (out, lora) in enumerate(zip(outs, loras)):
         name = None if lora is None else lora.lora_name
         assert out.token_ids == refs[name][i // 3], f"prompt {i // 3} under {name}"

@@ -75,6 +75,10 @@ class PrefillEngine(HandoffEngine):
             page_generations=[int(self.allocator.generation[p]) for p in pages],
         )
 
+    def lora_ids_in_use(self) -> set[int]:
+        """Those of the requests here, and of the prompts pinned for a hand-off."""
+        return super().lora_ids_in_use() | {x.seq.lora_id for x in self.leases if x.seq.lora_id}
+
     def release_lease(self, lease_id: str) -> bool:
         """Unpin a handed-off prompt (its full pages stay cached, unlocked)."""
         lease = self.leases.pop(lease_id)

@@ -1,5 +1,6 @@
 """What makes a request unservable by an engine before it is tracked: its length against the
-context, and token ids outside the vocabulary (a 400 for the client, never a step's failure)."""
+context and the KV pool, and token ids outside the vocabulary (a 400 for the client, never a
+step's failure)."""
 
 from __future__ import annotations
 
@@ -25,3 +26,11 @@ def check_token_ids(req: GenerateRequest, max_model_len: int, vocab: int) -> Non
         raise RequestRejectedError("logit_bias names token ids outside the model's vocabulary")
     if any(token >= vocab for token in req.params.stop_token_ids):  # min_tokens bans them
         raise RequestRejectedError("stop_token_ids names token ids outside the model's vocabulary")
+
+
+def check_pages(req: GenerateRequest, max_model_len: int, page_size: int, usable: int) -> None:
+    """Raise `RequestRejectedError` for a request whose longest KV outgrows the whole pool."""
+    longest = min(len(req.prompt_token_ids) + req.params.max_tokens, max_model_len)
+    pages = -(-longest // page_size)
+    if pages > usable:
+        raise RequestRejectedError(f"request needs up to {pages} KV pages; the pool holds {usable}")

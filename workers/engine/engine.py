@@ -21,16 +21,16 @@ from typing import NoReturn
 
 from workers.config import EngineConfig
 from workers.detokenizer import IncrementalDetokenizer
-from workers.engine.admission import RequestRejectedError, check_token_ids
+from workers.engine.admission import RequestRejectedError, check_pages, check_token_ids
 from workers.engine.finish import check_finish, take_output, token_logprob
 from workers.engine.grammar_gate import GrammarGate
 from workers.engine.speculation import build_speculator
 from workers.engine.step_tokens import StepCount, StepTokens
 from workers.engine.tier_ranks import build_tiers
-from workers.engine.tp_runner import create_runner
+from workers.engine.tp_runner import create_runner, remove_lora
 from workers.kvcache.allocator import PageAllocator
 from workers.kvcache.manager import KVManager
-from workers.lora.manager import request_adapter
+from workers.lora.manager import lora_stats, request_adapter
 from workers.model.files import load_tokenizer
 from workers.model.moe import routed_token_counts
 from workers.parallel.group import SINGLE, TPGroup
@@ -113,26 +113,19 @@ class Engine:
             lora = request_adapter(self.runner.lora, req.lora)  # a bad adapter fails it now
         except ValueError as e:
             raise RequestRejectedError(str(e)) from e
-        longest = min(n + req.params.max_tokens, self.max_model_len)
-        pages = -(-longest // self.cfg.page_size)
-        if pages > self.allocator.num_usable:
-            raise RequestRejectedError(
-                f"request needs up to {pages} KV pages; the pool holds {self.allocator.num_usable}"
-            )
+        check_pages(req, self.max_model_len, self.cfg.page_size, self.allocator.num_usable)
+        p = req.params
+        detokenizer = IncrementalDetokenizer(self.tokenizer, list(req.prompt_token_ids),
+                                             p.skip_special_tokens, p.stop,
+                                             p.include_stop_str_in_output)  # fmt: skip
         seq = Sequence(
             request_id=req.request_id,
             token_ids=list(req.prompt_token_ids),
             num_prompt_tokens=n,
-            params=req.params,
-            stop_token_ids=frozenset(req.params.stop_token_ids)
-            | (frozenset() if req.params.ignore_eos else self.eos_token_ids),
-            detokenizer=IncrementalDetokenizer(
-                self.tokenizer,
-                list(req.prompt_token_ids),
-                req.params.skip_special_tokens,
-                req.params.stop,
-                req.params.include_stop_str_in_output,
-            ),
+            params=p,
+            stop_token_ids=frozenset(p.stop_token_ids)
+            | (frozenset() if p.ignore_eos else self.eos_token_ids),
+            detokenizer=detokenizer,
             constraint=constraint,
             lora=lora,
         )
@@ -141,7 +134,12 @@ class Engine:
 
     def remove_lora(self, lora_int_id: int) -> bool:
         self.kv.drop_lora(lora_int_id)  # unloaded: its prefix-cache pages, host copy, slot
-        return self.runner.lora is not None and self.runner.lora.remove(lora_int_id)
+        return remove_lora(self.runner, lora_int_id)  # on every TP rank
+
+    def lora_ids_in_use(self) -> set[int]:
+        """The adapters of requests whose pages are held here: an unload waits for them."""
+        running = () if self._running is None else self._running.seqs  # those that left too
+        return {s.lora_id for s in (*self.seqs.values(), *running) if s.lora_id}
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its pages; None if it is unknown or already done."""
@@ -345,6 +343,7 @@ class Engine:
             iteration_tokens_sum=self.step_tokens.sum,
             engine_deaths={} if self.dead is None else {type(self.dead.__cause__).__name__: 1},
             moe_expert_tokens=routed_token_counts(self.runner.model),
+            **lora_stats(self.runner.lora),
             **({} if self.spec is None else self.spec.stats()),
             **({} if self.kv.tiers is None else self.kv.tiers.stats()),
         )

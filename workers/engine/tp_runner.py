@@ -69,6 +69,25 @@ class RankCommand:
         raise NotImplementedError
 
 
+class RemoveLoRA(RankCommand):
+    """Forget an unloaded LoRA adapter (host copy, slot); answers whether this rank held it."""
+
+    def __init__(self, lora_int_id: int) -> None:
+        self.lora_int_id = lora_int_id
+
+    def run(self, runner: RankRunner) -> bool:
+        return runner.lora is not None and runner.lora.remove(self.lora_int_id)
+
+
+def remove_lora(runner: ModelRunner, lora_int_id: int) -> bool:
+    """Forget an unloaded adapter on every rank of `runner`'s group; whether rank 0 held it."""
+    if runner.lora is None:
+        return False
+    if isinstance(runner, TPDriverRunner):
+        runner.command(RemoveLoRA(lora_int_id))
+    return runner.lora.remove(lora_int_id)
+
+
 class RankRunner(ModelRunner):
     """A runner inside a TP group (any rank)."""
 

@@ -209,7 +209,7 @@ class RadixCache:
         for node in reversed(order):  # children before their parents
             if node.parent is not None and not node.children and not node.ref:
                 freed += len(node.pages)
-                self._remove_leaf(node)
+                self._remove_leaf(node, spill=False)  # the adapter is gone: not to the tiers
         return freed
 
     def check_invariants(self) -> None:
@@ -274,12 +274,12 @@ class RadixCache:
         self._num_cached += len(pages)
         return leaf
 
-    def _remove_leaf(self, leaf: RadixNode) -> None:
+    def _remove_leaf(self, leaf: RadixNode, spill: bool = True) -> None:
         parent = leaf.parent
         assert parent is not None
         del parent.children[tuple(leaf.tokens[: self.page_size])]
         leaf.parent = None
-        self._free(leaf.pages, leaf.names, leaf.tokens, _last_name(parent))
+        self._free(leaf.pages, leaf.names, leaf.tokens, _last_name(parent), spill)
         self._num_nodes -= 1
         self._num_cached -= len(leaf.pages)
         if parent is not self.root and not parent.children and parent.ref == 0:
@@ -295,10 +295,12 @@ class RadixCache:
         leaf.tokens = leaf.tokens[: keep_pages * self.page_size]
         self._push(leaf)
 
-    def _free(self, pages: list[int], names: list[int], tokens: list[int], parent: int) -> None:
-        """Evicted pages: offered to the tiers below (which copy them), then freed."""
+    def _free(
+        self, pages: list[int], names: list[int], tokens: list[int], parent: int, spill: bool = True
+    ) -> None:
+        """Evicted pages: offered to the tiers below (which copy them) where `spill`, then freed."""
         self._names.difference_update(names)
-        below = self.below
+        below = self.below if spill else None
         kept = [False] * len(pages) if below is None else below.spill(
             pages, names, tokens, parent, self.events
         )  # fmt: skip

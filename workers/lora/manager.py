@@ -41,6 +41,8 @@ class LoRAManager:
         self.max_cpu = cfg.max_cpu_loras or cfg.max_loras
         self.slots = LoRASlots(model, cfg.max_loras, cfg.max_lora_rank)
         self.host: OrderedDict[int, LoRAAdapter] = OrderedDict()  # by lora_int_id, LRU first
+        # every adapter taken and not removed, though LRU dropped its copies: its pages may stay
+        self.taken: dict[int, LoRARequest] = {}
         self.resident: list[LoRARequest | None] = [None] * cfg.max_loras  # each slot's adapter
         self._slot_use: list[int] = [0] * cfg.max_loras  # the step that last used each slot
         self._steps = 0
@@ -57,6 +59,7 @@ class LoRAManager:
         if found is not None:  # an id reused for other files: drop the old one
             self.remove(request.lora_int_id)
         self.host[request.lora_int_id] = adapter
+        self.taken[request.lora_int_id] = request
         while len(self.host) > self.max_cpu:
             old, _ = self.host.popitem(last=False)
             logger.info("LoRA host cache full: dropped adapter %d", old)
@@ -65,6 +68,7 @@ class LoRAManager:
     def remove(self, lora_int_id: int) -> bool:
         """Forget an adapter (unloaded): its host copy and its device slot. Whether it was held."""
         held = self.host.pop(lora_int_id, None) is not None
+        self.taken.pop(lora_int_id, None)
         for slot, owner in enumerate(self.resident):
             if owner is not None and owner.lora_int_id == lora_int_id:
                 self.resident[slot] = None
@@ -121,8 +125,11 @@ class LoRAManager:
         self.slots.context.step = LoRAStep(groups)
 
     @property
-    def resident_names(self) -> list[str]:
-        return [r.lora_name for r in self.resident if r is not None]
+    def held(self) -> list[LoRARequest]:
+        """The adapters in a device slot or the host cache, by name."""
+        found = {r.lora_int_id: r for r in self.resident if r is not None}
+        found.update((i, a.request) for i, a in self.host.items())
+        return sorted(found.values(), key=lambda r: (r.lora_name, r.lora_int_id))
 
 
 def request_adapter(manager: LoRAManager | None, lora: LoRARequest | None) -> LoRARequest | None:
@@ -134,6 +141,13 @@ def request_adapter(manager: LoRAManager | None, lora: LoRARequest | None) -> Lo
         raise LoRAAdapterError("LoRA adapters need an engine with enable_lora")
     manager.adapter(lora)
     return lora
+
+
+def lora_stats(manager: LoRAManager | None) -> dict[str, list]:
+    """`EngineStats`' adapters held (names, ids): what routing prefers and an unload frees."""
+    held = [] if manager is None else manager.held
+    return {"lora_resident": [r.lora_name for r in held],
+            "lora_resident_ids": [r.lora_int_id for r in held]}  # fmt: skip
 
 
 def build_lora(

@@ -7,6 +7,8 @@ lives: from the start, or from a failed decode replica's stream (`first`, no KV 
 
 from __future__ import annotations
 
+from typing import Any
+
 from workers.disagg.prefill import PrefillEngine
 from workers.protocol import GenerateRequest, RequestOutput
 from workers.serve.worker import EngineWorker
@@ -36,11 +38,12 @@ class PrefillWorker(EngineWorker):
         lease may be held by another replica of the pool (`agent_name` says which)."""
         await self.loop.run(lambda: self.engine.release_lease_of(agent_name, lease_id))
 
-    def record_routing_stats(self) -> dict[str, float]:
+    def record_routing_stats(self) -> dict[str, Any]:
         """Polled by Serve for request routers: this replica's load."""
         s = self.loop.stats()
         return {
             "num_running": s.num_running,
             "num_waiting": s.num_waiting,
             "kv_usage": s.kv_pages_held / max(1, s.kv_pages_total),
+            "lora_ids": s.lora_resident_ids,  # the router prefers a replica holding the adapter
         }

@@ -15,6 +15,7 @@ from workers.engine.async_engine import AsyncEngine
 from workers.protocol import EngineStats, GenerateRequest, RequestOutput
 from workers.serve.kv_publisher import KVEventPublisher
 from workers.serve.load_meter import LoadMeter
+from workers.serve.lora_sync import LoRASync
 from workers.serve.stats_board import StatsPoster
 
 
@@ -36,11 +37,13 @@ class EngineWorker:
 
     def __init__(
         self, engine: dict[str, Any], kv_transfer: dict[str, Any], kv_events_period_s: float = 0,
-        stall_s: float = math.inf,
+        stall_s: float = math.inf, lora_sync_period_s: float = 0,
     ) -> None:  # fmt: skip
         """`kv_events_period_s`: publish the prefix cache's changes that often (0: never).
         `stall_s`: a step running this long is stalled; streams stop sending keepalives then
-        (the router's `replica_timeout_s`, which they are sent to beat)."""
+        (the router's `replica_timeout_s`, which they are sent to beat).
+        `lora_sync_period_s`: free adapters unloaded from the app's registry, read that often
+        (0: never; `LoRASync`)."""
         ctx = replica_context()
         tag = None if ctx is None else str(ctx.replica_id.unique_id)
         self.engine = self.engine_class(
@@ -49,7 +52,10 @@ class EngineWorker:
         self.poster: StatsPoster | None = None
         self._posted_dead = False
         self.kv_events: KVEventPublisher | None = None
+        self.lora_sync: LoRASync | None = None
         if ctx is not None and tag is not None:
+            if lora_sync_period_s > 0:
+                self.lora_sync = LoRASync(ctx.app_name, lora_sync_period_s)
             self.poster = StatsPoster(ctx.app_name, self.engine.role, tag)
             radix = self.engine.kv.radix
             if kv_events_period_s > 0 and radix is not None:
@@ -96,6 +102,8 @@ class EngineWorker:
             # the engine's death at once: the routers stop sending here on reading it
             force = stats.dead and not self._posted_dead
             self._posted_dead |= self.poster(stats, force=force) and force
+        if self.lora_sync is not None:  # last: its registry read may fail, the stats are out
+            self.lora_sync(self.engine)
 
     async def stats(self) -> EngineStats:
         return self.loop.stats()
