@@ -16,9 +16,7 @@ import zlib
 from pathlib import Path
 
 from router.errors import BadRequestError, NotFoundError, unknown_model
-from workers.api import LoRARequest
-from workers.lora.registered import read_registered, registry_prefix
-from workers.ray_kv import ray_internal_kv
+from workers.api import LoRARequest, ray_internal_kv, read_registered, registry_prefix
 
 
 def lora_int_id(name: str, path: str) -> int:

@@ -1,14 +1,16 @@
 """The workers' door: everything the router (and the app that wires it) may use of the workers.
 
 Types that cross between the router and the engines (requests, sampling parameters, output
-chunks, engine stats, KV events and the page names they carry) and the stats board's readers,
-through which the router sees every replica's counters. The router imports nothing else from
+chunks, engine stats, KV events and the page names they carry), the stats board's readers,
+through which the router sees every replica's counters, and Ray's internal KV with the run-time
+LoRA registry's keys in it. The router imports nothing else from
 `workers`; `tests/unit/test_layout.py` holds it to that.
 """
 
 from __future__ import annotations
 
 from workers.kvcache.kv_events import KVEventBatch, lora_cache_ids, page_hashes
+from workers.lora.registered import read_registered, registry_prefix
 from workers.protocol import (
     ITERATION_TOKENS_BUCKETS,
     MAX_LOGPROBS,
@@ -23,6 +25,7 @@ from workers.protocol import (
     StructuredOutputs,
     TokenLogprob,
 )
+from workers.ray_kv import ray_internal_kv
 from workers.sampling.grammar import check_structured_outputs
 from workers.serve.kv_event_hub import KVEventRead, read_kv_events
 from workers.serve.stats_board import (
@@ -56,7 +59,10 @@ __all__ = [
     "check_structured_outputs",
     "lora_cache_ids",
     "page_hashes",
+    "ray_internal_kv",
     "read_kv_events",
     "read_pool",
+    "read_registered",
     "read_role",
+    "registry_prefix",
 ]
