@@ -1,7 +1,7 @@
 """Multi-LoRA decode: a decode step of `batch` requests spread over `adapters` LoRA adapters of
 rank `rank` (every projection targeted) against the same batch without adapters.
 
-    python bench/bench_lora.py --device cuda --out DIR [--batches 16 64] [--repeats 3]
+    python bench/bench_lora.py --device cuda --out DIR [--tokenizer-dir DIR] [--batches 16 64]
     python bench/bench_lora.py --device cpu       # a smoke run: tiny shapes, a few steps
 
 On CUDA the model has Llama-3-8B's shapes with random bf16 weights (load_format dummy) and the
@@ -27,13 +27,13 @@ sys.path.insert(0, REPO)
 
 import torch  # noqa: E402
 
-from bench.gpu_common import dummy_model_dir, median_of  # noqa: E402
+from bench.gpu_common import dummy_model_dir, embedded_model_dir, median_of  # noqa: E402
 from bench.results_io import add_out_argument, write_result  # noqa: E402
-from workers.config import DEFAULT_MODEL, EngineConfig  # noqa: E402
+from workers.config import EngineConfig  # noqa: E402
 from workers.engine.engine import Engine  # noqa: E402
 from workers.lora.adapter import TARGET_MODULES, module_shape  # noqa: E402
 from workers.model.config import ModelConfig  # noqa: E402
-from workers.model.files import load_model_config, resolve_model  # noqa: E402
+from workers.model.files import load_model_config  # noqa: E402
 from workers.protocol import GenerateRequest, LoRARequest, SamplingParams  # noqa: E402
 
 
@@ -87,6 +87,8 @@ def decode_ms(engine: Engine, loras: list[LoRARequest | None], context: int, ste
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    tokenizer = embedded_model_dir()  # tokenizer files for the dummy model
+    ap.add_argument("--tokenizer-dir", type=Path, required=tokenizer is None, default=tokenizer)
     ap.add_argument("--batches", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--adapters", type=int, default=8)
     ap.add_argument("--rank", type=int, default=16)
@@ -100,7 +102,7 @@ def main() -> None:
     if not cuda:  # smoke: tiny shapes, small batches, a few steps
         args.batches, args.context, args.steps, args.repeats = [4], 32, 3, 1
     shape = "llama3-8b" if cuda else "tiny-llama"
-    model_dir = dummy_model_dir(shape, resolve_model(DEFAULT_MODEL), args.work)
+    model_dir = dummy_model_dir(shape, args.tokenizer_dir, args.work)
     model_config = load_model_config(model_dir)
     adapter_dirs = [write_adapter(args.work / f"lora-{shape}-{i}", model_config, args.rank, i)
                     for i in range(args.adapters)]  # fmt: skip

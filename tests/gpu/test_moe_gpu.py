@@ -78,8 +78,8 @@ def test_expert_parallel_rank_and_cuda_graph_replay() -> None:
 def tiny_moe(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
     return make_random_checkpoint(
         tmp_path_factory.mktemp("moe-gpu"), tokenizer_dir, "Qwen3MoeForCausalLM",
-        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, head_dim=16,
-        hidden_size=128, num_attention_heads=8, num_key_value_heads=2,
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, head_dim=64,
+        hidden_size=128, num_attention_heads=4, num_key_value_heads=2,  # FlashInfer: head_dim 64+
     )  # fmt: skip
 
 

