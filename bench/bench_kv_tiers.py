@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import statistics
 import time
 from typing import Any
@@ -103,6 +104,10 @@ def run_mode(cfg: EngineConfig, args: argparse.Namespace) -> tuple[dict[str, Any
         return result, engine.engine.stats()
     finally:
         engine.shutdown()
+        del engine
+        gc.collect()  # the engine's pages and weights sit in reference cycles: free them now
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def copy_rate_gbps(page_bytes: int, pages: int, device: torch.device) -> tuple[float, float]:
@@ -191,6 +196,7 @@ def main() -> None:
         "none": EngineConfig(**base),
         "host": EngineConfig(**base, kv_offload={"cpu_gb": host_gb}),
     }
+    copy, copy_by_page = copy_rate_gbps(page_bytes, min(total_pages, 256), device)
     swept = [] if args.sweep is None else sweep(modes["host"], args, [
         float(r) for r in args.sweep.split(",")])  # fmt: skip
     runs: dict[str, list[tuple[dict[str, Any], EngineStats]]] = {name: [] for name in modes}
@@ -198,7 +204,6 @@ def main() -> None:
         for name, cfg in modes.items():
             runs[name].append(run_mode(cfg, args))
     same = [a == b for a, b in zip(*(r[0][0]["answers"] for r in runs.values()), strict=True)]
-    copy, copy_by_page = copy_rate_gbps(page_bytes, min(total_pages, 256), device)
 
     def spread(values: list[float], digits: int = 1) -> tuple[float, list[float]]:
         """The median of the runs' values and their [min, max]."""
