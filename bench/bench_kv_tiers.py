@@ -89,6 +89,9 @@ async def serve(engine: AsyncEngine, args: argparse.Namespace, vocab: int) -> di
 
 
 def run_mode(cfg: EngineConfig, args: argparse.Namespace) -> tuple[dict[str, Any], EngineStats]:
+    gc.collect()  # the previous run's engine: its pages and weights sit in reference cycles
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     engine = AsyncEngine(Engine(cfg))
     try:
         vocab = engine.engine.runner.model_config.vocab_size
@@ -104,10 +107,6 @@ def run_mode(cfg: EngineConfig, args: argparse.Namespace) -> tuple[dict[str, Any
         return result, engine.engine.stats()
     finally:
         engine.shutdown()
-        del engine
-        gc.collect()  # the engine's pages and weights sit in reference cycles: free them now
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
 
 
 def copy_rate_gbps(page_bytes: int, pages: int, device: torch.device) -> tuple[float, float]:

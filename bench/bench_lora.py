@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 REPO = str(Path(__file__).resolve().parents[1])
+TITLE = "Multi-LoRA decode: 8 adapters of rank 16 against the same batch without adapters"
 sys.path.insert(0, REPO)
 
 import torch  # noqa: E402
@@ -145,7 +146,7 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row))
     model = f"{shape} shapes, random {'bf16' if cuda else 'float32'} weights"
-    write_result(args.out, "lora_decode", rows, model=model,
+    write_result(args.out, "lora-decode", rows, model=model, title=TITLE,
                  measured=None if floor is None else floor.measured())  # fmt: skip
 
 

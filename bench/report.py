@@ -41,6 +41,7 @@ ORDER = (
     "gemm-decode-gated",
     "prefill",
     "moe",
+    "lora-decode",
     "offline-gpu",
     "serving",
     "serving-long-prompts",

@@ -19,6 +19,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -100,11 +101,13 @@ def software() -> dict[str, str]:
 
 
 def result_slug(hw: str) -> str:
-    """File-name part for the hardware: `h200`, `h200x2`, `cpu`."""
+    """File-name part for the hardware: `h200`, `h100x2`, `cpu`: the GPU's model, the first
+    word of its name that is letters then digits ("NVIDIA H100 80GB HBM3": h100)."""
     if hw.startswith("CPU"):
         return "cpu"
     count, _, name = hw.partition("x ")
-    model = name.split()[-1].lower() if name else "gpu"
+    words = [w for w in name.split() if re.fullmatch(r"[A-Za-z]+\d+", w)]
+    model = words[0].lower() if words else "gpu"
     return model if count == "1" else f"{model}x{count}"
 
 

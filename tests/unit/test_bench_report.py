@@ -63,6 +63,7 @@ def test_results_io_writes_what_the_report_reads(tmp_path: Path) -> None:
     assert path.name == f"prefill_{result_slug(result['hardware'])}_{result['date']}.json"
     assert "| 1 | 2.5 |" in report.render_markdown(report.load_results(tmp_path))
     assert result_slug("2x NVIDIA H200") == "h200x2" and result_slug("CPU: x86_64, 2") == "cpu"
+    assert result_slug("1x NVIDIA H100 80GB HBM3") == "h100"
 
 
 def test_the_committed_page_is_what_the_results_render() -> None:
