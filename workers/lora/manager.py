@@ -117,12 +117,11 @@ class LoRAManager:
             if self.resident[slot] != request:
                 self.slots.fill(slot, self.adapter(request))
                 self.resident[slot] = request
-        groups: list[tuple[int, torch.Tensor | None]] = []
-        for slot, _ in assigned:
-            rows = np.flatnonzero(token_slots == slot)
-            every = len(rows) == len(token_slots)
-            groups.append((slot, None if every else self._to_device(rows.astype(np.int64))))
-        self.slots.context.step = LoRAStep(groups)
+        mask = np.zeros((len(token_slots), self.slots.num_slots), dtype=np.float32)
+        rows = np.flatnonzero(token_slots != NO_ADAPTER)
+        mask[rows, token_slots[rows]] = 1.0
+        dtype = self.slots.layers[0]["o"].a.dtype
+        self.slots.context.step = LoRAStep(self._to_device(mask).to(dtype))
 
     @property
     def held(self) -> list[LoRARequest]:

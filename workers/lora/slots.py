@@ -51,7 +51,7 @@ class LoRASlots:
                 sizes: list[int] = getattr(proj, "shard_sizes", [out])
                 out_parts = [out] if row_parallel else list(sizes)
                 a = torch.zeros(num_slots, parts * max_rank, n_in, dtype=dtype, device=device)
-                b = torch.zeros(num_slots, out, max_rank, dtype=dtype, device=device)
+                b = torch.zeros(out, num_slots, max_rank, dtype=dtype, device=device)
                 stacks[name] = ProjectionStack(a, b, out_parts)
             self.layers.append(stacks)
             layer.self_attn.lora = LayerLoRA(self.context, {k: stacks[k] for k in ATTENTION})
@@ -77,7 +77,7 @@ class LoRASlots:
         for i, stacks in enumerate(self.layers):
             for name, stack in stacks.items():
                 stack.a[slot].zero_()
-                stack.b[slot].zero_()
+                stack.b[:, slot].zero_()
                 mods, row_parallel = PROJECTIONS[name]
                 proj = _projection(layers[i], name)
                 for p, (module, shard) in enumerate(mods):
@@ -87,20 +87,20 @@ class LoRASlots:
                     a, b = ab
                     if row_parallel:  # A split by input columns as the base weight is
                         proj._load(stack.a[slot, :r], a.to(stack.a.dtype))  # type: ignore[operator]
-                        stack.b[slot, :, :r].copy_(b)
+                        stack.b[:, slot, :r].copy_(b)
                         continue
                     if self.model.norms_folded:
                         a = a * self.model.folded_gains[i][0 if name == "qkv" else 1].float().cpu()
                     stack.a[slot, p * self.rank : p * self.rank + r].copy_(a)
                     # B split by output rows, into this part's rows of the stack
-                    proj._load(stack.b[slot, :, :r], b.to(stack.b.dtype), shard)  # type: ignore[operator]
+                    proj._load(stack.b[:, slot, :r], b.to(stack.b.dtype), shard)  # type: ignore[operator]
 
     @torch.inference_mode()
     def clear(self, slot: int) -> None:
         for stacks in self.layers:
             for stack in stacks.values():
                 stack.a[slot].zero_()
-                stack.b[slot].zero_()
+                stack.b[:, slot].zero_()
 
     @property
     def nbytes(self) -> int:

@@ -11,12 +11,12 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.kernels.lora_ops import Groups, add_lora
+from workers.kernels.lora_ops import add_lora
 
 
 @dataclass
 class LoRAStep:
-    groups: Groups  # per slot in the step: its tokens' rows (only tokens with an adapter)
+    mask: torch.Tensor  # [tokens, slots]: one-hot of each token's slot, zeros for base tokens
 
 
 class LoRAContext:
@@ -29,8 +29,9 @@ class LoRAContext:
 @dataclass
 class ProjectionStack:
     """One projection's adapters, slot by slot: A [slots, parts x rank, in] (this rank's input
-    columns for a row-parallel one), B [slots, out, rank] (this rank's output rows for a
-    column-parallel one), and the parts' sizes along the output."""
+    columns for a row-parallel one), B [out, slots, rank] (this rank's output rows for a
+    column-parallel one; slot-major within a row, so every slot's B is one matrix), and the
+    parts' sizes along the output."""
 
     a: torch.Tensor
     b: torch.Tensor
@@ -52,4 +53,4 @@ class LayerLoRA:
         step, stack = self.context.step, self.stacks.get(name)
         if step is None or stack is None:
             return y
-        return add_lora(x, y, stack.a, stack.b, step.groups, stack.out_parts)
+        return add_lora(x, y, stack.a, stack.b, step.mask, stack.out_parts)
