@@ -6,7 +6,8 @@ zeroed by a one-hot mask, then times every slot's B (expand), added into the bas
 Launches per projection do not grow with the adapters in the step (a loop over slots cost a
 gather, two products and a scatter each: ~170 launches a Llama layer with 8 adapters), and the
 shapes depend only on the token count, so a step can be captured. The extra work is the zero
-columns: `slots x rank` of them per token, small beside the base product.
+columns: `slots x rank` of them per token, small beside the base product. On CUDA a batch of at
+most `lora_sgmv.MAX_TOKENS` tokens takes the two-launch Triton kernels of `lora_sgmv` instead.
 
 A fused projection (q/k/v, gate/up) stacks its parts' A along the rank, `[parts x rank, in]`,
 so one shrink serves them all; each part's slice of the output takes its rank slice of the
@@ -17,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from workers.kernels import lora_sgmv
+
 
 def add_lora(
     x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor,
@@ -26,6 +29,8 @@ def add_lora(
     rank, in], `b` [out, slots, rank], `mask` [T, slots] one-hot of each token's slot (a zero
     row: the base model alone), `out_parts` the parts' sizes along y's last dimension."""
     tokens, (slots, stacked, _), rank = x.shape[0], a.shape, b.shape[-1]
+    if x.is_cuda and tokens <= lora_sgmv.MAX_TOKENS and len(out_parts) <= lora_sgmv.MAX_PARTS:
+        return lora_sgmv.sgmv_add_lora(x.contiguous(), y, a, b, mask, out_parts)
     parts = stacked // rank
     shrunk = (x @ a.view(slots * stacked, -1).t()).view(tokens, slots, parts, rank)
     shrunk = shrunk * mask.view(tokens, slots, 1, 1)

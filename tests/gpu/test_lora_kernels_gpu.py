@@ -1,0 +1,36 @@
+"""The Triton LoRA kernels (`workers/kernels/lora_sgmv.py`) on a GPU in bf16 against the masked
+dense products in float64, at Llama-3-8B's q/k/v and down shapes with 8 slots of rank 16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.tolerance import reduction_atol
+from workers.kernels.lora_ops import add_lora
+from workers.kernels.lora_sgmv import MAX_TOKENS, sgmv_add_lora
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("tokens", [1, 16, MAX_TOKENS])
+@pytest.mark.parametrize("n_in,out_parts", [(4096, [4096, 1024, 1024]), (14336, [4096])])
+def test_sgmv_on_gpu(tokens: int, n_in: int, out_parts: list[int]) -> None:
+    dtype, slots, rank, dev = torch.bfloat16, 8, 16, "cuda"
+    gen = torch.Generator(device=dev).manual_seed(tokens)
+    parts, out = len(out_parts), sum(out_parts)
+    x = torch.randn(tokens, n_in, generator=gen, device=dev).to(dtype)
+    a = (torch.randn(slots, parts * rank, n_in, generator=gen, device=dev) / n_in**0.5).to(dtype)
+    b = (torch.randn(out, slots, rank, generator=gen, device=dev) / rank**0.5).to(dtype)
+    y = torch.randn(tokens, out, generator=gen, device=dev).to(dtype)
+    mask = torch.zeros(tokens, slots, device=dev)
+    token_slots = torch.arange(tokens, device=dev) % (slots + 1) - 1  # -1: a base token
+    live = token_slots >= 0
+    mask[live.nonzero().flatten(), token_slots[live]] = 1.0
+    want = add_lora(x.double(), y.double(), a.double(), b.double(), mask.double(), out_parts)
+    got = sgmv_add_lora(x, y.clone(), a, b, mask.to(dtype), out_parts)
+    assert torch.equal(got[~live], y[~live])
+    mags = [t.double().abs() for t in (x, y, a, b)]
+    scale = float(add_lora(*mags, mask.double(), out_parts).max())
+    atol = reduction_atol(n_in + rank, scale, dtype) + float(torch.finfo(dtype).eps) * scale
+    assert float((got.double() - want).abs().max()) < atol

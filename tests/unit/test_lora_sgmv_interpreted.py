@@ -1,0 +1,50 @@
+"""The Triton LoRA kernels (`workers/kernels/lora_sgmv.py`) in Triton's interpreter on the CPU,
+against the masked dense products (`lora_ops.add_lora`'s torch path) in float64: a fused
+projection of three uneven parts and a single one, tokens of every slot and base tokens, input
+and output sizes that no block divides. In fp16 (the interpreter's bf16 products are wrong)."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.tolerance import reduction_atol
+from tests.unit.test_skinny_gemm_interpreted import interpreted
+
+CASES = [  # (tokens, slots, stack rank, input size, output parts)
+    (7, 3, 8, 600, [40, 24, 24]),  # q/k/v; two input splits, the second partial
+    (5, 2, 16, 96, [200]),  # o/down
+    (3, 1, 4, 130, [70, 70]),  # gate/up, one slot
+]
+
+
+def check() -> None:
+    """Each case against the torch path in float64; run with TRITON_INTERPRET=1."""
+    from workers.kernels.lora_ops import add_lora
+    from workers.kernels.lora_sgmv import sgmv_add_lora
+
+    dtype = torch.float16
+    gen = torch.Generator().manual_seed(0)
+    for tokens, slots, rank, n_in, out_parts in CASES:
+        out, parts = sum(out_parts), len(out_parts)
+        x = torch.randn(tokens, n_in, generator=gen).to(dtype)
+        a = (torch.randn(slots, parts * rank, n_in, generator=gen) / n_in**0.5).to(dtype)
+        b = (torch.randn(out, slots, rank, generator=gen) / rank**0.5).to(dtype)
+        token_slots = torch.arange(tokens) % (slots + 1) - 1  # -1: a base token
+        mask = torch.zeros(tokens, slots)
+        live = token_slots >= 0
+        mask[live.nonzero().flatten(), token_slots[live]] = 1.0
+        y = torch.randn(tokens, out, generator=gen).to(dtype)
+        want = add_lora(x.double(), y.double(), a.double(), b.double(), mask.double(), out_parts)
+        got = sgmv_add_lora(x, y.clone(), a, b, mask.to(dtype), out_parts)
+        assert got.shape == y.shape and got.dtype == dtype
+        assert torch.equal(got[~live], y[~live]), "base tokens' rows untouched"
+        # float32 sums over the input, then over the rank, y rounded to fp16 once
+        mags = [t.double().abs() for t in (x, y, a, b)]
+        scale = float(add_lora(*mags, mask.double(), out_parts).max())  # the terms' magnitudes
+        atol = reduction_atol(n_in + rank, scale, dtype) + float(torch.finfo(dtype).eps) * scale
+        err = float((got.double() - want).abs().max())
+        assert err < atol, (tokens, slots, rank, n_in, out_parts, err, atol)
+
+
+def test_sgmv_equals_the_masked_products() -> None:
+    interpreted("check", __name__)
