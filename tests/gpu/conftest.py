@@ -103,10 +103,13 @@ def count_replays(graphs: DecodeCudaGraphs) -> list[int]:
     replay = graphs.run
 
     def counted_run(
-        ids: torch.Tensor, pos: torch.Tensor, batch: AttentionBatch
+        ids: torch.Tensor,
+        pos: torch.Tensor,
+        batch: AttentionBatch,
+        lora_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         replays.append(len(batch.q_lens))
-        return replay(ids, pos, batch)
+        return replay(ids, pos, batch, lora_mask)
 
     graphs.run = counted_run  # type: ignore[method-assign,assignment]
     return replays

@@ -1,16 +1,19 @@
 """LoRA on a GPU (SmolLM2, real weights): in float32 the mixed batch's greedy tokens equal HF
 PEFT's on the GPU; in bf16, where the norm gains are folded into the weights at load, a LoRA step
-(eager, unfolded, the gains folded into A too) gives the tokens the unfolded model gives."""
+(unfolded, the gains folded into A too) gives the tokens the unfolded model gives; a LoRA decode
+step replays its size's LoRA CUDA graph and gives the eager LoRA path's tokens."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import hf_greedy_batch
 from tests.lora_adapters import ALL_MODULES, make_lora_adapter, peft_model
 from workers import LLM, LoRARequest, SamplingParams
+from workers.attention.base import AttentionBatch
 
 pytestmark = pytest.mark.gpu
 
@@ -73,3 +76,39 @@ def test_bf16_lora_steps_see_the_folded_gains(adapters) -> None:
     assert got == want
     base = [o.token_ids for o in folded.generate(batch, few)]
     assert [g for g, lora in zip(got, loras) if lora] != [b for b, lora in zip(base, loras) if lora]
+
+
+def test_lora_decode_steps_replay_a_graph_with_the_eager_tokens(
+    adapters, smollm2_dir: Path
+) -> None:
+    """The mixed batch's decode steps (9 rows, padded to 16: the padding rows base rows) replay
+    the LoRA graph with the step's slot mask, and give the eager LoRA path's greedy tokens; a
+    batch of base requests only replays the base graph."""
+    kw = dict(device="cuda", enable_lora=True, max_loras=2, max_lora_rank=8, kv_cache_memory_gb=1)
+    graphed = LLM(str(smollm2_dir), cuda_graph_batch_sizes=(16,), **kw)
+    graphs = graphed.engine.runner.graphs
+    assert graphs is not None and graphs.has_lora
+    replays: list[tuple[int, bool]] = []  # (rows, with a slot mask)
+    replay = graphs.run
+
+    def recorded_run(
+        ids: torch.Tensor,
+        pos: torch.Tensor,
+        batch: AttentionBatch,
+        lora_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        replays.append((len(batch.q_lens), lora_mask is not None))
+        return replay(ids, pos, batch, lora_mask)
+
+    graphs.run = recorded_run  # type: ignore[method-assign]
+    batch, loras = _batch(graphed, adapters)
+    got = [o.token_ids for o in graphed.generate(batch, GREEDY, lora_request=loras)]
+    assert replays == [(16, True)] * (NEW_TOKENS - 1)  # the prompts' step runs eagerly
+    replays.clear()
+    graphed.generate(batch, GREEDY)
+    assert set(replays) == {(16, False)}  # cached prompts may replay from their first step
+    del graphed
+    eager = LLM(str(smollm2_dir), enforce_eager=True, **kw)
+    assert eager.engine.runner.graphs is None
+    want = [o.token_ids for o in eager.generate(batch, GREEDY, lora_request=loras)]
+    assert got == want

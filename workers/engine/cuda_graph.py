@@ -13,10 +13,17 @@ before it gets here: padding rows hold token 0 at position 0, write their K/V in
 scratch page 0 and attend to that one token, so they touch no sequence's pages. Their outputs
 are ignored.
 
+With LoRA slots each size has a second graph, captured with the model's LoRA hooks on a static
+one-hot slot mask (`lora_mask`, `workers/model/lora_layers.py`): a step holding adapters
+replays it with its tokens' mask copied in, padding rows' mask rows zero (the base model alone).
+A step of base requests only replays the base graph, which never reaches the hooks.
+
 Invariants a replay relies on:
-- inputs live in static buffers (`input_ids`, `positions`, each size's slot buffers and page
-  table metadata buffers) that are filled in place before `replay()`, never reallocated;
-- the model's parameters and the KV pool keep their addresses for the runner's lifetime;
+- inputs live in static buffers (`input_ids`, `positions`, `lora_mask`, each size's slot
+  buffers and page table metadata buffers) that are filled in place before `replay()`, never
+  reallocated;
+- the model's parameters, the KV pool and the LoRA slots' A/B stacks (filled in place,
+  `workers/lora/slots.py`) keep their addresses for the runner's lifetime;
 - all sizes share one memory pool and run on one stream, one at a time, so their intermediate
   tensors and FlashInfer's workspace may alias.
 """
@@ -36,7 +43,9 @@ from workers.attention.flashinfer import GraphDecodeAttention, new_workspace
 from workers.attention.xqa_decode import XQABuffers
 from workers.config import KernelConfig
 from workers.kvcache.pool import KVPool
+from workers.lora.slots import LoRASlots
 from workers.model.llama import LlamaForCausalLM
+from workers.model.lora_layers import LoRAContext, LoRAStep
 from workers.model.moe import reset_routed_token_counts
 from workers.sampling.sampler import argmax_rows
 
@@ -53,8 +62,10 @@ class DecodeCudaGraphs:
         batch_sizes: tuple[int, ...],
         max_pages_per_seq: int,
         kernels: KernelConfig | None = None,
+        lora: LoRASlots | None = None,
     ) -> None:
-        """`kernels`: FlashInfer's decode on tensor cores, the FP8 decode kernel (defaults)."""
+        """`kernels`: FlashInfer's decode on tensor cores, the FP8 decode kernel (defaults);
+        `lora`: the model's LoRA slots, for a LoRA graph of each size besides the base one."""
         if not batch_sizes:
             raise ValueError("no batch sizes to capture")
         self.model = model
@@ -64,6 +75,9 @@ class DecodeCudaGraphs:
         max_bs = self.batch_sizes[-1]
         self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=device)
         self.positions = torch.zeros(max_bs, dtype=torch.int64, device=device)
+        self.lora_mask: torch.Tensor | None = None  # [max_bs, slots]: each row's one-hot slot
+        if lora is not None:
+            self.lora_mask = torch.zeros(max_bs, lora.num_slots, dtype=lora.dtype, device=device)
         workspace = new_workspace(device)
         indices = torch.zeros(max_bs * max_pages_per_seq, dtype=torch.int32, device=device)
         kernels = kernels or KernelConfig()
@@ -74,6 +88,8 @@ class DecodeCudaGraphs:
         self.attn: dict[int, GraphDecodeAttention] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # logits, greedy ids
+        self.lora_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.lora_outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         mem_pool = torch.cuda.graph_pool_handle()
         start, free_before = time.perf_counter(), torch.cuda.mem_get_info(device)[0]
         for bs in reversed(self.batch_sizes):  # largest first: smaller ones reuse its memory
@@ -82,15 +98,23 @@ class DecodeCudaGraphs:
                 kernels.flashinfer_decode_tensor_cores, xqa, kernels.fp8_decode_kernel,
             )  # fmt: skip
             self.attn[bs] = attn
-            self._capture(bs, attn, mem_pool)
+            self.graphs[bs], self.outputs[bs] = self._capture(bs, attn, mem_pool)
+            if lora is not None:
+                self._capture_lora(bs, attn, mem_pool, lora.context)
         reset_routed_token_counts(model)  # the warm-up forwards' routing is no traffic
         torch.cuda.synchronize(device)
         logger.info(
-            "captured decode CUDA graphs for batch sizes %s in %.1f s (%.0f MiB)",
+            "captured decode CUDA graphs%s for batch sizes %s in %.1f s (%.0f MiB)",
+            "" if lora is None else " with and without LoRA",
             self.batch_sizes,
             time.perf_counter() - start,
             (free_before - torch.cuda.mem_get_info(device)[0]) / 2**20,
         )
+
+    @property
+    def has_lora(self) -> bool:
+        """Whether steps holding adapters have graphs (`run`'s `lora_mask`)."""
+        return bool(self.lora_graphs)
 
     def padded_size(self, rows: int, max_pages: int, token_rows: bool = False) -> int | None:
         """The captured size a step of `rows` rows runs at, or None to run eagerly.
@@ -115,7 +139,10 @@ class DecodeCudaGraphs:
         )
 
     @torch.inference_mode()
-    def _capture(self, bs: int, attn: GraphDecodeAttention, mem_pool: Any) -> None:
+    def _capture(
+        self, bs: int, attn: GraphDecodeAttention, mem_pool: Any
+    ) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]:
+        """The graph of `bs` rows, with its logits and greedy ids."""
         attn.plan(self._dummy_batch(bs))
         ids, pos = self.input_ids[:bs], self.positions[:bs]
         for _ in range(2):  # warm-up: lazy initialisation and library handles stay out of the graph
@@ -123,8 +150,19 @@ class DecodeCudaGraphs:
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=mem_pool):
-            self.outputs[bs] = self._forward(ids, pos, attn)
-        self.graphs[bs] = graph
+            outputs = self._forward(ids, pos, attn)
+        return graph, outputs
+
+    def _capture_lora(
+        self, bs: int, attn: GraphDecodeAttention, mem_pool: Any, context: LoRAContext
+    ) -> None:
+        """The LoRA graph of `bs` rows: the model's hooks on the static mask's first rows."""
+        assert self.lora_mask is not None
+        context.step = LoRAStep(self.lora_mask[:bs])
+        try:
+            self.lora_graphs[bs], self.lora_outputs[bs] = self._capture(bs, attn, mem_pool)
+        finally:
+            context.step = None
 
     def _forward(
         self, ids: torch.Tensor, pos: torch.Tensor, attn: GraphDecodeAttention
@@ -136,20 +174,34 @@ class DecodeCudaGraphs:
         """Free the graphs. A TP group must do this before it destroys its NCCL communicator:
         a live graph holding the communicator's collectives makes the destroy wait forever
         (measured on two H200s; pytorch/pytorch#115388)."""
-        for graph in self.graphs.values():
+        for graph in (*self.graphs.values(), *self.lora_graphs.values()):
             graph.reset()
-        self.graphs.clear()
-        self.outputs.clear()
+        for by_size in (self.graphs, self.outputs, self.lora_graphs, self.lora_outputs):
+            by_size.clear()
 
     def run(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        batch: AttentionBatch,
+        lora_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay the graph of `len(batch.q_lens)` rows (a captured size); returns its logits
         `[rows, vocab]` and greedy ids `[rows]`, static buffers that the next replay of this
-        size overwrites (in stream order: work queued before it still reads these values)."""
+        graph overwrites (in stream order: work queued before it still reads these values).
+        `lora_mask`: the one-hot slot mask of the first rows (`LoRAManager.step_mask`), for
+        the LoRA graph; the rows past it run with the base model alone."""
         bs = len(batch.q_lens)
         self.input_ids[:bs].copy_(input_ids, non_blocking=True)
         self.positions[:bs].copy_(positions, non_blocking=True)
         self.attn[bs].plan(batch)
-        self.graphs[bs].replay()
-        return self.outputs[bs]
+        if lora_mask is None:
+            self.graphs[bs].replay()
+            return self.outputs[bs]
+        assert self.lora_mask is not None, "no LoRA graphs captured"
+        rows = lora_mask.shape[0]
+        self.lora_mask[:rows].copy_(lora_mask, non_blocking=True)
+        if rows < bs:  # the last replay's rows there may have held adapters
+            self.lora_mask[rows:bs].zero_()
+        self.lora_graphs[bs].replay()
+        return self.lora_outputs[bs]

@@ -114,8 +114,9 @@ class ModelRunner:
 
             max_pages = -(-self.max_model_len // cfg.page_size)
             self.graphs = DecodeCudaGraphs(
-                self.model, self.pool, attn.num_heads, scale, graph_sizes, max_pages, cfg.kernels
-            )
+                self.model, self.pool, attn.num_heads, scale, graph_sizes, max_pages, cfg.kernels,
+                None if self.lora is None else self.lora.slots,
+            )  # fmt: skip
 
     def _num_pages(self) -> int:
         cfg, page_bytes = self.cfg, self.kv_layout.page_bytes
@@ -275,7 +276,10 @@ class ModelRunner:
         rows = plan.sample_rows
         if plan.graph:  # never with prompt rows (`_graph_layout`)
             assert self.graphs is not None
-            logits, greedy_ids = self.graphs.run(input_ids, positions, batch)
+            mask = None
+            if self.lora is not None and plan.lora is not None:
+                mask = self.lora.step_mask(plan.lora, len(plan.q_lens))
+            logits, greedy_ids = self.graphs.run(input_ids, positions, batch, mask)
             if rows == list(range(len(rows))):
                 return StepOutputs(logits[: len(rows)], greedy_ids[: len(rows)], None)
             index = self._to_device(np.asarray(rows, dtype=np.int64))
@@ -332,8 +336,11 @@ class ModelRunner:
         tokens runs on the graph of its token count, one row per token: eagerly its ~10
         launches a layer take several times its GPU work on the host (docs/benchmarks.md, prefill).
         Rows of a chunk each read their sequence's KV up to themselves, so this is done only
-        while those reads stay within as many bytes as the weights (read once a step)."""
-        if self.graphs is None or step.scores_prompt() or any(s.lora for s in step.seqs):
+        while those reads stay within as many bytes as the weights (read once a step). A step
+        holding adapters runs on the size's LoRA graph, where there is one."""
+        if self.graphs is None or step.scores_prompt():
+            return False, None
+        if not self.graphs.has_lora and any(s.lora for s in step.seqs):
             return False, None
         ps = self.cfg.page_size
         pairs = list(zip(step.seqs, step.num_new_tokens))

@@ -2,7 +2,9 @@
 past `max_cpu_loras`), the device slots (`max_loras`), and each step's tokens' slots.
 
 Rank 0 picks the slots (`assign`, when planning a step) and the plan carries them; every rank
-fills a slot from its own host cache, loading the adapter's files on a miss (`activate`).
+fills a slot from its own host cache, loading the adapter's files on a miss (`step_mask`). The
+step's one-hot slot mask goes to the model's hooks for an eager forward (`running`), or to the
+LoRA graph of its size (`DecodeCudaGraphs.run`).
 """
 
 from __future__ import annotations
@@ -104,24 +106,26 @@ class LoRAManager:
 
     @contextmanager
     def running(self, step: StepLoRA) -> Iterator[None]:
-        """While a step's forward runs: its slots filled, the model's hooks on its tokens."""
-        self.activate(*step)
+        """While a step's eager forward runs: its slots filled, the model's hooks on its tokens."""
+        self.slots.context.step = LoRAStep(self.step_mask(step))
         try:
             yield
         finally:
             self.slots.context.step = None
 
-    def activate(self, assigned: list[tuple[int, LoRARequest]], token_slots: np.ndarray) -> None:
-        """Fill the slots a step needs and point the model's hooks at its tokens' slots."""
+    def step_mask(self, step: StepLoRA, rows: int | None = None) -> torch.Tensor:
+        """Fill the slots `step` needs; its tokens' one-hot slot mask `[rows, slots]` on the
+        device in the model dtype, padded past the tokens with zero (base) rows to `rows`."""
+        assigned, token_slots = step
         for slot, request in assigned:
             if self.resident[slot] != request:
                 self.slots.fill(slot, self.adapter(request))
                 self.resident[slot] = request
-        mask = np.zeros((len(token_slots), self.slots.num_slots), dtype=np.float32)
-        rows = np.flatnonzero(token_slots != NO_ADAPTER)
-        mask[rows, token_slots[rows]] = 1.0
-        dtype = self.slots.layers[0]["o"].a.dtype
-        self.slots.context.step = LoRAStep(self._to_device(mask).to(dtype))
+        rows = len(token_slots) if rows is None else rows
+        mask = np.zeros((rows, self.slots.num_slots), dtype=np.float32)
+        tokens = np.flatnonzero(token_slots != NO_ADAPTER)
+        mask[tokens, token_slots[tokens]] = 1.0
+        return self._to_device(mask).to(self.slots.dtype)
 
     @property
     def held(self) -> list[LoRARequest]:

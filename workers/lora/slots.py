@@ -39,6 +39,7 @@ class LoRASlots:
         model.lora_context = self.context
         weight = model.decoder_layers[0].self_attn.o_proj.weight
         dtype, device = weight.dtype, weight.device
+        self.dtype = dtype  # the stacks' and each step's slot mask's
         self.layers: list[dict[str, ProjectionStack]] = []
         for layer in model.decoder_layers:
             stacks = {}

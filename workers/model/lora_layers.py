@@ -1,8 +1,10 @@
 """The LoRA hook of the dense projections: `y = lora.add(name, x, y)` after the base product.
 
 `LoRAContext.step` says which adapter slots this step's tokens run with; None (a step of base
-requests only) and the model runs its usual path, folded norms and CUDA graphs included, the
-hooks never reached. The stacks are filled by `workers/lora/slots.py`.
+requests only) and the model runs its usual path, folded norms included, the hooks never
+reached. A step holding adapters runs the unfolded path with the hooks, eagerly or in its
+size's LoRA CUDA graph, captured on a static mask that each replay refills
+(`workers/engine/cuda_graph.py`). The stacks are filled by `workers/lora/slots.py`.
 """
 
 from __future__ import annotations
