@@ -15,7 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
+from workers.config import EngineConfig
+
 GiB = 2**30
+CPU_DEFAULT_KV_GB = 1.0
 FIX = (
     "raise gpu_memory_utilization or the pool's num_gpus_per_rank (the engine's gpu_share), "
     "or lower max_model_len, or set num_kv_pages or kv_cache_memory_gb, or store KV in FP8 "
@@ -85,3 +88,20 @@ def fixed_kv_pages(budget_bytes: int, page_bytes: int) -> int:
             f"kv_cache_memory_gb or set num_kv_pages"
         )
     return pages
+
+
+def engine_kv_pages(
+    cfg: EngineConfig, page_bytes: int, device: torch.device, allocated_before: int,
+    max_model_len: int,
+) -> int:  # fmt: skip
+    """The pages of an engine's pool: the config's count or bytes, a fixed size on the CPU, else
+    its share of the GPU (`allocated_before`: this process's bytes that are not the engine's)."""
+    if cfg.num_kv_pages is not None:
+        return cfg.num_kv_pages
+    if cfg.kv_cache_memory_gb is not None:
+        return fixed_kv_pages(int(cfg.kv_cache_memory_gb * GiB), page_bytes)
+    if device.type == "cpu":
+        return fixed_kv_pages(int(CPU_DEFAULT_KV_GB * GiB), page_bytes)
+    mem = GPUMemory.measure(device, allocated_before)
+    min_pages = 1 + -(-max_model_len // cfg.page_size)  # + the scratch page
+    return gpu_kv_pages(mem, cfg.gpu_memory_utilization, cfg.gpu_share, page_bytes, min_pages)

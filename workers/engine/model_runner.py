@@ -19,13 +19,13 @@ import torch
 
 from workers.attention import AttentionBatch, create_backend
 from workers.config import EngineConfig
-from workers.engine.kv_budget import GiB, GPUMemory, fixed_kv_pages, gpu_kv_pages
+from workers.engine.kv_budget import engine_kv_pages
 from workers.engine.sampling_inputs import Masks, SamplingInputs
 from workers.kernels.host_staging import to_device
 from workers.kvcache.kv_dtype import checkpoint_scales, is_fp8, kv_storage_dtype
 from workers.kvcache.page_table import PageTable
 from workers.kvcache.pool import KVPool
-from workers.lora.manager import build_lora, lora_step
+from workers.lora.manager import build_lora, lora_graph_mask, lora_step
 from workers.model.dummy import build_dummy_model
 from workers.model.files import load_model_config, resolve_model
 from workers.model.loader import load_model
@@ -48,7 +48,6 @@ if TYPE_CHECKING:
     from workers.engine.cuda_graph import DecodeCudaGraphs
 
 
-CPU_DEFAULT_KV_GB = 1.0
 PROMPT_ROWS_AT_ONCE = 512  # prompt-logprob rows per LM-head call
 
 
@@ -119,16 +118,8 @@ class ModelRunner:
             )  # fmt: skip
 
     def _num_pages(self) -> int:
-        cfg, page_bytes = self.cfg, self.kv_layout.page_bytes
-        if cfg.num_kv_pages is not None:
-            return cfg.num_kv_pages
-        if cfg.kv_cache_memory_gb is not None:
-            return fixed_kv_pages(int(cfg.kv_cache_memory_gb * GiB), page_bytes)
-        if self.device.type == "cpu":
-            return fixed_kv_pages(int(CPU_DEFAULT_KV_GB * GiB), page_bytes)
-        mem = GPUMemory.measure(self.device, self._allocated_before)
-        min_pages = 1 + -(-self.max_model_len // cfg.page_size)  # + the scratch page
-        return gpu_kv_pages(mem, cfg.gpu_memory_utilization, cfg.gpu_share, page_bytes, min_pages)
+        layout, before = self.kv_layout, self._allocated_before
+        return engine_kv_pages(self.cfg, layout.page_bytes, self.device, before, self.max_model_len)
 
     def execute(self, step: StepInput) -> SampleResult | None:
         """Run one step and wait for it: one sampled row per sequence for which
@@ -276,9 +267,7 @@ class ModelRunner:
         rows = plan.sample_rows
         if plan.graph:  # never with prompt rows (`_graph_layout`)
             assert self.graphs is not None
-            mask = None
-            if self.lora is not None and plan.lora is not None:
-                mask = self.lora.step_mask(plan.lora, len(plan.q_lens))
+            mask = lora_graph_mask(self.lora, plan.lora, len(plan.q_lens))
             logits, greedy_ids = self.graphs.run(input_ids, positions, batch, mask)
             if rows == list(range(len(rows))):
                 return StepOutputs(logits[: len(rows)], greedy_ids[: len(rows)], None)

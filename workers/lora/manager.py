@@ -166,3 +166,11 @@ def lora_step(manager: LoRAManager | None, step: StepLoRA | None) -> AbstractCon
     if manager is None or step is None:
         return nullcontext()
     return manager.running(step)
+
+
+def lora_graph_mask(
+    manager: LoRAManager | None, step: StepLoRA | None, rows: int
+) -> torch.Tensor | None:
+    """The slot mask a step's CUDA graph replays with (`rows`: the graph's size), its slots
+    filled; None for a step without adapters."""
+    return None if manager is None or step is None else manager.step_mask(step, rows)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from workers.kernels.moe_route import route_top_k
 from workers.model.config import ModelConfig
 from workers.model.layers import replicated_loader
 from workers.model.moe_experts import StackedExperts
@@ -36,8 +37,11 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's top-k (weights in float32, expert ids), softmax in float32 as HF does."""
-        # logits in the model's dtype, softmax in float32 (as HF): one launch casts and normalises
-        probs = torch.softmax(torch.mm(x, self.weight.t()), dim=-1, dtype=torch.float32)
+        # logits in the model's dtype, softmax in float32 (as HF)
+        logits = torch.mm(x, self.weight.t())
+        if logits.is_cuda:  # one launch for the softmax, top-k and renormalisation
+            return route_top_k(logits, self.top_k, self.renormalize)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
