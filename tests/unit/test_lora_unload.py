@@ -4,6 +4,8 @@ already using it there have finished (they are not lost); adapters from the conf
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +20,6 @@ from workers.kvcache.allocator import PageAllocator
 from workers.kvcache.kv_events import LORA_SALT, lora_cache_ids
 from workers.kvcache.radix_cache import RadixCache
 from workers.protocol import GenerateRequest
-from workers.serve import lora_sync
 from workers.serve.decode import DecodeWorker
 from workers.serve.lora_sync import LoRASync, free_unloaded
 from workers.serve.prefill import PrefillWorker
@@ -132,23 +133,52 @@ class _FakeEngine:
         return bool(self.runner.lora.taken.pop(lora_int_id))
 
 
-def test_sync_reads_the_registry_once_a_period_while_it_holds_a_run_time_adapter(
-    monkeypatch, loras
-) -> None:
-    reads: list[str] = []
-    monkeypatch.setattr(lora_sync, "read_registered", lambda app: reads.append(app) or {})
-    now = [0.0]
-    sync = LoRASync("app", 1.0, clock=lambda: now[0])
-    static = _FakeEngine([loras[1]])
-    assert sync(static) == [] and reads == []  # no run-time adapter: nothing to read
+def _poll(sync: LoRASync, engine: Any, bound_s: float = 10.0) -> list[str]:
+    """What `sync` frees at the first step that frees something, stepping every 10 ms."""
+    deadline = time.monotonic() + bound_s
+    while time.monotonic() < deadline:
+        freed = sync(engine)
+        if freed:
+            return freed
+        time.sleep(0.01)
+    raise AssertionError(f"nothing freed in {bound_s} s")
+
+
+def test_sync_reads_the_registry_off_the_loop_while_it_holds_a_run_time_adapter(loras) -> None:
+    reads: list[float] = []
+    sync = LoRASync("app", 0.05, read=lambda app: reads.append(time.monotonic()) or {})
+    static: Any = _FakeEngine([loras[1]])
+    for _ in range(5):
+        assert sync(static) == []
+    time.sleep(0.2)
+    assert reads == []  # no run-time adapter: nothing read
     engine: Any = _FakeEngine(loras)
-    now[0] = 1.0
-    assert sync(engine) == ["a"] and reads == ["app"] and engine.removed == [1]
+    assert _poll(sync, engine) == ["a"] and engine.removed == [1]
     engine.runner.lora.taken[1] = loras[0]  # taken again by a late request
-    now[0] = 1.5
-    assert sync(engine) == [] and reads == ["app"]  # within the period: no read
-    now[0] = 2.0
-    assert sync(engine) == ["a"] and len(reads) == 2
+    assert _poll(sync, engine) == ["a"]
+    gaps = [b - a for a, b in zip(reads, reads[1:])]
+    assert gaps and min(gaps) >= 0.05  # once a period
+
+
+def test_a_read_that_began_before_an_adapter_was_held_does_not_free_it(loras) -> None:
+    began, release = threading.Event(), threading.Event()
+
+    def slow_read(app: str) -> dict[str, str]:  # a slow GCS: the loop must not wait for it
+        began.set()
+        release.wait(10)
+        return {}
+
+    sync = LoRASync("app", 0.05, read=slow_read)
+    engine: Any = _FakeEngine([loras[0]])
+    start = time.monotonic()
+    assert sync(engine) == [] and began.wait(10)
+    late = loras[0].model_copy(update={"lora_name": "c", "lora_int_id": 3})
+    engine.runner.lora.taken[3] = late  # loaded, and registered, while the read ran
+    assert sync(engine) == []
+    assert time.monotonic() - start < 1.0  # the steps did not wait for the read
+    release.set()
+    assert _poll(sync, engine) == ["a"] and 3 in engine.runner.lora.taken  # c: not by that read
+    assert _poll(sync, engine) == ["c"]  # a read that began after it was held: unlisted
 
 
 @pytest.mark.parametrize("worker", [DecodeWorker, PrefillWorker])
