@@ -13,7 +13,8 @@ Here:
 
 A token's slot is read from the step's one-hot mask row (a zero row: the base model alone, and
 the token's programs load and store nothing), so the inputs are those of the torch path and
-capture in a CUDA graph the same way. The shrunk rows stay float32 between the launches.
+capture in a CUDA graph the same way. The shrunk rows stay float32 between the launches. Both
+launch with PDL (`workers/kernels/pdl.py`): the expand's B tile loads while the shrink ends.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from workers.kernels import pdl
+from workers.kernels.pdl import start_dependents, wait_for_inputs
 
 MAX_TOKENS = 64  # above this, the masked dense products (tensor-core GEMMs) are faster
 SPLIT_K = 512  # input columns per shrink program
@@ -41,10 +45,12 @@ def _token_slot(mask_ptr, t, SLOTS: tl.constexpr, SLOTS_PAD: tl.constexpr):
 def _shrink_kernel(
     x_ptr, a_ptr, mask_ptr, part_ptr, tokens, n_in, stride_x,
     SLOTS: tl.constexpr, SLOTS_PAD: tl.constexpr, PR: tl.constexpr, PR_PAD: tl.constexpr,
-    SPLIT: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    start_dependents(PDL)
     t, split = tl.program_id(0), tl.program_id(1)
-    slot, live = _token_slot(mask_ptr, t, SLOTS, SLOTS_PAD)
+    slot, live = _token_slot(mask_ptr, t, SLOTS, SLOTS_PAD)  # the mask: filled before the forward
+    wait_for_inputs(PDL)
     rows = tl.arange(0, PR_PAD)
     a_rows = a_ptr + slot.to(tl.int64) * PR * n_in + rows[:, None] * n_in
     acc = tl.zeros((PR_PAD,), dtype=tl.float32)
@@ -62,12 +68,21 @@ def _shrink_kernel(
 def _expand_kernel(
     y_ptr, b_ptr, mask_ptr, part_ptr, tokens, n_out, splits, stride_y, end0, end1,
     SLOTS: tl.constexpr, SLOTS_PAD: tl.constexpr, R: tl.constexpr, R_PAD: tl.constexpr,
-    PARTS: tl.constexpr, BLOCK_N: tl.constexpr,
+    PARTS: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    start_dependents(PDL)
     t, block = tl.program_id(0), tl.program_id(1)
     slot, live = _token_slot(mask_ptr, t, SLOTS, SLOTS_PAD)
     j = tl.arange(0, R_PAD)
     use_j = j < R * live
+    n = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    use_n = n < n_out * live
+    # B, a weight, streams in while the shrink still runs (PDL)
+    b = tl.load(
+        b_ptr + n[:, None] * (SLOTS * R) + slot * R + j[None, :],
+        mask=use_n[:, None] & use_j[None, :], other=0.0,
+    ).to(tl.float32)  # fmt: skip
+    wait_for_inputs(PDL)
     s0 = tl.zeros((R_PAD,), dtype=tl.float32)
     s1 = tl.zeros((R_PAD,), dtype=tl.float32)
     s2 = tl.zeros((R_PAD,), dtype=tl.float32)
@@ -78,12 +93,6 @@ def _expand_kernel(
             s1 += tl.load(row + R + j, mask=use_j, other=0.0)
         if PARTS > 2:
             s2 += tl.load(row + 2 * R + j, mask=use_j, other=0.0)
-    n = block * BLOCK_N + tl.arange(0, BLOCK_N)
-    use_n = n < n_out * live
-    b = tl.load(
-        b_ptr + n[:, None] * (SLOTS * R) + slot * R + j[None, :],
-        mask=use_n[:, None] & use_j[None, :], other=0.0,
-    ).to(tl.float32)  # fmt: skip
     s = tl.broadcast_to(s0[None, :], (BLOCK_N, R_PAD))
     if PARTS > 1:  # each column takes its part's rank slice
         s = tl.where((n >= end0)[:, None], s1[None, :], s)
@@ -107,14 +116,16 @@ def sgmv_add_lora(
     splits = triton.cdiv(n_in, SPLIT_K)
     partial = torch.empty((splits, tokens, stacked), dtype=torch.float32, device=x.device)
     slots_pad = triton.next_power_of_2(slots)
+    launch = pdl.launch_options(x)
     _shrink_kernel[(tokens, splits)](
         x, a, mask, partial, tokens, n_in, x.stride(0), SLOTS=slots, SLOTS_PAD=slots_pad,
         PR=stacked, PR_PAD=triton.next_power_of_2(stacked), SPLIT=SPLIT_K, BLOCK_K=BLOCK_K,
+        **launch,
     )  # fmt: skip
     ends = [sum(out_parts[: i + 1]) for i in range(parts)] + [0, 0]
     _expand_kernel[(tokens, triton.cdiv(y.shape[1], BLOCK_N))](
         y, b, mask, partial, tokens, y.shape[1], splits, y.stride(0), ends[0], ends[1],
         SLOTS=slots, SLOTS_PAD=slots_pad, R=rank, R_PAD=triton.next_power_of_2(rank),
-        PARTS=parts, BLOCK_N=BLOCK_N,
+        PARTS=parts, BLOCK_N=BLOCK_N, **launch,
     )  # fmt: skip
     return y
