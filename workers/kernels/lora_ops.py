@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import torch
 
-from workers.kernels import lora_sgmv
-
 
 def add_lora(
     x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor,
@@ -29,8 +27,11 @@ def add_lora(
     rank, in], `b` [out, slots, rank], `mask` [T, slots] one-hot of each token's slot (a zero
     row: the base model alone), `out_parts` the parts' sizes along y's last dimension."""
     tokens, (slots, stacked, _), rank = x.shape[0], a.shape, b.shape[-1]
-    if x.is_cuda and tokens <= lora_sgmv.MAX_TOKENS and len(out_parts) <= lora_sgmv.MAX_PARTS:
-        return lora_sgmv.sgmv_add_lora(x.contiguous(), y, a, b, mask, out_parts)
+    if x.is_cuda:
+        from workers.kernels import lora_sgmv  # Triton: imported on first CUDA use
+
+        if tokens <= lora_sgmv.MAX_TOKENS and len(out_parts) <= lora_sgmv.MAX_PARTS:
+            return lora_sgmv.sgmv_add_lora(x.contiguous(), y, a, b, mask, out_parts)
     parts = stacked // rank
     shrunk = (x @ a.view(slots * stacked, -1).t()).view(tokens, slots, parts, rank)
     shrunk = shrunk * mask.view(tokens, slots, 1, 1)

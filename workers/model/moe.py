@@ -17,7 +17,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from workers.kernels.moe_route import route_top_k
 from workers.model.config import ModelConfig
 from workers.model.layers import replicated_loader
 from workers.model.moe_experts import StackedExperts
@@ -40,6 +39,8 @@ class Router(nn.Module):
         # logits in the model's dtype, softmax in float32 (as HF)
         logits = torch.mm(x, self.weight.t())
         if logits.is_cuda:  # one launch for the softmax, top-k and renormalisation
+            from workers.kernels.moe_route import route_top_k  # Triton: first CUDA use
+
             return route_top_k(logits, self.top_k, self.renormalize)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
