@@ -10,6 +10,7 @@ come from the embedded model. The random checkpoint is built on the spot from Sm
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -97,19 +98,26 @@ def hf_judge(
     return picked, log_probs.max(dim=1).values - picked
 
 
-def count_replays(graphs: DecodeCudaGraphs) -> list[int]:
-    """From now on, the row count of each replay of `graphs`, appended to the returned list."""
-    replays: list[int] = []
+def record_replays(
+    graphs: DecodeCudaGraphs, record: Callable[[AttentionBatch, torch.Tensor | None], object]
+) -> None:
+    """From now on, `record(batch, lora_mask)` before each replay of `graphs`."""
     replay = graphs.run
 
-    def counted_run(
+    def recorded_run(
         ids: torch.Tensor,
         pos: torch.Tensor,
         batch: AttentionBatch,
         lora_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        replays.append(len(batch.q_lens))
+        record(batch, lora_mask)
         return replay(ids, pos, batch, lora_mask)
 
-    graphs.run = counted_run  # type: ignore[method-assign,assignment]
+    graphs.run = recorded_run  # type: ignore[method-assign,assignment]
+
+
+def count_replays(graphs: DecodeCudaGraphs) -> list[int]:
+    """From now on, the row count of each replay of `graphs`, appended to the returned list."""
+    replays: list[int] = []
+    record_replays(graphs, lambda batch, _: replays.append(len(batch.q_lens)))
     return replays

@@ -8,12 +8,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.conftest import hf_greedy_batch
+from tests.gpu.conftest import record_replays
 from tests.lora_adapters import ALL_MODULES, make_lora_adapter, peft_model
 from workers import LLM, LoRARequest, SamplingParams
-from workers.attention.base import AttentionBatch
 
 pytestmark = pytest.mark.gpu
 
@@ -89,18 +88,9 @@ def test_lora_decode_steps_replay_a_graph_with_the_eager_tokens(
     graphs = graphed.engine.runner.graphs
     assert graphs is not None and graphs.has_lora
     replays: list[tuple[int, bool]] = []  # (rows, with a slot mask)
-    replay = graphs.run
-
-    def recorded_run(
-        ids: torch.Tensor,
-        pos: torch.Tensor,
-        batch: AttentionBatch,
-        lora_mask: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        replays.append((len(batch.q_lens), lora_mask is not None))
-        return replay(ids, pos, batch, lora_mask)
-
-    graphs.run = recorded_run  # type: ignore[method-assign]
+    record_replays(
+        graphs, lambda batch, mask: replays.append((len(batch.q_lens), mask is not None))
+    )
     batch, loras = _batch(graphed, adapters)
     got = [o.token_ids for o in graphed.generate(batch, GREEDY, lora_request=loras)]
     assert replays == [(16, True)] * (NEW_TOKENS - 1)  # the prompts' step runs eagerly

@@ -189,8 +189,8 @@ class DecodeCudaGraphs:
         """Replay the graph of `len(batch.q_lens)` rows (a captured size); returns its logits
         `[rows, vocab]` and greedy ids `[rows]`, static buffers that the next replay of this
         graph overwrites (in stream order: work queued before it still reads these values).
-        `lora_mask`: the one-hot slot mask of the first rows (`LoRAManager.step_mask`), for
-        the LoRA graph; the rows past it run with the base model alone."""
+        `lora_mask`: the one-hot slot mask of every row, padding rows zero
+        (`LoRAManager.step_mask`), for the LoRA graph."""
         bs = len(batch.q_lens)
         self.input_ids[:bs].copy_(input_ids, non_blocking=True)
         self.positions[:bs].copy_(positions, non_blocking=True)
@@ -199,9 +199,7 @@ class DecodeCudaGraphs:
             self.graphs[bs].replay()
             return self.outputs[bs]
         assert self.lora_mask is not None, "no LoRA graphs captured"
-        rows = lora_mask.shape[0]
-        self.lora_mask[:rows].copy_(lora_mask, non_blocking=True)
-        if rows < bs:  # the last replay's rows there may have held adapters
-            self.lora_mask[rows:bs].zero_()
+        assert lora_mask.shape[0] == bs, "a mask row per graph row"
+        self.lora_mask[:bs].copy_(lora_mask, non_blocking=True)
         self.lora_graphs[bs].replay()
         return self.lora_outputs[bs]
