@@ -1,5 +1,6 @@
 """The Triton LoRA kernels (`workers/kernels/lora_sgmv.py`) on a GPU in bf16 against the masked
-dense products in float64, at Llama-3-8B's q/k/v and down shapes with 8 slots of rank 16."""
+dense products in float64 on the CPU, at Llama-3-8B's q/k/v and down shapes with 8 slots of rank
+16, on normed rows and on a raw stream with its sums of squares (a folded norm)."""
 
 from __future__ import annotations
 
@@ -9,17 +10,20 @@ import torch
 from tests.tolerance import reduction_atol
 from workers.kernels.lora_ops import add_lora
 from workers.kernels.lora_sgmv import MAX_TOKENS, sgmv_add_lora
+from workers.kernels.skinny_tiles import SUMSQ_SLOTS
 
 pytestmark = pytest.mark.gpu
 
 
+@pytest.mark.parametrize("normed", [False, True])
 @pytest.mark.parametrize("tokens", [1, 16, MAX_TOKENS])
 @pytest.mark.parametrize("n_in,out_parts", [(4096, [4096, 1024, 1024]), (14336, [4096])])
-def test_sgmv_on_gpu(tokens: int, n_in: int, out_parts: list[int]) -> None:
-    dtype, slots, rank, dev = torch.bfloat16, 8, 16, "cuda"
+def test_sgmv_on_gpu(tokens: int, n_in: int, out_parts: list[int], normed: bool) -> None:
+    """`normed`: x is a raw stream with its rows' float64 sums of squares (a folded norm)."""
+    dtype, slots, rank, dev, eps = torch.bfloat16, 8, 16, "cuda", 1e-5
     gen = torch.Generator(device=dev).manual_seed(tokens)
     parts, out = len(out_parts), sum(out_parts)
-    x = torch.randn(tokens, n_in, generator=gen, device=dev).to(dtype)
+    x = (torch.randn(tokens, n_in, generator=gen, device=dev) * (4 if normed else 1)).to(dtype)
     a = (torch.randn(slots, parts * rank, n_in, generator=gen, device=dev) / n_in**0.5).to(dtype)
     b = (torch.randn(out, slots, rank, generator=gen, device=dev) / rank**0.5).to(dtype)
     y = torch.randn(tokens, out, generator=gen, device=dev).to(dtype)
@@ -27,10 +31,13 @@ def test_sgmv_on_gpu(tokens: int, n_in: int, out_parts: list[int]) -> None:
     token_slots = torch.arange(tokens, device=dev) % (slots + 1) - 1  # -1: a base token
     live = token_slots >= 0
     mask[live.nonzero().flatten(), token_slots[live]] = 1.0
-    want = add_lora(x.double(), y.double(), a.double(), b.double(), mask.double(), out_parts)
-    got = sgmv_add_lora(x, y.clone(), a, b, mask.to(dtype), out_parts)
+    sumsq = x.double().square().view(tokens, SUMSQ_SLOTS, -1).sum(-1)
+    x_ref = x.double() * torch.rsqrt(sumsq.sum(1, keepdim=True) / n_in + eps) if normed else x
+    ref = [t.double().cpu() for t in (x_ref, y, a, b, mask)]  # the torch path, on the CPU
+    want = add_lora(*ref[:1], ref[1].clone(), *ref[2:], out_parts)
+    got = sgmv_add_lora(x, y.clone(), a, b, mask.to(dtype), out_parts,
+                        *((sumsq, eps) if normed else ()))  # fmt: skip
     assert torch.equal(got[~live], y[~live])
-    mags = [t.double().abs() for t in (x, y, a, b)]
-    scale = float(add_lora(*mags, mask.double(), out_parts).max())
+    scale = float(add_lora(*(t.abs() for t in ref[:4]), ref[4], out_parts).max())
     atol = reduction_atol(n_in + rank, scale, dtype) + float(torch.finfo(dtype).eps) * scale
-    assert float((got.double() - want).abs().max()) < atol
+    assert float((got.double().cpu() - want).abs().max()) < atol

@@ -50,15 +50,21 @@ def references(
     return prompts, refs
 
 
-@pytest.mark.parametrize("max_loras", [2, 1])
-def test_mixed_batch_equals_peft(adapters, references, max_loras: int) -> None:
+@pytest.mark.parametrize(("max_loras", "folded"), [(2, False), (1, False), (2, True)])
+def test_mixed_batch_equals_peft(adapters, references, max_loras: int, folded: bool) -> None:
     """Base, a and b requests interleaved in one batch; with one slot the scheduler runs one
-    adapter per step and the slot is refilled between them."""
+    adapter per step and the slot is refilled between them. `folded`: the norm gains in the
+    weights (as a GPU decode step runs, `fold_norm_gains`), LoRA steps on that path too: q/k/v's
+    and gate/up's A take the gains, o's and down's products go into the residual stream."""
     prompts, refs = references
     assert refs["a"] != refs[None] and refs["b"] != refs[None] and refs["a"] != refs["b"]
     loras = [None, *adapters] * len(prompts)
     batch = [p for p in prompts for _ in range(3)]
     llm = LLM(enable_lora=True, max_loras=max_loras, max_lora_rank=8, enable_prefix_caching=False)
+    model = llm.engine.runner.model
+    if folded:  # before the adapters fill their slots, which fold the gains into A
+        model.fold_norm_gains()
+    assert model.norms_folded == folded
     outs = llm.generate(batch, GREEDY, lora_request=loras)
     for i, (out, lora) in enumerate(zip(outs, loras)):
         name = None if lora is None else lora.lora_name

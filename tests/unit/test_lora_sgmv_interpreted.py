@@ -1,9 +1,13 @@
 """The Triton LoRA kernels (`workers/kernels/lora_sgmv.py`) in Triton's interpreter on the CPU,
 against the masked dense products (`lora_ops.add_lora`'s torch path) in float64: a fused
 projection of three uneven parts and a single one, tokens of every slot and base tokens, input
-and output sizes that no block divides. In fp16 (the interpreter's bf16 products are wrong)."""
+and output sizes that no block divides; and each of them on a raw stream with the float64 sums
+of its rows' squares (a folded norm: the products of the RMS-normalised rows). In fp16 (the
+interpreter's bf16 products are wrong)."""
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 
@@ -21,12 +25,18 @@ def check() -> None:
     """Each case against the torch path in float64; run with TRITON_INTERPRET=1."""
     from workers.kernels.lora_ops import add_lora
     from workers.kernels.lora_sgmv import sgmv_add_lora
+    from workers.kernels.skinny_tiles import SUMSQ_SLOTS
 
-    dtype = torch.float16
+    dtype, eps = torch.float16, 1e-5
     gen = torch.Generator().manual_seed(0)
-    for tokens, slots, rank, n_in, out_parts in CASES:
+    for (tokens, slots, rank, n_in, out_parts), normed in itertools.product(CASES, (False, True)):
         out, parts = sum(out_parts), len(out_parts)
-        x = torch.randn(tokens, n_in, generator=gen).to(dtype)
+        x = (torch.randn(tokens, n_in, generator=gen) * (4.0 if normed else 1.0)).to(dtype)
+        # the squares' sums as a GEMM epilogue leaves them: spread over the slots unevenly
+        sumsq = x.double().square().view(tokens, -1, 1)
+        sumsq = torch.cat([sumsq[:, i::SUMSQ_SLOTS].sum(1) for i in range(SUMSQ_SLOTS)], 1)
+        x_ref = x.double() * torch.rsqrt(sumsq.sum(1, keepdim=True) / n_in + eps)
+        norm_args = (sumsq, eps) if normed else ()
         a = (torch.randn(slots, parts * rank, n_in, generator=gen) / n_in**0.5).to(dtype)
         b = (torch.randn(out, slots, rank, generator=gen) / rank**0.5).to(dtype)
         token_slots = torch.arange(tokens) % (slots + 1) - 1  # -1: a base token
@@ -34,16 +44,20 @@ def check() -> None:
         live = token_slots >= 0
         mask[live.nonzero().flatten(), token_slots[live]] = 1.0
         y = torch.randn(tokens, out, generator=gen).to(dtype)
-        want = add_lora(x.double(), y.double(), a.double(), b.double(), mask.double(), out_parts)
-        got = sgmv_add_lora(x, y.clone(), a, b, mask.to(dtype), out_parts)
+        ref = (x_ref if normed else x.double(), y.double(), a.double(), b.double(), mask.double())
+        want = add_lora(*ref[:1], ref[1].clone(), *ref[2:], out_parts)  # y: added into
+        if normed:  # the torch path's own scaling, from the same sums
+            raw = (x.double(), ref[1].clone(), *ref[2:])
+            assert torch.allclose(add_lora(*raw, out_parts, sumsq, eps), want, rtol=1e-12)
+        got = sgmv_add_lora(x, y.clone(), a, b, mask.to(dtype), out_parts, *norm_args)
         assert got.shape == y.shape and got.dtype == dtype
         assert torch.equal(got[~live], y[~live]), "base tokens' rows untouched"
         # float32 sums over the input, then over the rank, y rounded to fp16 once
-        mags = [t.double().abs() for t in (x, y, a, b)]
+        mags = [t.abs() for t in ref[:4]]  # (y's copy in `ref` is still y)
         scale = float(add_lora(*mags, mask.double(), out_parts).max())  # the terms' magnitudes
         atol = reduction_atol(n_in + rank, scale, dtype) + float(torch.finfo(dtype).eps) * scale
         err = float((got.double() - want).abs().max())
-        assert err < atol, (tokens, slots, rank, n_in, out_parts, err, atol)
+        assert err < atol, (tokens, slots, rank, n_in, out_parts, normed, err, atol)
 
 
 def test_sgmv_equals_the_masked_products() -> None:

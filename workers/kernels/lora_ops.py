@@ -21,19 +21,25 @@ import torch
 
 def add_lora(
     x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor,
-    out_parts: list[int],
+    out_parts: list[int], sumsq: torch.Tensor | None = None, eps: float = 0.0,
 ) -> torch.Tensor:  # fmt: skip
     """`y` [T, out] plus the LoRA products of x's rows [T, in], in place: `a` [slots, parts x
     rank, in], `b` [out, slots, rank], `mask` [T, slots] one-hot of each token's slot (a zero
-    row: the base model alone), `out_parts` the parts' sizes along y's last dimension."""
+    row: the base model alone), `out_parts` the parts' sizes along y's last dimension.
+    `sumsq` [T, k] float64: partial sums of the squares of x's rows (`skinny_gemm`'s
+    `sumsq_out`); the products are then of x's rows RMS-normalised with `eps` (x the stream
+    into a norm whose gain is folded into A), scaled after the shrink, as the base GEMM does."""
     tokens, (slots, stacked, _), rank = x.shape[0], a.shape, b.shape[-1]
     if x.is_cuda:
         from workers.kernels import lora_sgmv  # Triton: imported on first CUDA use
 
         if tokens <= lora_sgmv.MAX_TOKENS and len(out_parts) <= lora_sgmv.MAX_PARTS:
-            return lora_sgmv.sgmv_add_lora(x.contiguous(), y, a, b, mask, out_parts)
+            return lora_sgmv.sgmv_add_lora(x.contiguous(), y, a, b, mask, out_parts, sumsq, eps)
     parts = stacked // rank
     shrunk = (x @ a.view(slots * stacked, -1).t()).view(tokens, slots, parts, rank)
+    if sumsq is not None:
+        inv_rms = torch.rsqrt(sumsq.sum(dim=1) / x.shape[1] + eps)  # float64, as the sums
+        mask = mask * inv_rms.to(mask.dtype)[:, None]
     shrunk = shrunk * mask.view(tokens, slots, 1, 1)
     if parts == 1:
         y += shrunk.view(tokens, slots * rank) @ b.view(b.shape[0], slots * rank).t()

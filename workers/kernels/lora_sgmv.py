@@ -25,12 +25,14 @@ import triton.language as tl
 
 from workers.kernels import pdl
 from workers.kernels.pdl import start_dependents, wait_for_inputs
+from workers.kernels.skinny_tiles import SUMSQ_SLOTS
 
 MAX_TOKENS = 64  # above this, the masked dense products (tensor-core GEMMs) are faster
 SPLIT_K = 512  # input columns per shrink program
 BLOCK_K = 128
 BLOCK_N = 128
 MAX_PARTS = 3  # q/k/v
+_SUMSQ_SLOTS = tl.constexpr(SUMSQ_SLOTS)
 
 
 @triton.jit
@@ -66,9 +68,9 @@ def _shrink_kernel(
 
 @triton.jit
 def _expand_kernel(
-    y_ptr, b_ptr, mask_ptr, part_ptr, tokens, n_out, splits, stride_y, end0, end1,
-    SLOTS: tl.constexpr, SLOTS_PAD: tl.constexpr, R: tl.constexpr, R_PAD: tl.constexpr,
-    PARTS: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
+    y_ptr, b_ptr, mask_ptr, part_ptr, ss_ptr, tokens, n_in, eps, n_out, splits, stride_y, end0,
+    end1, SLOTS: tl.constexpr, SLOTS_PAD: tl.constexpr, R: tl.constexpr, R_PAD: tl.constexpr,
+    PARTS: tl.constexpr, NORM_IN: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     start_dependents(PDL)
     t, block = tl.program_id(0), tl.program_id(1)
@@ -93,6 +95,10 @@ def _expand_kernel(
             s1 += tl.load(row + R + j, mask=use_j, other=0.0)
         if PARTS > 2:
             s2 += tl.load(row + 2 * R + j, mask=use_j, other=0.0)
+    if NORM_IN:  # x was the raw stream: 1/rms of its row from the sums (`skinny_tiles`)
+        sums = tl.load(ss_ptr + t * _SUMSQ_SLOTS + tl.arange(0, _SUMSQ_SLOTS))
+        inv_rms = tl.rsqrt((tl.sum(sums, axis=0) / n_in).to(tl.float32) + eps)
+        s0, s1, s2 = s0 * inv_rms, s1 * inv_rms, s2 * inv_rms
     s = tl.broadcast_to(s0[None, :], (BLOCK_N, R_PAD))
     if PARTS > 1:  # each column takes its part's rank slice
         s = tl.where((n >= end0)[:, None], s1[None, :], s)
@@ -105,10 +111,11 @@ def _expand_kernel(
 
 def sgmv_add_lora(
     x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor,
-    out_parts: list[int],
+    out_parts: list[int], sumsq: torch.Tensor | None = None, eps: float = 0.0,
 ) -> torch.Tensor:  # fmt: skip
     """`lora_ops.add_lora`'s contract (y [T, out] += each token's slot's products, in place)
-    in two launches. `x` and `y` rows contiguous; at most `MAX_PARTS` parts."""
+    in two launches. `x` and `y` rows contiguous; at most `MAX_PARTS` parts; `sumsq`
+    [T, SUMSQ_SLOTS] float64 where given."""
     tokens, n_in = x.shape
     slots, stacked, _ = a.shape
     rank, parts = b.shape[-1], len(out_parts)
@@ -123,9 +130,12 @@ def sgmv_add_lora(
         **launch,
     )  # fmt: skip
     ends = [sum(out_parts[: i + 1]) for i in range(parts)] + [0, 0]
+    if sumsq is not None and (sumsq.shape != (tokens, SUMSQ_SLOTS) or sumsq.dtype != torch.float64):
+        raise ValueError(f"sumsq must be float64 [{tokens}, {SUMSQ_SLOTS}], not {sumsq.shape}")
     _expand_kernel[(tokens, triton.cdiv(y.shape[1], BLOCK_N))](
-        y, b, mask, partial, tokens, y.shape[1], splits, y.stride(0), ends[0], ends[1],
-        SLOTS=slots, SLOTS_PAD=slots_pad, R=rank, R_PAD=triton.next_power_of_2(rank),
-        PARTS=parts, BLOCK_N=BLOCK_N, **launch,
+        y, b, mask, partial, partial if sumsq is None else sumsq, tokens, n_in, eps, y.shape[1],
+        splits, y.stride(0), ends[0], ends[1], SLOTS=slots, SLOTS_PAD=slots_pad, R=rank,
+        R_PAD=triton.next_power_of_2(rank), PARTS=parts, NORM_IN=sumsq is not None,
+        BLOCK_N=BLOCK_N, **launch,
     )  # fmt: skip
     return y

@@ -36,7 +36,6 @@ class LoRASlots:
         self.num_slots = num_slots
         self.rank = max_rank
         self.context = LoRAContext()
-        model.lora_context = self.context
         weight = model.decoder_layers[0].self_attn.o_proj.weight
         dtype, device = weight.dtype, weight.device
         self.dtype = dtype  # the stacks' and each step's slot mask's

@@ -51,15 +51,20 @@ def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     16 bits the skinny GEMM does the product and the activation in one launch where it runs
     without split-K, and `fused.silu_and_mul` follows the GEMM elsewhere."""
     if x.is_cuda and x.dtype in HALF_DTYPES and x.dim() == 2:
-        from workers.kernels import (
-            fused,  # Triton: imported on first CUDA use
-            skinny_gemm,
-        )
+        from workers.kernels import skinny_gemm  # Triton: imported on first CUDA use
 
         if skinny_gemm.applies(x.shape[0], weight, gated=True):
             return skinny_gemm.skinny_linear(x, weight, gated=True)
-        return fused.silu_and_mul(linear(x, weight))
-    gate, up = linear(x, weight).chunk(2, dim=-1)
+    return silu_and_mul(linear(x, weight))
+
+
+def silu_and_mul(y: torch.Tensor) -> torch.Tensor:
+    """`silu(gate) * up` of `y` = [gate | up] `[T, 2n]`: one Triton launch on CUDA in 16 bits."""
+    if y.is_cuda and y.dtype in HALF_DTYPES and y.dim() == 2:
+        from workers.kernels import fused  # Triton: imported on first CUDA use
+
+        return fused.silu_and_mul(y)
+    gate, up = y.chunk(2, dim=-1)
     return F.silu(gate) * up
 
 
@@ -75,14 +80,11 @@ def rms_linear(
     if sumsq is None:
         h = norm(x)
         return silu_and_mul_linear(h, weight) if gated else linear(h, weight, bias)
-    from workers.kernels import (
-        fused,  # Triton: imported on first CUDA use
-        skinny_gemm,
-    )
+    from workers.kernels import skinny_gemm  # Triton: imported on first CUDA use
 
     in_one = gated and skinny_gemm.applies(x.shape[0], weight, gated=True)
     y = skinny_gemm.skinny_linear(x, weight, bias, gated=in_one, sumsq_in=sumsq, eps=norm.eps)
-    return fused.silu_and_mul(y) if gated and not in_one else y
+    return silu_and_mul(y) if gated and not in_one else y
 
 
 def rms_linear_rotary(

@@ -10,7 +10,6 @@ from collections.abc import Iterable
 from typing import cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from workers.attention.base import AttentionBackend
@@ -28,10 +27,11 @@ from workers.model.layers import (
     residual_linear,
     rms_linear,
     rms_linear_rotary,
+    silu_and_mul,
     silu_and_mul_linear,
     skinny_takes_all,
 )
-from workers.model.lora_layers import LayerLoRA, LoRAContext
+from workers.model.lora_layers import LayerLoRA
 from workers.model.moe import SparseMoeBlock
 from workers.model.moe_experts import StackedExperts
 from workers.model.weight_names import param_name
@@ -72,13 +72,19 @@ class Attention(nn.Module):
         lets the q/k/v GEMM rotate and write K/V itself (`rotary_store`), no tensor of q/k/v
         and no rotary kernel come between the GEMM and the attention."""
         w, bias = self.qkv_proj.weight, self.qkv_proj.bias
-        store = attn.rotary_store(self.layer_id, *cos_sin) if self.q_norm is None else None
+        lora = self.lora if self.lora is not None and self.lora.active else None
+        rotate_in_gemm = self.q_norm is None and lora is None  # LoRA adds to q/k/v first
+        store = attn.rotary_store(self.layer_id, *cos_sin) if rotate_in_gemm else None
         q = rms_linear_rotary(residual, w, bias, norm, sum_in, store)
         if q is not None:
             q = q.view(-1, self.num_heads, self.head_dim)
             out = attn.attend_rotated(self.layer_id, q).reshape(q.shape[0], -1)
         else:
-            out = self.attend(rms_linear(residual, w, bias, norm, sum_in), cos_sin, attn)
+            qkv = (rms_linear(residual, w, bias, norm, sum_in) if lora is None
+                   else lora.rms_linear("qkv", residual, w, bias, norm, sum_in))  # fmt: skip
+            out = self.attend(qkv, cos_sin, attn)
+        if lora is not None:  # into the stream, which the GEMM below adds its product to
+            lora.add("o", out, residual)
         return residual_linear(out, self.o_proj.weight, residual, sum_out)
 
     def attend(
@@ -114,8 +120,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum: the next norm sums it over the group."""
         if self.lora is not None and self.lora.active:
-            gate, up = self.lora.add("gate_up", x, self.gate_up_proj(x)).chunk(2, dim=-1)
-            act = F.silu(gate) * up
+            act = silu_and_mul(self.lora.add("gate_up", x, self.gate_up_proj(x)))
             return self.lora.add("down", act, self.down_proj(act, reduce=False))
         return self.down_proj(silu_and_mul_linear(x, self.gate_up_proj.weight), reduce=False)
 
@@ -124,7 +129,12 @@ class MLP(nn.Module):
         sum_out: torch.Tensor | None,
     ) -> torch.Tensor:  # fmt: skip
         """`residual + MLP(norm(residual))`, as `Attention.forward_folded`."""
-        act = rms_linear(residual, self.gate_up_proj.weight, None, norm, sum_in, gated=True)
+        w = self.gate_up_proj.weight
+        if self.lora is None or not self.lora.active:
+            act = rms_linear(residual, w, None, norm, sum_in, gated=True)
+        else:  # LoRA adds to gate and up before the activation, and down's to the stream
+            act = silu_and_mul(self.lora.rms_linear("gate_up", residual, w, None, norm, sum_in))
+            self.lora.add("down", act, residual)
         return residual_linear(act, self.down_proj.weight, residual, sum_out)
 
 
@@ -204,7 +214,6 @@ class LlamaForCausalLM(nn.Module):
         self.norms_folded = False  # see fold_norm_gains
         # each layer's (input, post-attention) norm gains as they were before folding
         self.folded_gains: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.lora_context: LoRAContext | None = None  # workers/lora/slots.py
 
     @property
     def decoder_layers(self) -> list[DecoderLayer]:
@@ -218,8 +227,7 @@ class LlamaForCausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
     ) -> torch.Tensor:
         """Packed tokens `[T]` -> final hidden states `[T, hidden]`."""
-        lora_step = self.lora_context is not None and self.lora_context.step is not None
-        if self.norms_folded and not lora_step and self._folded_forward_runs(input_ids):
+        if self.norms_folded and self._folded_forward_runs(input_ids):
             return self._forward_folded(input_ids, positions, attn)
         x = self.model.embed_tokens(input_ids)
         cos_sin = self.rotary.cos_sin(positions, x.dtype)

@@ -1,10 +1,13 @@
 """The LoRA hook of the dense projections: `y = lora.add(name, x, y)` after the base product.
 
 `LoRAContext.step` says which adapter slots this step's tokens run with; None (a step of base
-requests only) and the model runs its usual path, folded norms included, the hooks never
-reached. A step holding adapters runs the unfolded path with the hooks, eagerly or in its
-size's LoRA CUDA graph, captured on a static mask that each replay refills
-(`workers/engine/cuda_graph.py`). The stacks are filled by `workers/lora/slots.py`.
+requests only) and the hooks are never reached. A step holding adapters runs the model's path
+for its size with the hooks, eagerly or in its size's LoRA CUDA graph, captured on a static mask
+that each replay refills (`workers/engine/cuda_graph.py`). On the folded path (norm gains in
+the weights, `LlamaForCausalLM.fold_norm_gains`) q/k/v and gate/up shrink the raw stream and
+scale by the row's 1/rms as their GEMM does (`rms_linear`), and o's and down's products go into
+the residual stream before the GEMM that adds its own. The stacks are filled by
+`workers/lora/slots.py`.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from workers.kernels.lora_ops import add_lora
+from workers.model.layers import RMSNorm, linear, rms_linear
 
 
 @dataclass
@@ -51,8 +55,25 @@ class LayerLoRA:
     def active(self) -> bool:
         return self.context.step is not None
 
-    def add(self, name: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def add(
+        self, name: str, x: torch.Tensor, y: torch.Tensor, sumsq: torch.Tensor | None = None,
+        eps: float = 0.0,
+    ) -> torch.Tensor:  # fmt: skip
+        """`y` plus `name`'s products of x's rows, in place (`add_lora`; `sumsq`: of x's rows
+        RMS-normalised)."""
         step, stack = self.context.step, self.stacks.get(name)
         if step is None or stack is None:
             return y
-        return add_lora(x, y, stack.a, stack.b, step.mask, stack.out_parts)
+        return add_lora(x, y, stack.a, stack.b, step.mask, stack.out_parts, sumsq, eps)
+
+    def rms_linear(
+        self, name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+        norm: RMSNorm, sumsq: torch.Tensor | None,
+    ) -> torch.Tensor:  # fmt: skip
+        """`rms_linear(x, weight, bias, norm, sumsq)` plus `name`'s products of the same normed
+        rows: of x scaled by 1/rms where `sumsq` holds its sums of squares, else of `norm(x)`,
+        run once for both."""
+        if sumsq is None:
+            h = norm(x)
+            return self.add(name, h, linear(h, weight, bias))
+        return self.add(name, x, rms_linear(x, weight, bias, norm, sumsq), sumsq, norm.eps)
