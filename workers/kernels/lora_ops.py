@@ -29,12 +29,20 @@ def add_lora(
     `sumsq` [T, k] float64: partial sums of the squares of x's rows (`skinny_gemm`'s
     `sumsq_out`); the products are then of x's rows RMS-normalised with `eps` (x the stream
     into a norm whose gain is folded into A), scaled after the shrink, as the base GEMM does."""
-    tokens, (slots, stacked, _), rank = x.shape[0], a.shape, b.shape[-1]
     if x.is_cuda:
         from workers.kernels import lora_sgmv  # Triton: imported on first CUDA use
 
-        if tokens <= lora_sgmv.MAX_TOKENS and len(out_parts) <= lora_sgmv.MAX_PARTS:
+        if x.shape[0] <= lora_sgmv.MAX_TOKENS and len(out_parts) <= lora_sgmv.MAX_PARTS:
             return lora_sgmv.sgmv_add_lora(x.contiguous(), y, a, b, mask, out_parts, sumsq, eps)
+    return masked_add_lora(x, y, a, b, mask, out_parts, sumsq, eps)
+
+
+def masked_add_lora(
+    x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor,
+    out_parts: list[int], sumsq: torch.Tensor | None = None, eps: float = 0.0,
+) -> torch.Tensor:  # fmt: skip
+    """`add_lora` as the masked dense products, on any device."""
+    tokens, (slots, stacked, _), rank = x.shape[0], a.shape, b.shape[-1]
     parts = stacked // rank
     shrunk = (x @ a.view(slots * stacked, -1).t()).view(tokens, slots, parts, rank)
     if sumsq is not None:

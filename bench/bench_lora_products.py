@@ -1,0 +1,99 @@
+"""The LoRA products alone, per projection of a decode step: the SGMV kernels against the masked
+dense products and against the floor of reading the adapters' A and B once.
+
+Llama-3-8B's projections (q/k/v, o, gate/up, down), 8 slots of rank 16, a batch's tokens spread
+round-robin over the slots (so every slot's A and B is read). Each variant is captured as a
+CUDA graph of one projection's products per layer over 32 layers, each layer its own A and B
+and rows (so L2 holds none of them), as the LoRA decode graph runs them. The floor: the slots'
+A and B bytes, x read and y read and written once, at the copy rate measured in the same run.
+
+    python -m bench.bench_lora_products [--batches 16 64] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from bench.gpu_common import Floor, cuda_ms
+from bench.results_io import add_out_argument, write_result
+from workers.kernels.lora_ops import masked_add_lora
+from workers.kernels.lora_sgmv import MAX_TOKENS, sgmv_add_lora
+
+LAYERS, SLOTS, RANK = 32, 8, 16
+PROJECTIONS = {  # name -> (input size, output parts): Llama-3-8B
+    "qkv": (4096, [4096, 1024, 1024]),
+    "o": (4096, [4096]),
+    "gate_up": (4096, [14336, 14336]),
+    "down": (14336, [4096]),
+}
+VARIANTS: dict[str, Callable[..., torch.Tensor]] = dict(sgmv=sgmv_add_lora, masked=masked_add_lora)
+
+
+def layer_tensors(tokens: int, n_in: int, out_parts: list[int]) -> list[tuple[torch.Tensor, ...]]:
+    """Per layer: x, y, A, B and the one-hot slot mask (bf16, seeded)."""
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    dt, out = torch.bfloat16, sum(out_parts)
+    mask = torch.zeros(tokens, SLOTS, device="cuda", dtype=dt)
+    mask[torch.arange(tokens), torch.arange(tokens) % SLOTS] = 1.0
+    layers = []
+    for _ in range(LAYERS):
+        x = torch.randn(tokens, n_in, generator=gen, device="cuda").to(dt)
+        y = torch.randn(tokens, out, generator=gen, device="cuda").to(dt)
+        a = torch.randn(SLOTS, len(out_parts) * RANK, n_in, generator=gen, device="cuda")
+        b = torch.randn(out, SLOTS, RANK, generator=gen, device="cuda")
+        layers.append((x, y, (a / n_in**0.5).to(dt), (b / RANK**0.5).to(dt), mask))
+    return layers
+
+
+def replay(fn: Callable[..., torch.Tensor], layers: list[tuple[torch.Tensor, ...]],
+           out_parts: list[int]) -> Callable[[], None]:  # fmt: skip
+    """A replayable graph of `fn` over every layer's tensors."""
+    for t in layers:  # warm-up (and Triton's compile) outside the capture
+        fn(*t, out_parts)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for t in layers:
+            fn(*t, out_parts)
+    return graph.replay
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batches", type=int, nargs="+", default=[16, MAX_TOKENS])
+    add_out_argument(ap)
+    args = ap.parse_args()
+    floor = Floor.measure()
+    print(f"copy bandwidth {floor.copy_gbps:.0f} GB/s")
+    rows: list[dict[str, Any]] = []
+    for tokens in args.batches:
+        total: dict[str, float] = {"floor_us": 0.0}
+        for name, (n_in, out_parts) in PROJECTIONS.items():
+            layers = layer_tensors(tokens, n_in, out_parts)
+            x, y, a, b, _ = layers[0]
+            nbytes = a.nbytes + b.nbytes + x.nbytes + 2 * y.nbytes
+            row: dict[str, Any] = dict(batch=tokens, projection=name)
+            for label, fn in VARIANTS.items():
+                us = cuda_ms(replay(fn, layers, out_parts)) * 1e3 / LAYERS
+                row[f"{label}_us"] = round(us, 2)
+                total[f"{label}_us"] = total.get(f"{label}_us", 0.0) + us
+            row |= floor.columns(nbytes, row["sgmv_us"], unit="us")
+            total["floor_us"] += row["floor_us"]
+            rows.append(row)
+            print(row)
+            del layers
+            torch.cuda.empty_cache()
+        whole = {k: round(v, 2) for k, v in total.items()}
+        rows.append(dict(batch=tokens, projection="all four", **whole,
+                         x_floor=round(total["sgmv_us"] / total["floor_us"], 2)))  # fmt: skip
+        print(rows[-1])
+    model = f"Llama-3-8B projections, {SLOTS} slots of rank {RANK}, a CUDA graph of {LAYERS} layers"
+    write_result(args.out, "lora-products", rows, model=model, measured=floor.measured())
+
+
+if __name__ == "__main__":
+    main()
