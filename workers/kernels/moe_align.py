@@ -20,6 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
+from workers.kernels import pdl
+from workers.kernels.pdl import start_dependents, wait_for_inputs
+
 CHUNK = 1024  # pairs (or slots) a loop iteration of the plan takes
 TILE_CHUNK = 32  # tiles a loop iteration of the tile -> expert map takes
 
@@ -27,8 +30,10 @@ TILE_CHUNK = 32  # tiles a loop iteration of the tile -> expert map takes
 @triton.jit
 def _plan_kernel(
     ids_ptr, n, first, num_local, block_m, tiles, cursor_ptr, tile_expert_ptr, pairs_ptr,
-    CHUNK: tl.constexpr, TILE_CHUNK: tl.constexpr, E_BINS: tl.constexpr,
+    CHUNK: tl.constexpr, TILE_CHUNK: tl.constexpr, E_BINS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    start_dependents(PDL)
+    wait_for_inputs(PDL)  # the routing's ids
     counts = tl.zeros((E_BINS,), dtype=tl.int32)
     for start in range(0, n, CHUNK):
         offs = start + tl.arange(0, CHUNK)
@@ -54,7 +59,11 @@ def _plan_kernel(
 
 
 @triton.jit
-def _scatter_kernel(ids_ptr, n, first, num_local, cursor_ptr, pairs_ptr, BLOCK: tl.constexpr):
+def _scatter_kernel(
+    ids_ptr, n, first, num_local, cursor_ptr, pairs_ptr, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
+    start_dependents(PDL)
+    wait_for_inputs(PDL)  # the plan's cursors
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     e = tl.load(ids_ptr + offs, mask=offs < n, other=0).to(tl.int32) - first
     mine = (offs < n) & (e >= 0) & (e < num_local)
@@ -76,11 +85,12 @@ def align(
     cursor = torch.empty(e_bins, dtype=torch.int32, device=device)
     tile_expert = torch.empty(tiles, dtype=torch.int32, device=device)
     pairs = torch.empty(tiles * block_m + 1, dtype=torch.int32, device=device)
+    launch = pdl.launch_options(topk_ids)
     _plan_kernel[(1,)](
         ids, n, first, num_local, block_m, tiles, cursor, tile_expert, pairs,
-        CHUNK=CHUNK, TILE_CHUNK=TILE_CHUNK, E_BINS=e_bins, num_warps=4,
+        CHUNK=CHUNK, TILE_CHUNK=TILE_CHUNK, E_BINS=e_bins, num_warps=4, **launch,
     )  # fmt: skip
     _scatter_kernel[(triton.cdiv(n, CHUNK),)](
-        ids, n, first, num_local, cursor, pairs, BLOCK=CHUNK, num_warps=4
+        ids, n, first, num_local, cursor, pairs, BLOCK=CHUNK, num_warps=4, **launch
     )
     return pairs, tile_expert

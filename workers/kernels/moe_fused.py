@@ -11,7 +11,9 @@
    weight and written to the pair's own row [pairs, H] (no atomics: the result is the same
    whatever order tiles run in).
 4. The k rows of each token summed (one reduce).
-Launch configs: `moe_tuning` (per GPU model, bench/sweep_moe.py). Nothing allocates beyond the
+Launch configs: `moe_tuning` (per GPU model, bench/sweep_moe.py). Every launch here, the routing's
+included, uses PDL (`pdl.py`): at batch 1 the layer is a chain of short kernels whose launch
+gaps would otherwise add up. Nothing allocates beyond the
 step's buffers or syncs the host, so a decode step's calls can be captured in CUDA graphs.
 """
 
@@ -23,16 +25,20 @@ import torch
 import triton
 import triton.language as tl
 
+from workers.kernels import pdl
 from workers.kernels.moe_align import align
 from workers.kernels.moe_tuning import MoEConfig, MoETable, moe_config, moe_table
+from workers.kernels.pdl import start_dependents, wait_for_inputs
 
 
 @triton.jit
 def _w13_kernel(
     x_ptr, w_ptr, act_ptr, pairs_ptr, tile_expert_ptr, num_pairs, top_k, H, INTER,
     stride_x, stride_we, stride_wn, stride_act,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    start_dependents(PDL)
+    wait_for_inputs(PDL)  # the tile's expert comes from the alignment just before
     tile, pn = tl.program_id(0), tl.program_id(1)
     expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
     if expert < 0:
@@ -67,8 +73,10 @@ def _w13_kernel(
 def _w2_kernel(
     act_ptr, w_ptr, out_ptr, pairs_ptr, tile_expert_ptr, weights_ptr, num_pairs, H, INTER,
     stride_act, stride_we, stride_wn, stride_out,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    start_dependents(PDL)
+    wait_for_inputs(PDL)
     tile, pn = tl.program_id(0), tl.program_id(1)
     expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
     if expert < 0:
@@ -123,7 +131,7 @@ def fused_moe(
     tiles = tile_expert.numel()
     x = x.contiguous()
     act = torch.empty(tiles * cfg.block_m, inter, dtype=x.dtype, device=x.device)
-    launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(x))
     blocks = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
     _w13_kernel[(tiles, triton.cdiv(inter, cfg.block_n))](
         x, w13, act, pairs, tile_expert, n, top_k, H, inter,

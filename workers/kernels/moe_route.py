@@ -13,12 +13,17 @@ import torch
 import triton
 import triton.language as tl
 
+from workers.kernels import pdl
+from workers.kernels.pdl import start_dependents, wait_for_inputs
+
 
 @triton.jit
 def _route_kernel(
     logits_ptr, weights_ptr, ids_ptr, num_experts, stride,
-    TOP_K: tl.constexpr, E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr,
+    TOP_K: tl.constexpr, E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    start_dependents(PDL)
+    wait_for_inputs(PDL)  # the router's logits
     row = tl.program_id(0)
     e = tl.arange(0, E_PAD)
     logits = tl.load(logits_ptr + row * stride + e, mask=e < num_experts, other=-float("inf"))
@@ -54,5 +59,6 @@ def route_top_k(
     _route_kernel[(tokens,)](
         logits, weights, ids, num_experts, logits.stride(0), TOP_K=top_k,
         E_PAD=triton.next_power_of_2(num_experts), RENORMALIZE=renormalize,
+        **pdl.launch_options(logits),
     )  # fmt: skip
     return weights, ids
