@@ -7,12 +7,14 @@ CUDA graph of one projection's products per layer over 32 layers, each layer its
 and rows (so L2 holds none of them), as the LoRA decode graph runs them. The floor: the slots'
 A and B bytes, x read and y read and written once, at the copy rate measured in the same run.
 
-    python -m bench.bench_lora_products [--batches 16 64] [--out DIR]
+    python -m bench.bench_lora_products [--batches 16 64] [--sweep] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -62,11 +64,52 @@ def replay(fn: Callable[..., torch.Tensor], layers: list[tuple[torch.Tensor, ...
     return graph.replay
 
 
+SHRINK_CHOICES = [dict(split_k=s, block_k=k, warps=w) for s in (128, 256, 512)
+                  for k in (64, 128) if k <= s for w in (2, 4)]  # fmt: skip
+EXPAND_CHOICES = [dict(block_n=n, warps=w) for n in (32, 64, 128, 256) for w in (1, 2, 4)]
+
+
+def sgmv_us(layers: list[tuple[torch.Tensor, ...]], out_parts: list[int], split_k: int,
+            block_k: int, block_n: int, warps: tuple[int, int]) -> float:  # fmt: skip
+    """µs a layer of the SGMV products with these launch choices."""
+    fn = functools.partial(sgmv_add_lora, split_k=split_k, block_k=block_k, block_n=block_n,
+                           warps=warps)  # fmt: skip
+    return cuda_ms(replay(fn, layers, out_parts)) * 1e3 / LAYERS
+
+
+def sweep(batches: list[int]) -> list[dict[str, Any]]:
+    """The SGMV launch choices per projection and batch: the shrink's (expand at its default),
+    then the expand's with the best shrink; each in a graph over the layers as above."""
+    rows = []
+    for tokens, (name, (n_in, out_parts)) in itertools.product(batches, PROJECTIONS.items()):
+        timed = functools.partial(sgmv_us, layer_tensors(tokens, n_in, out_parts), out_parts)
+        default = timed(512, 128, 128, (4, 4))
+        shrinks = {(c["split_k"], c["block_k"], c["warps"]): timed(
+            c["split_k"], c["block_k"], 128, (c["warps"], 4)) for c in SHRINK_CHOICES}  # fmt: skip
+        (split_k, block_k, w0), _ = min(shrinks.items(), key=lambda kv: kv[1])
+        expands = {(c["block_n"], c["warps"]): timed(split_k, block_k, c["block_n"],
+                   (w0, c["warps"])) for c in EXPAND_CHOICES}  # fmt: skip
+        (block_n, w1), best = min(expands.items(), key=lambda kv: kv[1])
+        rows.append(dict(batch=tokens, projection=name, default_us=round(default, 2),
+                         best_us=round(best, 2), split_k=split_k, block_k=block_k,
+                         shrink_warps=w0, block_n=block_n, expand_warps=w1))  # fmt: skip
+        print(rows[-1])
+        del timed
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[16, MAX_TOKENS])
+    ap.add_argument("--sweep", action="store_true", help="the SGMV launch choices instead")
     add_out_argument(ap)
     args = ap.parse_args()
+    if args.sweep:
+        rows = sweep(args.batches)
+        model = f"Llama-3-8B projections, {SLOTS} slots of rank {RANK}, SGMV launch choices"
+        write_result(args.out, "lora-products-sweep", rows, model=model)
+        return
     floor = Floor.measure()
     print(f"copy bandwidth {floor.copy_gbps:.0f} GB/s")
     rows: list[dict[str, Any]] = []

@@ -112,30 +112,33 @@ def _expand_kernel(
 def sgmv_add_lora(
     x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor,
     out_parts: list[int], sumsq: torch.Tensor | None = None, eps: float = 0.0,
+    split_k: int = SPLIT_K, block_k: int = BLOCK_K, block_n: int = BLOCK_N,
+    warps: tuple[int, int] = (4, 4),
 ) -> torch.Tensor:  # fmt: skip
     """`lora_ops.add_lora`'s contract (y [T, out] += each token's slot's products, in place)
     in two launches. `x` and `y` rows contiguous; at most `MAX_PARTS` parts; `sumsq`
-    [T, SUMSQ_SLOTS] float64 where given."""
+    [T, SUMSQ_SLOTS] float64 where given. `split_k` .. `warps` (shrink's, expand's): launch
+    choices other than the defaults (a sweep's)."""
     tokens, n_in = x.shape
     slots, stacked, _ = a.shape
     rank, parts = b.shape[-1], len(out_parts)
     assert stacked == parts * rank and parts <= MAX_PARTS and x.stride(1) == y.stride(1) == 1
-    splits = triton.cdiv(n_in, SPLIT_K)
+    splits = triton.cdiv(n_in, split_k)
     partial = torch.empty((splits, tokens, stacked), dtype=torch.float32, device=x.device)
     slots_pad = triton.next_power_of_2(slots)
     launch = pdl.launch_options(x)
     _shrink_kernel[(tokens, splits)](
         x, a, mask, partial, tokens, n_in, x.stride(0), SLOTS=slots, SLOTS_PAD=slots_pad,
-        PR=stacked, PR_PAD=triton.next_power_of_2(stacked), SPLIT=SPLIT_K, BLOCK_K=BLOCK_K,
-        **launch,
+        PR=stacked, PR_PAD=triton.next_power_of_2(stacked), SPLIT=split_k, BLOCK_K=block_k,
+        num_warps=warps[0], **launch,
     )  # fmt: skip
     ends = [sum(out_parts[: i + 1]) for i in range(parts)] + [0, 0]
     if sumsq is not None and (sumsq.shape != (tokens, SUMSQ_SLOTS) or sumsq.dtype != torch.float64):
         raise ValueError(f"sumsq must be float64 [{tokens}, {SUMSQ_SLOTS}], not {sumsq.shape}")
-    _expand_kernel[(tokens, triton.cdiv(y.shape[1], BLOCK_N))](
+    _expand_kernel[(tokens, triton.cdiv(y.shape[1], block_n))](
         y, b, mask, partial, partial if sumsq is None else sumsq, tokens, n_in, eps, y.shape[1],
         splits, y.stride(0), ends[0], ends[1], SLOTS=slots, SLOTS_PAD=slots_pad, R=rank,
         R_PAD=triton.next_power_of_2(rank), PARTS=parts, NORM_IN=sumsq is not None,
-        BLOCK_N=BLOCK_N, **launch,
+        BLOCK_N=block_n, num_warps=warps[1], **launch,
     )  # fmt: skip
     return y
