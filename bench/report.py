@@ -138,6 +138,10 @@ def measured_text(measured: dict[str, Any]) -> str:
     """`copy_bandwidth_gbps: 4271` -> `copy bandwidth 4271 GB/s`."""
     parts = []
     for key, value in measured.items():
+        if isinstance(value, list) and value and isinstance(value[0], dict):  # a sweep's points
+            points = "; ".join(", ".join(f"{k} {v}" for k, v in p.items()) for p in value)
+            parts.append(f"{header(key)}: {points}")
+            continue
         name, _, unit = key.rpartition("_")
         parts.append(f"{header(name)} {number(value)} {WORDS[unit]}")
     return ", ".join(parts)
