@@ -8,9 +8,10 @@ On CUDA the model has Llama-3-8B's shapes with random bf16 weights (load_format 
 adapters random PEFT files. The batch is prefilled to `--context` tokens, then `Engine.step()`
 runs the timed decode steps (wall time per step, the median of `--repeats` runs). The base batch
 replays its CUDA graph; a step holding adapters replays its size's LoRA graph, with the SGMV
-LoRA products on the folded layer path (docs/architecture.md, "LoRA adapters"). The floor of each step is the bytes it
-must read (the weights, the batch's KV, and with adapters the A/B of the adapters it holds) over
-the copy rate measured in the same process; `x_base` is the LoRA step's time over the base step's.
+LoRA products on the folded layer path (docs/architecture.md, "LoRA adapters"). The floor of
+each step is the bytes it must read (the weights, the batch's KV, and with adapters the A/B of
+the adapters it holds) over the copy rate measured in the same process; `x_base` is the LoRA
+step's time over the base step's.
 """
 
 from __future__ import annotations

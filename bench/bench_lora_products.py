@@ -108,7 +108,8 @@ def main() -> None:
     if args.sweep:
         rows = sweep(args.batches)
         model = f"Llama-3-8B projections, {SLOTS} slots of rank {RANK}, SGMV launch choices"
-        write_result(args.out, "lora-products-sweep", rows, model=model)
+        title = "LoRA products: SGMV launch choices per projection and batch"
+        write_result(args.out, "lora-products-sweep", rows, model=model, title=title)
         return
     floor = Floor.measure()
     print(f"copy bandwidth {floor.copy_gbps:.0f} GB/s")
@@ -135,7 +136,9 @@ def main() -> None:
                          x_floor=round(total["sgmv_us"] / total["floor_us"], 2)))  # fmt: skip
         print(rows[-1])
     model = f"Llama-3-8B projections, {SLOTS} slots of rank {RANK}, a CUDA graph of {LAYERS} layers"
-    write_result(args.out, "lora-products", rows, model=model, measured=floor.measured())
+    title = "LoRA products alone: SGMV and the masked products against their bytes' floor"
+    write_result(args.out, "lora-products", rows, model=model, title=title,
+                 measured=floor.measured())  # fmt: skip
 
 
 if __name__ == "__main__":

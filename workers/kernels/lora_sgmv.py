@@ -28,9 +28,19 @@ from workers.kernels.pdl import start_dependents, wait_for_inputs
 from workers.kernels.skinny_tiles import SUMSQ_SLOTS
 
 MAX_TOKENS = 64  # above this, the masked dense products (tensor-core GEMMs) are faster
-SPLIT_K = 512  # input columns per shrink program
+# Launch choices (`bench/bench_lora_products.py --sweep`, an H100, Llama-3-8B projections):
+# 256 input columns a shrink program (twice the programs of 512: at 16 tokens q/k/v's shrink
+# had 128 programs of four dependent tile loads), one warp an expand program, 64 output columns
+# a program up to 16 tokens and 128 above; the four projections 0.72x the earlier launches'
+# time at 16 tokens, 0.78x at 64.
+SPLIT_K = 256  # input columns per shrink program
 BLOCK_K = 128
-BLOCK_N = 128
+EXPAND_WARPS = 1
+
+
+def block_n_for(tokens: int) -> int:
+    """Output columns per expand program."""
+    return 64 if tokens <= 16 else 128
 MAX_PARTS = 3  # q/k/v
 _SUMSQ_SLOTS = tl.constexpr(SUMSQ_SLOTS)
 
@@ -112,14 +122,15 @@ def _expand_kernel(
 def sgmv_add_lora(
     x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor,
     out_parts: list[int], sumsq: torch.Tensor | None = None, eps: float = 0.0,
-    split_k: int = SPLIT_K, block_k: int = BLOCK_K, block_n: int = BLOCK_N,
-    warps: tuple[int, int] = (4, 4),
+    split_k: int = SPLIT_K, block_k: int = BLOCK_K, block_n: int | None = None,
+    warps: tuple[int, int] = (4, EXPAND_WARPS),
 ) -> torch.Tensor:  # fmt: skip
     """`lora_ops.add_lora`'s contract (y [T, out] += each token's slot's products, in place)
     in two launches. `x` and `y` rows contiguous; at most `MAX_PARTS` parts; `sumsq`
     [T, SUMSQ_SLOTS] float64 where given. `split_k` .. `warps` (shrink's, expand's): launch
     choices other than the defaults (a sweep's)."""
     tokens, n_in = x.shape
+    block_n = block_n or block_n_for(tokens)
     slots, stacked, _ = a.shape
     rank, parts = b.shape[-1], len(out_parts)
     assert stacked == parts * rank and parts <= MAX_PARTS and x.stride(1) == y.stride(1) == 1
