@@ -23,7 +23,14 @@ import torch
 from bench.gpu_common import Floor, cuda_ms
 from bench.results_io import add_out_argument, write_result
 from workers.kernels.lora_ops import masked_add_lora
-from workers.kernels.lora_sgmv import MAX_TOKENS, sgmv_add_lora
+from workers.kernels.lora_sgmv import (
+    BLOCK_K,
+    EXPAND_WARPS,
+    MAX_TOKENS,
+    SPLIT_K,
+    block_n_for,
+    sgmv_add_lora,
+)
 
 LAYERS, SLOTS, RANK = 32, 8, 16
 PROJECTIONS = {  # name -> (input size, output parts): Llama-3-8B
@@ -41,7 +48,7 @@ def layer_tensors(tokens: int, n_in: int, out_parts: list[int]) -> list[tuple[to
     dt, out = torch.bfloat16, sum(out_parts)
     mask = torch.zeros(tokens, SLOTS, device="cuda", dtype=dt)
     mask[torch.arange(tokens), torch.arange(tokens) % SLOTS] = 1.0
-    layers = []
+    layers: list[tuple[torch.Tensor, ...]] = []
     for _ in range(LAYERS):
         x = torch.randn(tokens, n_in, generator=gen, device="cuda").to(dt)
         y = torch.randn(tokens, out, generator=gen, device="cuda").to(dt)
@@ -78,12 +85,13 @@ def sgmv_us(layers: list[tuple[torch.Tensor, ...]], out_parts: list[int], split_
 
 
 def sweep(batches: list[int]) -> list[dict[str, Any]]:
-    """The SGMV launch choices per projection and batch: the shrink's (expand at its default),
-    then the expand's with the best shrink; each in a graph over the layers as above."""
+    """The SGMV launch choices per projection and batch against the defaults (`default_us`):
+    the shrink's (expand at 128 columns, 4 warps), then the expand's with the best shrink; each
+    in a graph over the layers as above."""
     rows = []
     for tokens, (name, (n_in, out_parts)) in itertools.product(batches, PROJECTIONS.items()):
         timed = functools.partial(sgmv_us, layer_tensors(tokens, n_in, out_parts), out_parts)
-        default = timed(512, 128, 128, (4, 4))
+        default = timed(SPLIT_K, BLOCK_K, block_n_for(tokens), (4, EXPAND_WARPS))
         shrinks = {(c["split_k"], c["block_k"], c["warps"]): timed(
             c["split_k"], c["block_k"], 128, (c["warps"], 4)) for c in SHRINK_CHOICES}  # fmt: skip
         (split_k, block_k, w0), _ = min(shrinks.items(), key=lambda kv: kv[1])
@@ -106,10 +114,9 @@ def main() -> None:
     add_out_argument(ap)
     args = ap.parse_args()
     if args.sweep:
-        rows = sweep(args.batches)
         model = f"Llama-3-8B projections, {SLOTS} slots of rank {RANK}, SGMV launch choices"
         title = "LoRA products: SGMV launch choices per projection and batch"
-        write_result(args.out, "lora-products-sweep", rows, model=model, title=title)
+        write_result(args.out, "lora-products-sweep", sweep(args.batches), model=model, title=title)
         return
     floor = Floor.measure()
     print(f"copy bandwidth {floor.copy_gbps:.0f} GB/s")

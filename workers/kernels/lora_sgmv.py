@@ -28,11 +28,13 @@ from workers.kernels.pdl import start_dependents, wait_for_inputs
 from workers.kernels.skinny_tiles import SUMSQ_SLOTS
 
 MAX_TOKENS = 64  # above this, the masked dense products (tensor-core GEMMs) are faster
+MAX_PARTS = 3  # q/k/v
+_SUMSQ_SLOTS = tl.constexpr(SUMSQ_SLOTS)
 # Launch choices (`bench/bench_lora_products.py --sweep`, an H100, Llama-3-8B projections):
 # 256 input columns a shrink program (twice the programs of 512: at 16 tokens q/k/v's shrink
 # had 128 programs of four dependent tile loads), one warp an expand program, 64 output columns
-# a program up to 16 tokens and 128 above; the four projections 0.72x the earlier launches'
-# time at 16 tokens, 0.78x at 64.
+# a program up to 16 tokens and 128 above; the four projections then took 0.81x the earlier
+# launches' time at 16 tokens, 0.84x at 64 (`lora-products_h100_2026-12-06.json`).
 SPLIT_K = 256  # input columns per shrink program
 BLOCK_K = 128
 EXPAND_WARPS = 1
@@ -41,8 +43,6 @@ EXPAND_WARPS = 1
 def block_n_for(tokens: int) -> int:
     """Output columns per expand program."""
     return 64 if tokens <= 16 else 128
-MAX_PARTS = 3  # q/k/v
-_SUMSQ_SLOTS = tl.constexpr(SUMSQ_SLOTS)
 
 
 @triton.jit
@@ -134,6 +134,8 @@ def sgmv_add_lora(
     slots, stacked, _ = a.shape
     rank, parts = b.shape[-1], len(out_parts)
     assert stacked == parts * rank and parts <= MAX_PARTS and x.stride(1) == y.stride(1) == 1
+    if sumsq is not None and (sumsq.shape != (tokens, SUMSQ_SLOTS) or sumsq.dtype != torch.float64):
+        raise ValueError(f"sumsq must be float64 [{tokens}, {SUMSQ_SLOTS}], not {sumsq.shape}")
     splits = triton.cdiv(n_in, split_k)
     partial = torch.empty((splits, tokens, stacked), dtype=torch.float32, device=x.device)
     slots_pad = triton.next_power_of_2(slots)
@@ -144,8 +146,6 @@ def sgmv_add_lora(
         num_warps=warps[0], **launch,
     )  # fmt: skip
     ends = [sum(out_parts[: i + 1]) for i in range(parts)] + [0, 0]
-    if sumsq is not None and (sumsq.shape != (tokens, SUMSQ_SLOTS) or sumsq.dtype != torch.float64):
-        raise ValueError(f"sumsq must be float64 [{tokens}, {SUMSQ_SLOTS}], not {sumsq.shape}")
     _expand_kernel[(tokens, triton.cdiv(y.shape[1], block_n))](
         y, b, mask, partial, partial if sumsq is None else sumsq, tokens, n_in, eps, y.shape[1],
         splits, y.stride(0), ends[0], ends[1], SLOTS=slots, SLOTS_PAD=slots_pad, R=rank,

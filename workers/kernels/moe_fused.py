@@ -11,10 +11,10 @@
    weight and written to the pair's own row [pairs, H] (no atomics: the result is the same
    whatever order tiles run in).
 4. The k rows of each token summed (one reduce).
-Launch configs: `moe_tuning` (per GPU model, bench/sweep_moe.py). Every launch here, the routing's
-included, uses PDL (`pdl.py`): at batch 1 the layer is a chain of short kernels whose launch
-gaps would otherwise add up. Nothing allocates beyond the
-step's buffers or syncs the host, so a decode step's calls can be captured in CUDA graphs.
+Launch configs: `moe_tuning` (per GPU model, bench/sweep_moe.py). Every launch here, the
+routing's included, uses PDL (`pdl.py`): at batch 1 the layer is a chain of short kernels. Nothing
+allocates beyond the step's buffers or syncs the host, so a decode step's calls can be captured
+in CUDA graphs.
 """
 
 from __future__ import annotations
