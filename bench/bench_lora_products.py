@@ -23,14 +23,7 @@ import torch
 from bench.gpu_common import Floor, cuda_ms
 from bench.results_io import add_out_argument, write_result
 from workers.kernels.lora_ops import masked_add_lora
-from workers.kernels.lora_sgmv import (
-    BLOCK_K,
-    EXPAND_WARPS,
-    MAX_TOKENS,
-    SPLIT_K,
-    block_n_for,
-    sgmv_add_lora,
-)
+from workers.kernels.lora_sgmv import MAX_TOKENS, launch_choices, sgmv_add_lora
 
 LAYERS, SLOTS, RANK = 32, 8, 16
 PROJECTIONS = {  # name -> (input size, output parts): Llama-3-8B
@@ -71,29 +64,27 @@ def replay(fn: Callable[..., torch.Tensor], layers: list[tuple[torch.Tensor, ...
     return graph.replay
 
 
-SHRINK_CHOICES = [dict(split_k=s, block_k=k, warps=w) for s in (128, 256, 512)
-                  for k in (64, 128) if k <= s for w in (2, 4)]  # fmt: skip
-EXPAND_CHOICES = [dict(block_n=n, warps=w) for n in (32, 64, 128, 256) for w in (1, 2, 4)]
+SHRINK_CHOICES = [dict(split_k=s, block_k=k, warps=4) for s in (256, 512, 1024) for k in (64, 128)]
+EXPAND_CHOICES = [dict(block_n=n, warps=w) for n in (64, 128, 256) for w in (4, 8)]
 
 
 def sgmv_us(layers: list[tuple[torch.Tensor, ...]], out_parts: list[int], split_k: int,
             block_k: int, block_n: int, warps: tuple[int, int]) -> float:  # fmt: skip
     """µs a layer of the SGMV products with these launch choices."""
-    fn = functools.partial(sgmv_add_lora, split_k=split_k, block_k=block_k, block_n=block_n,
-                           warps=warps)  # fmt: skip
+    fn = functools.partial(sgmv_add_lora, choices=(split_k, block_k, block_n, warps))
     return cuda_ms(replay(fn, layers, out_parts)) * 1e3 / LAYERS
 
 
 def sweep(batches: list[int]) -> list[dict[str, Any]]:
     """The SGMV launch choices per projection and batch against the defaults (`default_us`):
-    the shrink's (expand at 128 columns, 4 warps), then the expand's with the best shrink; each
+    the shrink's (expand at 128 columns, 8 warps), then the expand's with the best shrink; each
     in a graph over the layers as above."""
     rows = []
     for tokens, (name, (n_in, out_parts)) in itertools.product(batches, PROJECTIONS.items()):
         timed = functools.partial(sgmv_us, layer_tensors(tokens, n_in, out_parts), out_parts)
-        default = timed(SPLIT_K, BLOCK_K, block_n_for(tokens), (4, EXPAND_WARPS))
+        default = timed(*launch_choices(tokens, n_in, sum(out_parts)))
         shrinks = {(c["split_k"], c["block_k"], c["warps"]): timed(
-            c["split_k"], c["block_k"], 128, (c["warps"], 4)) for c in SHRINK_CHOICES}  # fmt: skip
+            c["split_k"], c["block_k"], 128, (c["warps"], 8)) for c in SHRINK_CHOICES}  # fmt: skip
         (split_k, block_k, w0), _ = min(shrinks.items(), key=lambda kv: kv[1])
         expands = {(c["block_n"], c["warps"]): timed(split_k, block_k, c["block_n"],
                    (w0, c["warps"])) for c in EXPAND_CHOICES}  # fmt: skip
