@@ -105,8 +105,10 @@ def check_rotary() -> None:
                 pools[1], slot_pages, slot_offsets, k_scale, v_scale,
             )  # fmt: skip
             # The same float32 arithmetic, but the interpreter's order of it may differ by CPU:
-            # a value rounded to fp16 (q) or FP8 (the pool) may land one step apart.
-            assert_within_steps(q.view(m, hq, dim), expect)
+            # a value rounded to fp16 (q) or FP8 (the pool) may land one step apart. The
+            # reference also rounds q to fp16 before rotating it (the epilogue rotates the
+            # float32 sums): a second step where the rotation's two terms partly cancel.
+            assert_within_steps(q.view(m, hq, dim), expect, steps=2)
             written = torch.zeros(pages * page_size, dtype=torch.bool)
             written[slots] = True
             written = written.view(pages, 1, page_size, 1, 1).expand_as(pools[0])
