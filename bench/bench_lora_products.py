@@ -68,10 +68,10 @@ SHRINK_CHOICES = [dict(split_k=s, block_k=k, warps=4) for s in (256, 512, 1024) 
 EXPAND_CHOICES = [dict(block_n=n, warps=w) for n in (64, 128, 256) for w in (4, 8)]
 
 
-def sgmv_us(layers: list[tuple[torch.Tensor, ...]], out_parts: list[int], split_k: int,
-            block_k: int, block_n: int, warps: tuple[int, int]) -> float:  # fmt: skip
-    """µs a layer of the SGMV products with these launch choices."""
-    fn = functools.partial(sgmv_add_lora, choices=(split_k, block_k, block_n, warps))
+def sgmv_us(layers: list[tuple[torch.Tensor, ...]], out_parts: list[int],
+            choices: tuple[int, int, int, tuple[int, int]]) -> float:  # fmt: skip
+    """µs a layer of the SGMV products with these launch choices (`launch_choices`' order)."""
+    fn = functools.partial(sgmv_add_lora, choices=choices)
     return cuda_ms(replay(fn, layers, out_parts)) * 1e3 / LAYERS
 
 
@@ -82,12 +82,12 @@ def sweep(batches: list[int]) -> list[dict[str, Any]]:
     rows = []
     for tokens, (name, (n_in, out_parts)) in itertools.product(batches, PROJECTIONS.items()):
         timed = functools.partial(sgmv_us, layer_tensors(tokens, n_in, out_parts), out_parts)
-        default = timed(*launch_choices(tokens, n_in, sum(out_parts)))
-        shrinks = {(c["split_k"], c["block_k"], c["warps"]): timed(
-            c["split_k"], c["block_k"], 128, (c["warps"], 8)) for c in SHRINK_CHOICES}  # fmt: skip
+        default = timed(launch_choices(tokens, n_in, sum(out_parts)))
+        shrinks = {(c["split_k"], c["block_k"], c["warps"]): timed((
+            c["split_k"], c["block_k"], 128, (c["warps"], 8))) for c in SHRINK_CHOICES}  # fmt: skip
         (split_k, block_k, w0), _ = min(shrinks.items(), key=lambda kv: kv[1])
-        expands = {(c["block_n"], c["warps"]): timed(split_k, block_k, c["block_n"],
-                   (w0, c["warps"])) for c in EXPAND_CHOICES}  # fmt: skip
+        expands = {(c["block_n"], c["warps"]): timed((split_k, block_k, c["block_n"],
+                   (w0, c["warps"]))) for c in EXPAND_CHOICES}  # fmt: skip
         (block_n, w1), best = min(expands.items(), key=lambda kv: kv[1])
         rows.append(dict(batch=tokens, projection=name, default_us=round(default, 2),
                          best_us=round(best, 2), split_k=split_k, block_k=block_k,
