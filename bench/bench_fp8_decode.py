@@ -13,7 +13,11 @@ plus the sequences' KV bytes (half with FP8) at the copy rate measured in the sa
 (64 GiB) does not. Goal: FP8 at 64 x 4096 within 1.15x its floor. FP8 decode graphs read the
 pool with the kernel the GPU's table picks per batch size (the Triton kernel
 `kernels/fp8_decode.py` or FlashInfer's XQA, `attention/xqa_decode.py`);
-`--fp8-kernels triton,xqa` runs the FP8 engine once per kernel instead.
+`--fp8-kernels triton,xqa` runs the FP8 engine once per kernel instead. `--kv auto,int8` picks
+the KV dtypes (the default `auto,fp8_e4m3`): `int8` is the cache of a float32 scale per token
+and head (`kvcache/int8_rows.py`, read in decode graphs by `kernels/int8_decode.py`), its floor
+the same weights plus its `head_dim + 4` bytes a row; each non-bf16 row gets `<dtype>_vs_bf16`
+where bf16 ran in the same call.
 
 `--attention`: the attention alone instead, per layer (Llama-3-8B heads, page 16, FP8 KV, a
 CUDA graph over enough layers that L2 holds none of it): the Triton kernel against FlashInfer's
@@ -27,6 +31,7 @@ where it was at least 5% faster.
 
     python -m bench.bench_fp8_decode --tokenizer-dir DIR [--out DIR] [--cases 1x4096,64x4096]
     python -m bench.bench_fp8_decode --tokenizer-dir DIR --fp8-kernels triton,xqa
+    python -m bench.bench_fp8_decode --tokenizer-dir DIR --cases 64x4096 --kv auto,int8
     python -m bench.bench_fp8_decode --tokenizer-dir DIR --attention [--sweep [--write-table]]
     python -m bench.bench_fp8_decode --tokenizer-dir DIR --device cpu   # smoke test: tiny shape
 """
@@ -66,12 +71,13 @@ from workers.kernels.tuning import (
     xqa_programs,
     xqa_table,
 )
+from workers.kvcache.int8_rows import INT8_MAX
 
 CASES = [(1, 4096), (16, 4096), (64, 4096), (256, 2048), (256, 4096)]
 FP8_ONLY = {(256, 4096)}
 CPU_CASES = [(1, 64), (4, 128)]  # --device cpu: the tiny shape, a smoke test of the mechanics
 ENGINE_CASES = {(64, 4096), (4, 128)}  # the engine's own loop too (its prefill takes a while)
-KV_DTYPES = ("auto", "fp8_e4m3")
+KV_DTYPES = ("auto", "fp8_e4m3", "int8")
 ROW = "FP8ROW "  # a worker's result line
 Q_HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16  # --attention: Llama-3-8B's heads
 SWEEP = dict(tile=(64, 128), num_warps=(1, 4), stages=(3,), splits=(1, 2, 4, 8, 16, 32))
@@ -83,11 +89,19 @@ XQA_MARGIN = 0.95
 
 def fill_random(runner: ModelRunner, pages_at_once: int = 1024) -> None:
     """Random KV (attention over zeros would be no test), a slice of pages at a time: FP8 has
-    no `normal_`, and one bf16 copy of a 64 GiB pool would not fit beside it."""
+    no `normal_`, and one bf16 copy of a 64 GiB pool would not fit beside it. int8 rows get
+    random values and one fixed scale (random bytes would make scales NaN or huge; quantizing
+    random rows would take a float32 rotation of the whole pool)."""
     pages = runner.pool.pages
+    d = runner.kv_layout.head_dim
+    scale = torch.tensor([2 / INT8_MAX], device=pages.device).view(torch.int8)  # |x| <= 2
     for start in range(0, pages.shape[0], pages_at_once):
         part = pages[start : start + pages_at_once]
-        part.copy_(torch.randn(part.shape, dtype=torch.bfloat16, device=part.device))
+        if part.dtype == torch.int8:
+            part[..., :d].random_(-INT8_MAX, INT8_MAX + 1)
+            part[..., d:] = scale
+        else:
+            part.copy_(torch.randn(part.shape, dtype=torch.bfloat16, device=part.device))
 
 
 def cpu_copy_gbps(mib: int = 256) -> float:
@@ -153,7 +167,7 @@ def run_worker(
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True)
     lines = proc.stdout.splitlines()
     rows = [json.loads(line[len(ROW) :]) for line in lines if line.startswith(ROW)]
-    if kv_cache_dtype != "auto":
+    if kv_cache_dtype == "fp8_e4m3":
         for row in rows:
             row["fp8_decode_kernel"] = kernel or "table"
     return rows
@@ -319,6 +333,8 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="--attention: the kernel's launches")
     ap.add_argument("--fp8-kernels", help="FP8 decode kernels to run in turn, e.g. triton,xqa "
                     "(default: the GPU's table picks)")  # fmt: skip
+    ap.add_argument("--kv", default="auto,fp8_e4m3",
+                    help="KV dtypes to run in turn, of " + ",".join(KV_DTYPES))  # fmt: skip
     ap.add_argument("--write-table", action="store_true",
                     help="--sweep: write the fastest launches as this GPU's table")  # fmt: skip
     args = ap.parse_args()
@@ -336,7 +352,11 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     bf16_ms: dict[tuple[int, int], float] = {}
     kernels = args.fp8_kernels.split(",") if args.fp8_kernels else [None]
-    for kv, kernel in [("auto", None), *(("fp8_e4m3", k) for k in kernels)]:
+    kv_dtypes = args.kv.split(",")
+    if unknown := set(kv_dtypes) - set(KV_DTYPES):
+        ap.error(f"--kv: unknown {sorted(unknown)}; choose of {KV_DTYPES}")
+    runs = [(kv, k) for kv in kv_dtypes for k in (kernels if kv == "fp8_e4m3" else [None])]
+    for kv, kernel in runs:
         mine = [c for c in cases if kv != "auto" or c not in FP8_ONLY]
         for row in run_worker(kv, mine, kernel):
             if kv == "auto":
@@ -344,10 +364,14 @@ def main() -> None:
             rows.append(row)
     for row in rows:
         bf16 = bf16_ms.get((row["batch"], row["context"]))
-        both = row["kv_cache_dtype"] == "fp8_e4m3" and bf16
-        row["fp8_vs_bf16"] = round(step(row) / bf16, 3) if both else None
+        kv = row["kv_cache_dtype"]
+        if kv != "auto":
+            name = "fp8" if kv == "fp8_e4m3" else kv
+            row[f"{name}_vs_bf16"] = round(step(row) / bf16, 3) if bf16 else None
         print("DECODE-FP8", row, flush=True)
-    model = f"{args.shape} shapes, random bf16 weights, bf16 or FP8 KV, page 16"
+        print(f"{kv} {row['batch']}x{row['context']}: step {step(row):.3f} ms, "
+              f"{row['x_floor']}x its floor", flush=True)  # fmt: skip
+    model = f"{args.shape} shapes, random bf16 weights, {' / '.join(kv_dtypes)} KV, page 16"
     if args.device == "cpu":
         model += ", CPU smoke test (torch backend, eager)"
     write_result(args.out, "decode-fp8", rows, model=model)

@@ -171,45 +171,83 @@ def fp8_llm(smollm2_dir: Path) -> LLM:
 
 @pytest.fixture(scope="module")
 def int8_llm(smollm2_dir: Path) -> LLM:
-    """int8 KV (a scale per token and head inside the rows): the torch backend, no graphs."""
+    """int8 KV (a scale per token and head inside the rows) on the flashinfer backend: decode
+    graphs read it with the Triton kernel, prefill FlashInfer over dequantized pages."""
     llm = LLM(
-        str(smollm2_dir), device="cuda", dtype="bfloat16", kv_cache_memory_gb=1,
-        kv_cache_dtype="int8",
+        str(smollm2_dir), device="cuda", dtype="bfloat16", attention_backend="flashinfer",
+        kv_cache_memory_gb=1, kv_cache_dtype="int8",
     )  # fmt: skip
-    assert llm.engine.runner.pool.pages.dtype == torch.int8
+    graphs = llm.engine.runner.graphs
+    assert llm.engine.runner.pool.pages.dtype == torch.int8 and graphs is not None
+    assert all(a.int8 is not None for a in graphs.attn.values())
     return llm
+
+
+@pytest.fixture(scope="module")
+def int8_torch_llm(smollm2_dir: Path) -> LLM:
+    """int8 KV on the torch backend (no graphs): the same rows read by the reference."""
+    return LLM(
+        str(smollm2_dir), device="cuda", dtype="bfloat16", attention_backend="torch",
+        kv_cache_memory_gb=1, kv_cache_dtype="int8",
+    )  # fmt: skip
 
 
 GOAL = 1.5  # the 8-bit cache's error within 1.5x of the bf16 KV cache's, mean and max
 
 
-def test_fp8_log_probs_against_hf_float32_next_to_bf16(
-    hf_real, prompts: list[list[int]], fp8_llm: LLM, int8_llm: LLM, bf16_llm: LLM
-) -> None:
-    """The 48 teacher-forced contexts of `test_smollm2_gpu`: the top-5 log-prob error against HF
-    float32 of the engine with FP8 KV, int8 KV, bf16 KV, and of HF bf16; batched, then from the
-    prefix cache (8-bit pages read back). int8 meets the goal (within 1.5x of bf16 KV's mean
-    and max); E4M3 cannot (3 mantissa bits, docs/notes/fp8-kv.md) and is held loosely."""
-    contexts, reference, hf_errors = _teacher_forced(hf_real, prompts)
+def _context_errors(
+    contexts: list[list[int]], reference: list[torch.Tensor], runs: list[tuple[str, LLM]]
+) -> dict[str, tuple[float, float]]:
+    """Per run (a name ending in "cached": the contexts again, from the prefix cache) the max
+    and mean top-5 error against HF float32 at the teacher-forced contexts."""
     params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=TOP)
-    hf_mean = sum(hf_errors) / len(hf_errors)
     summary = {}
-    runs = [("bf16 KV", bf16_llm), ("FP8 KV", fp8_llm), ("FP8 KV cached", fp8_llm),
-            ("int8 KV", int8_llm), ("int8 KV cached", int8_llm)]  # fmt: skip
     for name, llm in runs:
         outs = llm.generate(contexts, params)
         if name.endswith("cached"):
             assert all(o.num_cached_tokens > 0 for o in outs)
         errors = _top_errors(outs, reference)
         summary[name] = (max(errors), sum(errors) / len(errors))
+    return summary
+
+
+def _show(summary: dict[str, tuple[float, float]]) -> str:
+    return "; ".join(f"{k} ({a:.3f}, {b:.3f})" for k, (a, b) in summary.items())
+
+
+def test_fp8_log_probs_against_hf_float32_next_to_bf16(
+    hf_real, prompts: list[list[int]], fp8_llm: LLM, bf16_llm: LLM
+) -> None:
+    """The 48 teacher-forced contexts of `test_smollm2_gpu`: the top-5 log-prob error against HF
+    float32 of the engine with FP8 KV, bf16 KV, and of HF bf16; batched, then from the prefix
+    cache (FP8 pages read back). E4M3 cannot meet the goal (3 mantissa bits,
+    docs/notes/fp8-kv.md) and is held loosely."""
+    contexts, reference, hf_errors = _teacher_forced(hf_real, prompts)
+    hf_mean = sum(hf_errors) / len(hf_errors)
+    runs = [("bf16 KV", bf16_llm), ("FP8 KV", fp8_llm), ("FP8 KV cached", fp8_llm)]
+    summary = _context_errors(contexts, reference, runs)
     print(f"48 contexts, top-5 error vs HF float32 (max, mean): HF bf16 ({max(hf_errors):.3f}, "
-          f"{hf_mean:.3f}); " + "; ".join(f"{k} ({a:.3f}, {b:.3f})" for k, (a, b) in
-                                          summary.items()))  # fmt: skip
+          f"{hf_mean:.3f}); {_show(summary)}")  # fmt: skip
     for name in ("FP8 KV", "FP8 KV cached"):
         worst, mean = summary[name]
         # the mean catches a wrong page or scale (nats everywhere); the max is one context's
         # top-5 tail, which FP8 moved by 0.97 nats (2.4 with a bf16 model) on the CPU
         assert mean <= 4 * hf_mean + 0.05 and worst <= 4.0, (name, summary)
+
+
+def test_int8_log_probs_within_goal_of_bf16(
+    hf_real, prompts: list[list[int]], int8_llm: LLM, int8_torch_llm: LLM, bf16_llm: LLM
+) -> None:
+    """The 48 contexts with int8 KV on the flashinfer backend (prefill over dequantized pages,
+    batched, then from the prefix cache): within 1.5x of bf16 KV's max and mean error (the
+    issue's goal). The torch backend over the same rows is printed beside it."""
+    contexts, reference, _ = _teacher_forced(hf_real, prompts)
+    runs = [
+        ("bf16 KV", bf16_llm), ("int8 KV", int8_llm), ("int8 KV cached", int8_llm),
+        ("int8 KV torch", int8_torch_llm), ("int8 KV torch cached", int8_torch_llm),
+    ]  # fmt: skip
+    summary = _context_errors(contexts, reference, runs)
+    print(f"48 contexts, top-5 error vs HF float32 (max, mean): {_show(summary)}")
     bf16_worst, bf16_mean = summary["bf16 KV"]
     for name in ("int8 KV", "int8 KV cached"):
         worst, mean = summary[name]
@@ -231,15 +269,39 @@ def _decode_errors(hf_real, prompts: list[list[int]], llm: LLM) -> tuple[float, 
 
 
 def test_int8_decode_log_probs_within_goal_of_bf16(
-    hf_real, prompts: list[list[int]], int8_llm: LLM, bf16_llm: LLM
+    hf_real, prompts: list[list[int]], int8_llm: LLM, int8_torch_llm: LLM, bf16_llm: LLM
 ) -> None:
-    """Decode steps read int8 pages (torch backend): within 1.5x of bf16 KV's error."""
-    bf16, int8 = (
+    """Decode steps read int8 pages (flashinfer backend: the Triton kernel in the decode
+    graphs; the torch backend's for comparison): within 1.5x of bf16 KV's error."""
+    bf16, int8, torch_int8 = (
         _decode_errors(hf_real, prompts, bf16_llm),
         _decode_errors(hf_real, prompts, int8_llm),
+        _decode_errors(hf_real, prompts, int8_torch_llm),
     )
-    print(f"decode steps, top-5 error vs HF float32 (max, mean): bf16 KV {bf16}, int8 KV {int8}")
+    print(f"decode steps, top-5 error vs HF float32 (max, mean): bf16 KV {bf16}, int8 KV "
+          f"{int8}, int8 KV torch {torch_int8}")  # fmt: skip
     assert int8[0] <= GOAL * bf16[0] and int8[1] <= GOAL * bf16[1], (bf16, int8)
+
+
+def test_int8_chat_answers_as_bf16_kv(smollm2_dir: Path, int8_llm: LLM, bf16_llm: LLM) -> None:
+    """The greedy answers to 6 chat questions (first 12 tokens) with int8 KV on the flashinfer
+    backend against bf16 KV's: at least 5 of 6 the same (the issue's bound)."""
+    from transformers import AutoTokenizer
+
+    from tests.unit.test_int8_kv import CHATS
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    chats = []
+    for question in CHATS:
+        msg = [{"role": "user", "content": question}]
+        ids = tok.apply_chat_template(msg, add_generation_prompt=True, tokenize=True)
+        chats.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    want = bf16_llm.generate(chats, greedy(TEACHER_TOKENS))
+    got = int8_llm.generate(chats, greedy(TEACHER_TOKENS))
+    same = sum(a.token_ids == b.token_ids for a, b in zip(got, want))
+    print(f"int8 KV (flashinfer) chat answers as bf16 KV's: {same} of 6; "
+          + " | ".join(f"{a.text!r} / {b.text!r}" for a, b in zip(got, want)))  # fmt: skip
+    assert same >= 5, [(a.text, b.text) for a, b in zip(got, want)]
 
 
 @pytest.mark.parametrize("kernel", ["triton", "xqa"])

@@ -35,6 +35,14 @@ def paged_batch() -> tuple[KVPool, AttentionBatch, list[torch.Tensor]]:
                       dtype="float8_e4m3fn")  # fmt: skip
     pool = KVPool(layout, sum(pages) + 3, "cpu", torch.bfloat16, SCALES)
     pool.pages.copy_(torch.randn(pool.pages.shape, generator=gen).to(pool.pages.dtype))
+    batch, csr = shuffled_pages(pool, gen)
+    return pool, batch, csr
+
+
+def shuffled_pages(pool: KVPool, gen: torch.Generator) -> tuple[AttentionBatch, list[torch.Tensor]]:
+    """LENS's sequences on shuffled pages of `pool` (the new token of each already stored), and
+    their page table in FlashInfer's CSR form."""
+    pages = [-(-n // PAGE) for n in LENS]
     owned = (torch.randperm(pool.num_pages - 1, generator=gen) + 1).int()
     table = torch.zeros(len(LENS), max(pages), dtype=torch.int32)
     indptr = [0]
@@ -51,7 +59,7 @@ def paged_batch() -> tuple[KVPool, AttentionBatch, list[torch.Tensor]]:
     )
     csr = [torch.tensor(indptr, dtype=torch.int32), owned[: indptr[-1]],
            torch.tensor(last, dtype=torch.int32)]  # fmt: skip
-    return pool, batch, csr
+    return batch, csr
 
 
 def check(splits: int) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import torch
 import torch.nn.functional as F
 
@@ -94,10 +93,13 @@ def test_torch_attention_over_int8_pages_is_attention_over_their_values() -> Non
         torch.testing.assert_close(out[row], want, rtol=1e-5, atol=1e-5)
 
 
-def test_int8_needs_the_torch_backend() -> None:
-    assert EngineConfig(**INT8).resolved_backend(torch.device("cuda"), torch.bfloat16) == "torch"
-    with pytest.raises(ValueError, match="int8 is read by the torch attention backend"):
-        EngineConfig(attention_backend="flashinfer", **INT8)
+def test_int8_runs_on_flashinfer_when_asked() -> None:
+    """`auto` reads int8 pages with the torch backend; FlashInfer's backend (a Triton decode
+    kernel, dequantized pages for prefill) takes them when asked for."""
+    cuda = torch.device("cuda")
+    assert EngineConfig(**INT8).resolved_backend(cuda, torch.bfloat16, 64) == "torch"
+    asked = EngineConfig(attention_backend="flashinfer", **INT8)
+    assert asked.resolved_backend(cuda, torch.bfloat16, 64) == "flashinfer"
 
 
 def test_int8_pages_carry_their_scales_across_the_handoff(tiny_llama: str) -> None:

@@ -6,6 +6,9 @@ K and V scales passed to `run`; CUDA-graph decode steps read it with a Triton ke
 (`kernels/fp8_decode.py`), or on Hopper with FlashInfer's XQA (`xqa_decode.py`), whichever the
 GPU's table has the faster at the batch size.
 
+An int8 pool (rows with their own scales) has no FlashInfer kernel: `int8_steps.py` says
+what reads it; its rows are written by `rope_int8.rotary_store_int8`, not in a GEMM's epilogue.
+
 FlashInfer reads a page table in CSR form (`paged_metadata.py`).
 
 Two backends share the per-layer work (write the new K/V into the pool, then attend; the model
@@ -27,6 +30,7 @@ import torch
 
 from workers.attention import xqa_decode
 from workers.attention.base import AttentionBackend, AttentionBatch, store_kv
+from workers.attention.int8_steps import Int8Rotations, Int8Steps
 from workers.attention.paged_metadata import PagedMetadata, paged_metadata
 from workers.attention.replan_gate import ReplanGate
 from workers.attention.rotary import apply_rotary
@@ -35,6 +39,8 @@ from workers.config import FLASHINFER_HEAD_DIMS
 from workers.kernels import fp8_decode, rope, split_kv_decode
 from workers.kernels.fp8_decode import FP8Decode
 from workers.kernels.host_staging import host_array
+from workers.kernels.int8_decode import Int8Decode
+from workers.kernels.rope_int8 import rotary_store_int8
 from workers.kernels.split_kv_decode import SplitKVDecode
 from workers.kvcache.pool import KVPool
 
@@ -85,7 +91,12 @@ class _PagedFlashInfer(AttentionBackend):
             )
         self._heads = (num_q_heads, layout.num_kv_heads, layout.head_dim, layout.page_size)
         self._tensor_cores = decode_on_tensor_cores(tensor_cores, num_q_heads, layout.num_kv_heads)
-        self._plan_dtypes = dict(q_data_type=pool.compute_dtype, kv_data_type=pool.pages.dtype)
+        self._int8 = pool.pages.dtype == torch.int8
+        # An int8 pool's pages reach FlashInfer dequantized (prefill): in the compute dtype.
+        kv_dtype = pool.compute_dtype if self._int8 else pool.pages.dtype
+        self._plan_dtypes = dict(q_data_type=pool.compute_dtype, kv_data_type=kv_dtype)
+        # An int8 pool's Hadamard matrices (q, the output, the writes); None for other pools.
+        self._rotations = Int8Rotations(pool, num_q_heads) if self._int8 else None
         self._wrapper: _Wrapper | None = None
         self._slot_pages = self._slot_offsets = torch.empty(0)
         self._plans = ReplanGate()  # a plan's pinned source outlives its queued copy
@@ -94,14 +105,9 @@ class _PagedFlashInfer(AttentionBackend):
         self, wrapper: flashinfer.BatchDecodeWithPagedKVCacheWrapper, meta: PagedMetadata
     ) -> None:
         self._plans.plan(
-            wrapper,
-            meta.kv_indptr,
-            meta.kv_indices,
-            meta.last_page_len,
-            *self._heads,
-            sm_scale=self.scale,
-            **self._plan_dtypes,
-        )
+            wrapper, meta.kv_indptr, meta.kv_indices, meta.last_page_len, *self._heads,
+            sm_scale=self.scale, **self._plan_dtypes,
+        )  # fmt: skip
 
     def forward(
         self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -135,6 +141,10 @@ class _PagedFlashInfer(AttentionBackend):
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             return self.forward(layer_id, q, k, v)
         kv, scales = self.pool.layer(layer_id), self.pool.scales
+        if self._rotations is not None:
+            q = rotary_store_int8(q, k, v, cos, sin, kv, self._rotations.half,
+                                  self._slot_pages, self._slot_offsets)  # fmt: skip
+            return self._run(layer_id, q)
         q = rope.rotary_store(
             q, k, v, cos, sin, kv, self._slot_pages, self._slot_offsets,
             scales.k[layer_id], scales.v[layer_id],
@@ -152,8 +162,9 @@ class _PagedFlashInfer(AttentionBackend):
         self, layer_id: int, cos: torch.Tensor, sin: torch.Tensor
     ) -> rope.RotaryStore | None:
         """What `forward_rotary`'s kernel does, for the q/k/v GEMM's epilogue; None where that
-        kernel would not run."""
-        if not self._rope_kernel_takes(cos):
+        kernel would not run, or writes int8 rows (whose rotation and scale need whole rows
+        of a head, which the epilogue's tiles do not hold)."""
+        if self._int8 or not self._rope_kernel_takes(cos):
             return None
         kv, scales = self.pool.layer(layer_id), self.pool.scales
         return rope.RotaryStore(cos, sin, kv, self._slot_pages, self._slot_offsets,
@@ -167,23 +178,26 @@ class FlashInferAttention(_PagedFlashInfer):
     """Any step: decode kernels for all-decode steps, causal prefill kernels otherwise."""
 
     def __init__(
-        self,
-        pool: KVPool,
-        num_q_heads: int,
-        scale: float,
-        workspace: torch.Tensor | None = None,
-        tensor_cores: bool | None = None,
-    ) -> None:
+        self, pool: KVPool, num_q_heads: int, scale: float,
+        workspace: torch.Tensor | None = None, tensor_cores: bool | None = None,
+    ) -> None:  # fmt: skip
         super().__init__(pool, num_q_heads, scale, tensor_cores)
         self.workspace = new_workspace(pool.pages.device) if workspace is None else workspace
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=self._tensor_cores
         )
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        self._int8_steps = None
+        if self._rotations is not None:
+            self._int8_steps = Int8Steps(pool, self._rotations, self._heads, scale,
+                                         self._prefill, self._plans, self._plan_dtypes)  # fmt: skip
 
     def plan(self, batch: AttentionBatch) -> None:
         meta = paged_metadata(batch, self.pool.page_size)
         self._slot_pages, self._slot_offsets = batch.slot_pages, batch.slot_offsets
+        if self._int8_steps is not None:
+            self._int8_steps.plan(batch, meta)
+            return
         if batch.is_decode:
             self._plan_decode(self._decode, meta)
             self._wrapper = self._decode
@@ -201,6 +215,11 @@ class FlashInferAttention(_PagedFlashInfer):
         )
         self._wrapper = self._prefill
 
+    def _run(self, layer_id: int, q: torch.Tensor) -> torch.Tensor:
+        if self._int8_steps is not None:
+            return self._int8_steps.run(layer_id, q)
+        return super()._run(layer_id, q)
+
 
 class GraphDecodeAttention(_PagedFlashInfer):
     """Decode for exactly `batch_size` sequences, from buffers whose addresses never change.
@@ -214,21 +233,15 @@ class GraphDecodeAttention(_PagedFlashInfer):
     FlashInfer's (rotary, K/V write, attention and merge in one launch that starts reading KV
     before its input is ready); such a graph takes decode rows only, one per sequence
     (`accepts_token_rows` is False). An FP8 pool is read by `fp8_decode`'s kernel where
-    `fp8_decode.used_at` the batch size (the K/V written before it, as for FlashInfer).
+    `fp8_decode.used_at` the batch size (the K/V written before it, as for FlashInfer), an
+    int8 pool by `int8_decode`'s at every size.
     """
 
     def __init__(
-        self,
-        pool: KVPool,
-        num_q_heads: int,
-        scale: float,
-        batch_size: int,
-        workspace: torch.Tensor,
-        indices_buffer: torch.Tensor,
-        tensor_cores: bool | None = None,
-        xqa: XQABuffers | None = None,
-        fp8_kernel: str | None = None,
-    ) -> None:
+        self, pool: KVPool, num_q_heads: int, scale: float, batch_size: int,
+        workspace: torch.Tensor, indices_buffer: torch.Tensor, tensor_cores: bool | None = None,
+        xqa: XQABuffers | None = None, fp8_kernel: str | None = None,
+    ) -> None:  # fmt: skip
         """`xqa`: buffers where XQA serves this pool (`xqa_decode.applies`); `fp8_kernel`:
         `KernelConfig.fp8_decode_kernel`."""
         super().__init__(pool, num_q_heads, scale, tensor_cores)
@@ -245,7 +258,11 @@ class GraphDecodeAttention(_PagedFlashInfer):
         self.split_kv: SplitKVDecode | None = None
         self.fp8: FP8Decode | None = None
         self.xqa: XQADecode | None = None
+        self.int8: Int8Decode | None = None
         heads = (num_q_heads, num_kv_heads, head_dim, pool.pages.dtype)
+        if self._int8:
+            self.int8 = Int8Decode(batch_size, num_q_heads, num_kv_heads, head_dim, scale, device)
+            return
         if batch_size <= split_kv_decode.MAX_BATCH and split_kv_decode.applies(*heads):
             self.split_kv = SplitKVDecode(
                 batch_size, num_q_heads, num_kv_heads, head_dim, scale, device
@@ -288,7 +305,7 @@ class GraphDecodeAttention(_PagedFlashInfer):
             self.xqa.plan(batch.page_table, kv_lens)
             return
         meta = paged_metadata(batch, self.pool.page_size)
-        if self.split_kv is None and self.fp8 is None:
+        if self.split_kv is None and self.fp8 is None and self.int8 is None:
             assert self._wrapper is not None
             self._plan_decode(self._wrapper, meta)
             return
@@ -316,6 +333,10 @@ class GraphDecodeAttention(_PagedFlashInfer):
         return None if self.split_kv is not None else super().rotary_store(layer_id, cos, sin)
 
     def _run(self, layer_id: int, q: torch.Tensor) -> torch.Tensor:
+        if self.int8 is not None:
+            assert self._rotations is not None
+            table = (self.kv_indptr, self.kv_indices, self.last_page_len)
+            return self._rotations.decode(self.int8, self.pool.layer(layer_id), q, *table)
         if self.xqa is None and self.fp8 is None:
             return super()._run(layer_id, q)
         kv, scales = self.pool.layer(layer_id), self.pool.scales

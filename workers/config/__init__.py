@@ -168,7 +168,9 @@ class EngineConfig(BaseModel):
         "an element, twice the tokens per GiB and half the bytes per hand-off, scaled per layer "
         "by the checkpoint's k_scale/v_scale where it has them, else 1.0; int8: one byte an "
         "element plus a float32 scale per token and head computed as K/V are written, closer "
-        "to a bf16 cache; read by the torch backend only (docs/fp8_kv_cache.md)",
+        "to a bf16 cache; read by the torch backend (auto), or with attention_backend="
+        "'flashinfer' by a Triton decode kernel, prefill steps dequantizing the pages they read "
+        "(docs/fp8_kv_cache.md)",
     )
     enable_prefix_caching: bool = True
     attention_backend: Literal["auto", "torch", "flashinfer"] = Field(
@@ -236,13 +238,6 @@ class EngineConfig(BaseModel):
     )
 
     @model_validator(mode="after")
-    def _int8_kv_backend(self) -> EngineConfig:
-        if self.kv_cache_dtype == "int8" and self.attention_backend == "flashinfer":
-            msg = "kv_cache_dtype=int8 is read by the torch attention backend only (FlashInfer"
-            raise ValueError(msg + " has no int8 pages with per-row scales): set auto or torch")
-        return self
-
-    @model_validator(mode="after")
     def _offload_fits(self) -> EngineConfig:
         if self.kv_offload is not None and not self.enable_prefix_caching:
             raise ValueError("kv_offload needs enable_prefix_caching: the tiers hold its pages")
@@ -270,8 +265,10 @@ class EngineConfig(BaseModel):
     def resolved_backend(
         self, device: torch.device, dtype: torch.dtype | None = None, head_dim: int | None = None
     ) -> str:
-        """FlashInfer needs CUDA, a 16-bit model dtype (KV in it or FP8, not int8) and a head
-        size its kernels are built for; `auto` falls back to torch otherwise."""
+        """FlashInfer needs CUDA, a 16-bit model dtype and a head size its kernels are built
+        for; `auto` falls back to torch otherwise, and for int8 KV, which the torch backend
+        reads as its tests do (FlashInfer's int8 path, a Triton decode kernel and dequantized
+        prefill pages, runs when asked for)."""
         if self.attention_backend == "auto":
             import torch
 

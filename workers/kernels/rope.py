@@ -3,6 +3,7 @@ where torch's form takes several, rounding where the torch code rounds (`fused.p
 - `rotary`: `x * cos + rotate_half(x) * sin` in float32, one rounding at the end;
 - `rotary_store`: `rotary` of q and k, with the rotated k and the untouched v written straight
   into their KV pool slots (what `AttentionBackend.store_kv` does), in one kernel;
+  (`rope_int8.py`: the same into an int8 pool, with `rotate_q` and `halves` from here);
 - `store_rotated`: the same as the epilogue of the q/k/v GEMM (`skinny_dot`, from 16 rows), so
   neither the q/k/v tensor nor a kernel of its own is needed (`RotaryStore` says where to);
 - `cos_sin`: the per-token cos and sin from the positions, in float32 like HF, rounded to the
@@ -112,38 +113,51 @@ def _rotary_store_kernel(
     start_dependents(PDL)
     wait_for_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
-    dims = tl.arange(0, HALF)[None, :]
-    cos = tl.load(cos_ptr + token * cs_stride + dims).to(tl.float32)  # first half == second half
-    sin = tl.load(sin_ptr + token * cs_stride + dims).to(tl.float32)
-    # q: rotated into a new packed [T, Hq, D] tensor.
-    qh = tl.arange(0, Q_BLOCK)[:, None]
-    qm = qh < num_q_heads
-    src = q_ptr + token * q_stride_t + qh * q_stride_h + dims
-    x1 = tl.load(src, mask=qm, other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF, mask=qm, other=0.0).to(tl.float32)
-    dst = q_out_ptr + token * num_q_heads * 2 * HALF + qh * 2 * HALF + dims
-    tl.store(dst, (x1 * cos - x2 * sin).to(q_out_ptr.dtype.element_ty), mask=qm)
-    tl.store(dst + HALF, (x2 * cos + x1 * sin).to(q_out_ptr.dtype.element_ty), mask=qm)
+    cos, sin = rotate_q(q_ptr, cos_ptr, sin_ptr, q_out_ptr, token, q_stride_t, q_stride_h,
+                         cs_stride, num_q_heads, HALF, Q_BLOCK)  # fmt: skip
     # k (rotated) and v (as is): into slot (page, offset) of the layer's pool view.
     page = tl.load(slot_pages_ptr + token).to(tl.int64)
     slot = tl.load(slot_offsets_ptr + token).to(tl.int64)
     kh = tl.arange(0, KV_BLOCK)[:, None]
     km = kh < num_kv_heads
+    dims = tl.arange(0, HALF)[None, :]
     k_dst = kv_ptr + page * kv_stride_page + slot * kv_stride_slot + kh * kv_stride_head + dims
-    src = k_ptr + token * k_stride_t + kh * k_stride_h + dims
-    y1 = tl.load(src, mask=km, other=0.0).to(tl.float32)
-    y2 = tl.load(src + HALF, mask=km, other=0.0).to(tl.float32)
+    y1, y2 = halves(k_ptr + token * k_stride_t + kh * k_stride_h, km, HALF)
     ty = kv_ptr.dtype.element_ty
     k1 = _kv_value((y1 * cos - y2 * sin) * k_inv_scale, KV_MAX)
     tl.store(k_dst, k1.to(ty), mask=km)
     k2 = _kv_value((y2 * cos + y1 * sin) * k_inv_scale, KV_MAX)
     tl.store(k_dst + HALF, k2.to(ty), mask=km)
-    src = v_ptr + token * v_stride_t + kh * v_stride_h + dims
+    v1, v2 = halves(v_ptr + token * v_stride_t + kh * v_stride_h, km, HALF)
     v_dst = k_dst + kv_stride_kv
-    v1 = tl.load(src, mask=km, other=0.0).to(tl.float32) * v_inv_scale
-    tl.store(v_dst, _kv_value(v1, KV_MAX).to(ty), mask=km)
-    v2 = tl.load(src + HALF, mask=km, other=0.0).to(tl.float32) * v_inv_scale
-    tl.store(v_dst + HALF, _kv_value(v2, KV_MAX).to(ty), mask=km)
+    tl.store(v_dst, _kv_value(v1 * v_inv_scale, KV_MAX).to(ty), mask=km)
+    tl.store(v_dst + HALF, _kv_value(v2 * v_inv_scale, KV_MAX).to(ty), mask=km)
+
+
+@triton.jit
+def rotate_q(q_ptr, cos_ptr, sin_ptr, q_out_ptr, token, q_stride_t, q_stride_h, cs_stride,
+              num_q_heads, HALF: tl.constexpr, Q_BLOCK: tl.constexpr):  # fmt: skip
+    """`token`'s cos and sin (`[1, HALF]` float32: a row's first half is its second), and its
+    q heads rotated into the new packed `[T, Hq, D]` `q_out`."""
+    dims = tl.arange(0, HALF)[None, :]
+    cos = tl.load(cos_ptr + token * cs_stride + dims).to(tl.float32)
+    sin = tl.load(sin_ptr + token * cs_stride + dims).to(tl.float32)
+    qh = tl.arange(0, Q_BLOCK)[:, None]
+    qm = qh < num_q_heads
+    x1, x2 = halves(q_ptr + token * q_stride_t + qh * q_stride_h, qm, HALF)
+    dst = q_out_ptr + token * num_q_heads * 2 * HALF + qh * 2 * HALF + dims
+    ty = q_out_ptr.dtype.element_ty
+    tl.store(dst, (x1 * cos - x2 * sin).to(ty), mask=qm)
+    tl.store(dst + HALF, (x2 * cos + x1 * sin).to(ty), mask=qm)
+    return cos, sin
+
+
+@triton.jit
+def halves(src, mask, HALF: tl.constexpr):
+    """The two halves (`[R, HALF]`, float32) of the rows at `src` (`[R, 1]` pointers)."""
+    dims = tl.arange(0, HALF)[None, :]
+    x1 = tl.load(src + dims, mask=mask, other=0.0).to(tl.float32)
+    return x1, tl.load(src + HALF + dims, mask=mask, other=0.0).to(tl.float32)
 
 
 @dataclass(frozen=True)

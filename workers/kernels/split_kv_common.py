@@ -9,7 +9,7 @@ choose_all_merge`), every split then waits for the count and merges its 1/SPLITS
 output (`_merge_a_slice`: one dependent read of the parts); else the last split to arrive merges
 them all (`_merge_all`, as `skinny_gemm`'s split-K), which at batch 1 is one program reading
 64 KB after everyone else has finished. With one split the output is written directly.
-Used by `split_kv_decode` (16-bit pages, batch 1) and `fp8_decode` (FP8 pages).
+Used by `split_kv_decode` (16-bit pages, batch 1) and `paged_decode` (8-bit pages).
 """
 
 from __future__ import annotations
@@ -52,6 +52,24 @@ def sequence_pages(indptr_ptr, last_ptr, b, PS: tl.constexpr):
     """Sequence `b`'s first entry in the CSR page list, and its length in tokens."""
     p0 = tl.load(indptr_ptr + b)
     return p0, (tl.load(indptr_ptr + b + 1) - p0 - 1) * PS + tl.load(last_ptr + b)
+
+
+@triton.jit
+def split_tokens(indptr_ptr, last_ptr, b, split, PS: tl.constexpr, TILE: tl.constexpr,
+                 SPLITS: tl.constexpr):  # fmt: skip
+    """Sequence `b`'s first CSR page entry, and split `split`'s tokens `[start, end)` of all
+    its tokens (the new ones included): whole tiles a split, but for the last."""
+    p0, kv_len = sequence_pages(indptr_ptr, last_ptr, b, PS)
+    chunk = tl.cdiv(tl.cdiv(kv_len, SPLITS), TILE) * TILE
+    start = split * chunk
+    return p0, start, tl.minimum(start + chunk, kv_len)
+
+
+@triton.jit
+def empty_softmax(HALF: tl.constexpr):
+    """An online softmax's state before its first tile: running max, sum and output."""
+    top = tl.full([16], -1.0e30, dtype=tl.float32)
+    return top, tl.zeros([16], dtype=tl.float32), tl.zeros([16, 2 * HALF], dtype=tl.float32)
 
 
 @triton.jit

@@ -1,0 +1,156 @@
+"""The split-KV decode kernel over 8-bit paged pools, in one Triton launch: FP8 pages with one
+scale a layer (`fp8_decode.py`, whose notes say why not FlashInfer's) and int8 rows each with
+its own scale (`int8_decode.py`, which says how the scales enter the products).
+
+Programs are (sequence, KV head, split of the sequence's tokens); the KV head's GQA group of
+query heads are the rows of a tensor-core product; each tile is cast to fp16 in registers, its
+loads software-pipelined over `STAGES` tiles; online softmax in base 2; the splits merged in the
+same launch (`split_kv_common`). The new tokens' K/V are written before (the quantizing rotary
+stores of `rope.py`) and read back from the pool like the others: the kernel waits for its
+inputs (PDL) before its first K/V load, so rows that are tokens of one sequence (a prefill
+chunk on a decode graph) see each other's K/V.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from workers.kernels import pdl
+from workers.kernels.pdl import wait_for_inputs
+from workers.kernels.split_kv_common import (
+    SplitParts,
+    attend,
+    empty_softmax,
+    finish_split,
+    group_queries,
+    num_splits,
+    split_tokens,
+    tile_kv,
+)
+from workers.kernels.tuning import FP8DecodeLaunch, fp8_decode_launch
+
+
+@triton.jit
+def _int8_tile(kv_ptr, kvf_ptr, idx_ptr, p0, t, end, h, s_page, s_kv, s_slot, s_head,
+          PS: tl.constexpr, HALF: tl.constexpr):  # fmt: skip
+    """K (two rotary halves) and V of past tokens `t` as int8, and their rows' scales."""
+    mask = t < end
+    page = tl.load(idx_ptr + p0 + t // PS, mask=mask, other=0).to(tl.int64)
+    off = page * s_page + (t % PS).to(tl.int64) * s_slot + h * s_head  # bytes
+    # Every stride is a multiple of a row's D + 4 bytes (so is where a layer's view starts):
+    # rows start 4-byte aligned. Unsaid, a head stride not a multiple of 16 (132 at D = 128)
+    # leaves the compiler loading a byte at a time.
+    row = tl.multiple_of(kv_ptr + off, 4)
+    v_row = tl.multiple_of(row + s_kv, 4)
+    dh = tl.arange(0, HALF)[None, :]
+    dd = tl.arange(0, 2 * HALF)[None, :]
+    k1 = tl.load(row[:, None] + dh, mask=mask[:, None], other=0)
+    k2 = tl.load(row[:, None] + HALF + dh, mask=mask[:, None], other=0)
+    v = tl.load(v_row[:, None] + dd, mask=mask[:, None], other=0)
+    # The scale after each row's bytes, through the pool's float32 view (rows are D + 4 bytes,
+    # every stride a multiple of 4).
+    k_scale = tl.load(kvf_ptr + (off + 2 * HALF) // 4, mask=mask, other=0.0)
+    v_scale = tl.load(kvf_ptr + (off + s_kv + 2 * HALF) // 4, mask=mask, other=0.0)
+    return k1, k2, v, k_scale, v_scale, mask
+
+
+@triton.jit
+def _attend_int8(q1, q2, k1, k2, v, k_scale, v_scale, mask, top, denom, acc, scale_log2):
+    """Online softmax (base 2) of one tile of int8 rows: the new running max, sum and output."""
+    s = tl.dot(q1, tl.trans(k1.to(tl.float16))) + tl.dot(q2, tl.trans(k2.to(tl.float16)))
+    s = tl.where(mask[None, :], s * (k_scale * scale_log2)[None, :], float("-inf"))
+    top_new = tl.maximum(top, tl.max(s, axis=1))
+    alpha = tl.exp2(top - top_new)
+    p = tl.exp2(s - top_new[:, None])
+    denom = denom * alpha + tl.sum(p, axis=1)
+    v_max = tl.max(v_scale, axis=0)
+    v_max = tl.where(v_max > 0.0, v_max, 1.0)
+    pv = (p * (v_scale / v_max)[None, :]).to(tl.float16)
+    acc = acc * alpha[:, None] + tl.dot(pv, v.to(tl.float16)) * v_max
+    return top_new, denom, acc
+
+
+@triton.jit
+def _paged_decode_kernel(
+    q_ptr, q_st, q_sh, kv_ptr, kvf_ptr, s_page, s_kv, s_slot, s_head, indptr_ptr, idx_ptr,
+    last_ptr, part_o_ptr, part_lse_ptr, lock_ptr, out_ptr, scale_log2, o_scale,
+    GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HALF: tl.constexpr, PS: tl.constexpr,
+    TILE: tl.constexpr, SPLITS: tl.constexpr, STAGES: tl.constexpr, ALL_MERGE: tl.constexpr,
+    INT8_ROWS: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """`kvf_ptr`: the pool's float32 view (int8 rows' scales; unused for FP8 pages)."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    split = tl.program_id(2)
+    num_kv_heads = tl.num_programs(1)
+    p0, start, end = split_tokens(indptr_ptr, last_ptr, b, split, PS, TILE, SPLITS)
+    wait_for_inputs(PDL)  # q, and the new token's K/V in the pool
+    q1, q2 = group_queries(q_ptr, q_st, q_sh, b, h, GROUP, HALF)
+    q1, q2 = q1.to(tl.float16), q2.to(tl.float16)
+    top, denom, acc = empty_softmax(HALF)
+    for t0 in tl.range(start, end, TILE, num_stages=STAGES):
+        t = t0 + tl.arange(0, TILE)
+        if INT8_ROWS:
+            k1, k2, v, k_scale, v_scale, mask = _int8_tile(
+                kv_ptr, kvf_ptr, idx_ptr, p0, t, end, h, s_page, s_kv, s_slot, s_head, PS, HALF
+            )
+            top, denom, acc = _attend_int8(q1, q2, k1, k2, v, k_scale, v_scale, mask, top,
+                                           denom, acc, scale_log2)  # fmt: skip
+        else:
+            k1, k2, v, mask = tile_kv(kv_ptr, idx_ptr, p0, t, end, h, s_page, s_kv, s_slot,
+                                      s_head, PS, HALF)  # fmt: skip
+            k1, k2, v = k1.to(tl.float16), k2.to(tl.float16), v.to(tl.float16)
+            top, denom, acc = attend(q1, q2, k1, k2, v, mask, top, denom, acc, scale_log2)
+    finish_split(acc, top, denom, o_scale, part_o_ptr, part_lse_ptr, lock_ptr, out_ptr, b, h,
+                 split, num_kv_heads, GROUP, GROUP_P2, HALF, SPLITS, ALL_MERGE, PDL)  # fmt: skip
+
+
+class PagedDecode:
+    """The kernel over a layer's whole 8-bit paged pool (every token attended to already
+    stored): its fixed buffers for decode steps of exactly `batch_size` rows and its launch
+    choices; `run` may be captured in a CUDA graph (nothing allocated but the output)."""
+
+    def __init__(
+        self, batch_size: int, num_q_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+        device: torch.device, launch: FP8DecodeLaunch | None = None, splits: int | None = None,
+    ) -> None:  # fmt: skip
+        """`launch`, `splits`: choices other than the GPU's FP8 table (a sweep's, a test's);
+        the splits by default for about `launch.programs` programs (`num_splits`)."""
+        self.batch_size = batch_size
+        self.group = num_q_heads // num_kv_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        if launch is None:
+            gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+            launch = fp8_decode_launch(batch_size, gpu)
+        self.launch = dict(TILE=launch.tile, STAGES=launch.stages, num_warps=launch.num_warps)
+        splits = splits or num_splits(batch_size, num_kv_heads, launch.programs)
+        self.parts = SplitParts(batch_size, num_kv_heads, self.group, head_dim, splits, device)
+
+    def run(
+        self, q: torch.Tensor, pools: tuple[torch.Tensor, torch.Tensor], kv: torch.Tensor,
+        page_table: tuple[torch.Tensor, ...], scales: tuple[float, float], int8_rows: bool,
+    ) -> torch.Tensor:  # fmt: skip
+        """The kernel over q `[B, Hq, D]` and `kv` one layer's pool `[pages, 2, page_size, Hkv,
+        row]` (`pools`: its bytes and, for int8 rows, its float32 view), the page table in
+        FlashInfer's CSR form, `scales` the softmax's (base 2) and the output's."""
+        b, hq, d = q.shape
+        assert b == self.batch_size and d == self.head_dim  # the split buffers' sizes
+        assert hq == self.num_kv_heads * self.group and kv.shape[-2] == self.num_kv_heads
+        assert q.stride(-1) == kv.stride(-1) == 1
+        out = torch.empty((b, hq, d), dtype=q.dtype, device=q.device)
+        parts = self.parts
+        grid = (b, self.num_kv_heads, parts.splits)
+        args = (
+            q, q.stride(0), q.stride(1), *pools, kv.stride(0), kv.stride(1), kv.stride(2),
+            kv.stride(3), *page_table, parts.part_o, parts.part_lse, parts.locks, out, *scales,
+        )  # fmt: skip
+        options = dict(
+            GROUP=self.group, GROUP_P2=parts.group_p2, HALF=d // 2, PS=kv.shape[2],
+            SPLITS=parts.splits, INT8_ROWS=int8_rows, **self.launch, **pdl.launch_options(q),
+        )  # fmt: skip
+        parts.launch(_paged_decode_kernel, grid, args, options, q)
+        return out
