@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.tolerance import reduction_atol
-from workers.kernels.lora_ops import add_lora
+from workers.kernels.lora_ops import add_lora, add_lora_beside
 from workers.kernels.lora_sgmv import MAX_TOKENS, sgmv_add_lora
 from workers.kernels.skinny_tiles import SUMSQ_SLOTS
 
@@ -41,3 +41,33 @@ def test_sgmv_on_gpu(tokens: int, n_in: int, out_parts: list[int], normed: bool)
     scale = float(add_lora(*(t.abs() for t in ref[:4]), ref[4], out_parts).max())
     atol = reduction_atol(n_in + rank, scale, dtype) + float(torch.finfo(dtype).eps) * scale
     assert float((got.double().cpu() - want).abs().max()) < atol
+
+
+@pytest.mark.parametrize("tokens", [16, MAX_TOKENS + 8])  # the SGMV kernels, the masked path
+def test_products_beside_the_base_gemm_in_a_graph(tokens: int) -> None:
+    """`add_lora_beside` (the products on a second stream, then added) in a captured CUDA graph
+    replayed on new inputs: the base GEMM plus `add_lora`'s products, but for the products'
+    one more bf16 rounding before the add."""
+    dtype, slots, rank, n_in, out, dev = torch.bfloat16, 4, 16, 2048, 3072, "cuda"
+    gen = torch.Generator(device=dev).manual_seed(tokens)
+    x = torch.zeros(tokens, n_in, dtype=dtype, device=dev)
+    w = (torch.randn(out, n_in, generator=gen, device=dev) / n_in**0.5).to(dtype)
+    a = (torch.randn(slots, rank, n_in, generator=gen, device=dev) / n_in**0.5).to(dtype)
+    b = (torch.randn(out, slots, rank, generator=gen, device=dev) / rank**0.5).to(dtype)
+    mask = torch.zeros(tokens, slots, dtype=dtype, device=dev)
+    mask[torch.arange(tokens, device=dev), torch.arange(tokens, device=dev) % slots] = 1.0
+    mask[::5] = 0.0  # base tokens
+    base = lambda: x @ w.t()  # noqa: E731
+    add_lora_beside(base, x, a, b, mask, [out])  # compile outside the graph
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = add_lora_beside(base, x, a, b, mask, [out])
+    for seed in (1, 2):
+        x.copy_(torch.randn(tokens, n_in, generator=gen.manual_seed(seed), device=dev))
+        graph.replay()
+        want = add_lora(x, base(), a, b, mask, [out])
+        products = add_lora(x, torch.zeros_like(want), a, b, mask, [out])
+        scale = float(want.abs().max()) + float(products.abs().max())
+        assert float((got - want).abs().max()) <= 2 * float(torch.finfo(dtype).eps) * scale
+        assert torch.equal(got[::5], base()[::5])  # base tokens: the GEMM alone

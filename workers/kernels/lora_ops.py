@@ -16,6 +16,9 @@ shrunk rows times its rows of B.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 
 
@@ -35,6 +38,34 @@ def add_lora(
         if x.shape[0] <= lora_sgmv.MAX_TOKENS and len(out_parts) <= lora_sgmv.MAX_PARTS:
             return lora_sgmv.sgmv_add_lora(x.contiguous(), y, a, b, mask, out_parts, sumsq, eps)
     return masked_add_lora(x, y, a, b, mask, out_parts, sumsq, eps)
+
+
+def add_lora_beside(
+    base: Callable[[], torch.Tensor], x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+    mask: torch.Tensor, out_parts: list[int], sumsq: torch.Tensor | None = None,
+    eps: float = 0.0,
+) -> torch.Tensor:  # fmt: skip
+    """`add_lora(x, base(), ...)` on CUDA with the products on a second stream, beside `base()`
+    (the base GEMM of the same rows): they wait for x only, not for the GEMM, and their sum
+    is added to its output once both have run (one more launch). In a CUDA graph being
+    captured the two streams are two branches of it."""
+    main = torch.cuda.current_stream(x.device)
+    side = _side_stream(x.device)
+    # Allocated by the main stream, which frees it after its add, once the side has joined.
+    products = torch.empty((x.shape[0], b.shape[0]), dtype=x.dtype, device=x.device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        add_lora(x, products.zero_(), a, b, mask, out_parts, sumsq, eps)
+    y = base()
+    main.wait_stream(side)
+    return y.add_(products)
+
+
+@functools.cache
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The LoRA products' stream on `device`: high priority, so that their few small launches
+    take multiprocessors ahead of the base GEMM's waiting programs."""
+    return torch.cuda.Stream(device, priority=-1)
 
 
 def masked_add_lora(

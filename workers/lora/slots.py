@@ -31,11 +31,13 @@ ATTENTION, MLP_PROJECTIONS = ("qkv", "o"), ("gate_up", "down")
 
 
 class LoRASlots:
-    def __init__(self, model: LlamaForCausalLM, num_slots: int, max_rank: int) -> None:
+    def __init__(
+        self, model: LlamaForCausalLM, num_slots: int, max_rank: int, side_stream: bool = False
+    ) -> None:
         self.model = model
         self.num_slots = num_slots
         self.rank = max_rank
-        self.context = LoRAContext()
+        self.context = LoRAContext(side_stream)
         weight = model.decoder_layers[0].self_attn.o_proj.weight
         dtype, device = weight.dtype, weight.device
         self.dtype = dtype  # the stacks' and each step's slot mask's

@@ -58,8 +58,9 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         # This rank's partial sum: the norm after attention sums it over the group.
         if self.lora is not None and self.lora.active:
-            out = self.attend(self.lora.add("qkv", x, self.qkv_proj(x)), cos_sin, attn)
-            return self.lora.add("o", out, self.o_proj(out, reduce=False))
+            lora = self.lora
+            out = self.attend(lora.linear("qkv", x, lambda: self.qkv_proj(x)), cos_sin, attn)
+            return lora.linear("o", out, lambda: self.o_proj(out, reduce=False))
         return self.o_proj(self.attend(self.qkv_proj(x), cos_sin, attn), reduce=False)
 
     def forward_folded(
@@ -120,8 +121,9 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum: the next norm sums it over the group."""
         if self.lora is not None and self.lora.active:
-            act = silu_and_mul(self.lora.add("gate_up", x, self.gate_up_proj(x)))
-            return self.lora.add("down", act, self.down_proj(act, reduce=False))
+            lora = self.lora
+            act = silu_and_mul(lora.linear("gate_up", x, lambda: self.gate_up_proj(x)))
+            return lora.linear("down", act, lambda: self.down_proj(act, reduce=False))
         return self.down_proj(silu_and_mul_linear(x, self.gate_up_proj.weight), reduce=False)
 
     def forward_folded(

@@ -12,11 +12,12 @@ the residual stream before the GEMM that adds its own. The stacks are filled by
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from workers.kernels.lora_ops import add_lora
+from workers.kernels.lora_ops import add_lora, add_lora_beside
 from workers.model.layers import RMSNorm, linear, rms_linear
 
 
@@ -26,10 +27,12 @@ class LoRAStep:
 
 
 class LoRAContext:
-    """Shared by a model's hooks: the step being run, set around its forward."""
+    """Shared by a model's hooks: the step being run, set around its forward; `side_stream`:
+    on CUDA, a projection's products run beside its base GEMM (`add_lora_beside`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, side_stream: bool = False) -> None:
         self.step: LoRAStep | None = None
+        self.side_stream = side_stream
 
 
 @dataclass
@@ -66,6 +69,20 @@ class LayerLoRA:
             return y
         return add_lora(x, y, stack.a, stack.b, step.mask, stack.out_parts, sumsq, eps)
 
+    def linear(
+        self, name: str, x: torch.Tensor, base: Callable[[], torch.Tensor],
+        sumsq: torch.Tensor | None = None, eps: float = 0.0,
+    ) -> torch.Tensor:  # fmt: skip
+        """`base()` (the base product of x's rows) plus `name`'s products of them: beside it
+        on a second stream where the context says so (`add_lora_beside`), else after it."""
+        step, stack = self.context.step, self.stacks.get(name)
+        if step is None or stack is None:
+            return base()
+        if self.context.side_stream and x.is_cuda:
+            return add_lora_beside(base, x, stack.a, stack.b, step.mask, stack.out_parts, sumsq,
+                                   eps)  # fmt: skip
+        return add_lora(x, base(), stack.a, stack.b, step.mask, stack.out_parts, sumsq, eps)
+
     def rms_linear(
         self, name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         norm: RMSNorm, sumsq: torch.Tensor | None,
@@ -75,5 +92,6 @@ class LayerLoRA:
         run once for both."""
         if sumsq is None:
             h = norm(x)
-            return self.add(name, h, linear(h, weight, bias))
-        return self.add(name, x, rms_linear(x, weight, bias, norm, sumsq), sumsq, norm.eps)
+            return self.linear(name, h, lambda: linear(h, weight, bias))
+        return self.linear(name, x, lambda: rms_linear(x, weight, bias, norm, sumsq), sumsq,
+                           norm.eps)  # fmt: skip
