@@ -91,12 +91,12 @@ class _PagedFlashInfer(AttentionBackend):
             )
         self._heads = (num_q_heads, layout.num_kv_heads, layout.head_dim, layout.page_size)
         self._tensor_cores = decode_on_tensor_cores(tensor_cores, num_q_heads, layout.num_kv_heads)
-        self._int8 = pool.pages.dtype == torch.int8
+        int8 = pool.pages.dtype == torch.int8
         # An int8 pool's pages reach FlashInfer dequantized (prefill): in the compute dtype.
-        kv_dtype = pool.compute_dtype if self._int8 else pool.pages.dtype
+        kv_dtype = pool.compute_dtype if int8 else pool.pages.dtype
         self._plan_dtypes = dict(q_data_type=pool.compute_dtype, kv_data_type=kv_dtype)
         # An int8 pool's Hadamard matrices (q, the output, the writes); None for other pools.
-        self._rotations = Int8Rotations(pool, num_q_heads) if self._int8 else None
+        self._rotations = Int8Rotations(pool, num_q_heads) if int8 else None
         self._wrapper: _Wrapper | None = None
         self._slot_pages = self._slot_offsets = torch.empty(0)
         self._plans = ReplanGate()  # a plan's pinned source outlives its queued copy
@@ -164,7 +164,7 @@ class _PagedFlashInfer(AttentionBackend):
         """What `forward_rotary`'s kernel does, for the q/k/v GEMM's epilogue; None where that
         kernel would not run, or writes int8 rows (whose rotation and scale need whole rows
         of a head, which the epilogue's tiles do not hold)."""
-        if self._int8 or not self._rope_kernel_takes(cos):
+        if self._rotations is not None or not self._rope_kernel_takes(cos):
             return None
         kv, scales = self.pool.layer(layer_id), self.pool.scales
         return rope.RotaryStore(cos, sin, kv, self._slot_pages, self._slot_offsets,
@@ -187,7 +187,7 @@ class FlashInferAttention(_PagedFlashInfer):
             self.workspace, "NHD", use_tensor_cores=self._tensor_cores
         )
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
-        self._int8_steps = None
+        self._int8_steps: Int8Steps | None = None
         if self._rotations is not None:
             self._int8_steps = Int8Steps(pool, self._rotations, self._heads, scale,
                                          self._prefill, self._plans, self._plan_dtypes)  # fmt: skip
@@ -260,7 +260,7 @@ class GraphDecodeAttention(_PagedFlashInfer):
         self.xqa: XQADecode | None = None
         self.int8: Int8Decode | None = None
         heads = (num_q_heads, num_kv_heads, head_dim, pool.pages.dtype)
-        if self._int8:
+        if self._rotations is not None:
             self.int8 = Int8Decode(batch_size, num_q_heads, num_kv_heads, head_dim, scale, device)
             return
         if batch_size <= split_kv_decode.MAX_BATCH and split_kv_decode.applies(*heads):

@@ -22,14 +22,31 @@ from workers.kernels.pdl import wait_for_inputs
 from workers.kernels.split_kv_common import (
     SplitParts,
     attend,
-    empty_softmax,
     finish_split,
     group_queries,
     num_splits,
-    split_tokens,
+    sequence_pages,
     tile_kv,
 )
 from workers.kernels.tuning import FP8DecodeLaunch, fp8_decode_launch
+
+
+@triton.jit
+def _split_tokens(indptr_ptr, last_ptr, b, split, PS: tl.constexpr, TILE: tl.constexpr,
+                 SPLITS: tl.constexpr):  # fmt: skip
+    """Sequence `b`'s first CSR page entry, and split `split`'s tokens `[start, end)` of all
+    its tokens (the new ones included): whole tiles a split, but for the last."""
+    p0, kv_len = sequence_pages(indptr_ptr, last_ptr, b, PS)
+    chunk = tl.cdiv(tl.cdiv(kv_len, SPLITS), TILE) * TILE
+    start = split * chunk
+    return p0, start, tl.minimum(start + chunk, kv_len)
+
+
+@triton.jit
+def _empty_softmax(HALF: tl.constexpr):
+    """An online softmax's state before its first tile: running max, sum and output."""
+    top = tl.full([16], -1.0e30, dtype=tl.float32)
+    return top, tl.zeros([16], dtype=tl.float32), tl.zeros([16, 2 * HALF], dtype=tl.float32)
 
 
 @triton.jit
@@ -85,11 +102,11 @@ def _paged_decode_kernel(
     h = tl.program_id(1)
     split = tl.program_id(2)
     num_kv_heads = tl.num_programs(1)
-    p0, start, end = split_tokens(indptr_ptr, last_ptr, b, split, PS, TILE, SPLITS)
+    p0, start, end = _split_tokens(indptr_ptr, last_ptr, b, split, PS, TILE, SPLITS)
     wait_for_inputs(PDL)  # q, and the new token's K/V in the pool
     q1, q2 = group_queries(q_ptr, q_st, q_sh, b, h, GROUP, HALF)
     q1, q2 = q1.to(tl.float16), q2.to(tl.float16)
-    top, denom, acc = empty_softmax(HALF)
+    top, denom, acc = _empty_softmax(HALF)
     for t0 in tl.range(start, end, TILE, num_stages=STAGES):
         t = t0 + tl.arange(0, TILE)
         if INT8_ROWS:

@@ -55,24 +55,6 @@ def sequence_pages(indptr_ptr, last_ptr, b, PS: tl.constexpr):
 
 
 @triton.jit
-def split_tokens(indptr_ptr, last_ptr, b, split, PS: tl.constexpr, TILE: tl.constexpr,
-                 SPLITS: tl.constexpr):  # fmt: skip
-    """Sequence `b`'s first CSR page entry, and split `split`'s tokens `[start, end)` of all
-    its tokens (the new ones included): whole tiles a split, but for the last."""
-    p0, kv_len = sequence_pages(indptr_ptr, last_ptr, b, PS)
-    chunk = tl.cdiv(tl.cdiv(kv_len, SPLITS), TILE) * TILE
-    start = split * chunk
-    return p0, start, tl.minimum(start + chunk, kv_len)
-
-
-@triton.jit
-def empty_softmax(HALF: tl.constexpr):
-    """An online softmax's state before its first tile: running max, sum and output."""
-    top = tl.full([16], -1.0e30, dtype=tl.float32)
-    return top, tl.zeros([16], dtype=tl.float32), tl.zeros([16, 2 * HALF], dtype=tl.float32)
-
-
-@triton.jit
 def group_queries(q_ptr, q_st, q_sh, b, h, GROUP: tl.constexpr, HALF: tl.constexpr):
     """KV head `h`'s query heads as 16 rows (the tensor-core minimum; rows past the group are
     zeros), in two halves `[16, HALF]` as stored."""

@@ -76,12 +76,10 @@ class LayerLoRA:
         """`base()` (the base product of x's rows) plus `name`'s products of them: beside it
         on a second stream where the context says so (`add_lora_beside`), else after it."""
         step, stack = self.context.step, self.stacks.get(name)
-        if step is None or stack is None:
-            return base()
-        if self.context.side_stream and x.is_cuda:
+        if step is not None and stack is not None and self.context.side_stream and x.is_cuda:
             return add_lora_beside(base, x, stack.a, stack.b, step.mask, stack.out_parts, sumsq,
                                    eps)  # fmt: skip
-        return add_lora(x, base(), stack.a, stack.b, step.mask, stack.out_parts, sumsq, eps)
+        return self.add(name, x, base(), sumsq, eps)
 
     def rms_linear(
         self, name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
