@@ -78,6 +78,19 @@ def decode_case(
     return seed, lens, bf16, batch_
 
 
+def reference_layers(
+    pool: KVPool, batch: AttentionBatch, hq: int, seed: int
+) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """Layers 0-2 of `batch`'s decode step on `pool`: each layer's q, and the torch reference's
+    attention in float32, which first stores the step's new K/V into the pool."""
+    rows, hkv, d = len(batch.q_lens), pool.layout.num_kv_heads, pool.layout.head_dim
+    reference = TorchAttention(pool, hq, d**-0.5)
+    reference.plan(batch)
+    for layer in (0, 1, 2):
+        q, k, v = qkv(rows, hq, hkv, d, seed + layer)
+        yield layer, q, reference.forward(layer, q.float(), k.float(), v.float())
+
+
 def check_kernel(
     heads: str, page_size: int, batch: int, merge: str, launch: FP8DecodeLaunch | None = None,
     xqa_splits: int = 0,
@@ -102,11 +115,7 @@ def check_kernel(
         xqa = XQADecode(batch, hq, hkv, d, d**-0.5, page_size, torch.bfloat16, buffers,
                         xqa_splits)  # fmt: skip
         xqa.plan(batch_.page_table, torch.tensor(lens, dtype=torch.int32))
-    reference = TorchAttention(pool, hq, d**-0.5)
-    reference.plan(batch_)
-    for layer in (0, 1, 2):
-        q, k, v = qkv(batch, hq, hkv, d, seed + layer)
-        ref = reference.forward(layer, q.float(), k.float(), v.float())  # stores the new K/V
+    for layer, q, ref in reference_layers(pool, batch_, hq, seed):
         for _ in range(2):
             if xqa is not None:
                 out = xqa.forward(q, pool.layer(layer), SCALES.k[layer], SCALES.v[layer])

@@ -24,6 +24,7 @@ from tests.gpu.test_flashinfer_attention import (
 from tests.gpu.test_fp8_decode_kernel import (
     assert_forced_tokens_match,
     decode_case,
+    reference_layers,
     replayed_decode_graphs,
 )
 from workers.attention.torch_ref import TorchAttention
@@ -79,11 +80,7 @@ def test_int8_decode_kernel_matches_reference(
         kernel.parts.all_merge = False
     h = hadamard(d, pool.pages.device)
     assert h is not None
-    reference = TorchAttention(pool, hq, d**-0.5)
-    reference.plan(batch_)
-    for layer in (0, 1, 2):
-        q, k, v = qkv(batch, hq, hkv, d, seed + layer)
-        ref = reference.forward(layer, q.float(), k.float(), v.float())  # stores the new K/V
+    for layer, q, ref in reference_layers(pool, batch_, hq, seed):
         for _ in range(2):
             out = kernel.forward(
                 q.float() @ h, pool.layer(layer), meta.kv_indptr.cuda(), meta.kv_indices,
