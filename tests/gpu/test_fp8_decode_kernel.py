@@ -129,7 +129,6 @@ def check_kernel(
             assert rel_err(out, ref) < tolerance, (layer, rel_err(out, ref))
 
 
-@pytest.mark.parametrize("kernel", ["triton", "xqa"])
 def replayed_decode_graphs(
     attn: Any, pool: KVPool, bf16: KVPool, hq: int, rows: int
 ) -> Iterator[tuple[AttentionBatch, int, torch.Tensor, list[torch.Tensor]]]:
@@ -161,6 +160,7 @@ def replayed_decode_graphs(
         yield padded, len(lens), out, [q, k, v, cos, sin]
 
 
+@pytest.mark.parametrize("kernel", ["triton", "xqa"])
 @pytest.mark.parametrize("rows", [1, 8, 64])
 def test_graph_decode_fp8_kernel_replays_with_rotary(rows: int, kernel: str) -> None:
     """A decode graph over an FP8 pool runs the kernel (`KernelConfig.fp8_decode_kernel`) after
