@@ -2,7 +2,7 @@
 rank `rank` (every projection targeted) against the same batch without adapters.
 
     python bench/bench_lora.py --device cuda --out DIR [--tokenizer-dir DIR] [--batches 16 64]
-    python bench/bench_lora.py --device cuda --out DIR --side-stream   # kernels.lora_side_stream
+    python bench/bench_lora.py --device cuda --out DIR --products beside  # kernels.lora_products
     python bench/bench_lora.py --device cpu       # a smoke run: tiny shapes, a few steps
 
 On CUDA the model has Llama-3-8B's shapes with random bf16 weights (load_format dummy) and the
@@ -12,8 +12,9 @@ replays its CUDA graph; a step holding adapters replays its size's LoRA graph, w
 LoRA products on the folded layer path (docs/architecture.md, "LoRA adapters"). The floor of
 each step is the bytes it must read (the weights, the batch's KV, and with adapters the A/B of
 the adapters it holds) over the copy rate measured in the same process; `x_base` is the LoRA
-step's time over the base step's. `--side-stream` runs the products beside their base GEMMs on
-a second stream (`KernelConfig.lora_side_stream`), not after them.
+step's time over the base step's. `--products` picks where the products run
+(`KernelConfig.lora_products`): after their base GEMMs, beside them on a second stream, or the
+expand in the GEMMs' epilogue.
 """
 
 from __future__ import annotations
@@ -99,8 +100,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--side-stream", action="store_true",
-                    help="LoRA products beside each base GEMM, on a second stream")  # fmt: skip
+    ap.add_argument("--products", choices=("after", "beside", "epilogue"), default="after",
+                    help="where the LoRA products run (KernelConfig.lora_products)")  # fmt: skip
     ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "pdserve-bench")
     add_out_argument(ap)
     args = ap.parse_args()
@@ -122,7 +123,7 @@ def main() -> None:
         max_num_batched_tokens=max(2048, args.context),
         num_kv_pages=largest * -(-(args.context + args.steps + 32) // 16) + 1,
         cuda_graph_batch_sizes=tuple(args.batches),
-        kernels={"lora_side_stream": args.side_stream},
+        kernels={"lora_products": args.products},
     )  # fmt: skip
     engine = Engine(cfg)
     floor = None
@@ -144,7 +145,7 @@ def main() -> None:
         kv = batch * (args.context + args.steps // 2) * kv_token_bytes
         held = min(batch, args.adapters)
         row = {"batch": batch, "adapters": held, "rank": args.rank, "context": args.context,
-               "side_stream": args.side_stream, "base_ms": base, "lora_ms": lora,
+               "products": args.products, "base_ms": base, "lora_ms": lora,
                "x_base": round(lora / base, 3)}  # fmt: skip
         if floor is not None:
             row |= {f"base_{k}": v for k, v in floor.columns(weight_bytes + kv, base).items()}

@@ -71,3 +71,45 @@ def test_products_beside_the_base_gemm_in_a_graph(tokens: int) -> None:
         scale = float(want.abs().max()) + float(products.abs().max())
         assert float((got - want).abs().max()) <= 2 * float(torch.finfo(dtype).eps) * scale
         assert torch.equal(got[::5], base()[::5])  # base tokens: the GEMM alone
+
+
+LLAMA_PROJECTIONS = [  # (input size, output parts, gated): q/k/v, gate/up, down
+    (4096, [4096, 1024, 1024], False),
+    (4096, [14336, 14336], True),
+    (14336, [4096], False),
+]
+
+
+@pytest.mark.parametrize("tokens", [4, 16, MAX_TOKENS])
+@pytest.mark.parametrize("n_in,out_parts,gated", LLAMA_PROJECTIONS)
+def test_products_in_the_gemm_epilogue(
+    tokens: int, n_in: int, out_parts: list[int], gated: bool
+) -> None:
+    """`skinny_linear(lora=...)` (the table's config for Llama-3-8B's q/k/v, gate/up and down)
+    against the base GEMM plus the products in float64 (gated: then the activation)."""
+    from workers.kernels import skinny_gemm
+    from workers.kernels.lora_sgmv import shrunk_rows
+
+    dtype, slots, rank, dev = torch.bfloat16, 8, 16, "cuda"
+    gen = torch.Generator(device=dev).manual_seed(tokens)
+    out = sum(out_parts)
+    x = torch.randn(tokens, n_in, generator=gen, device=dev).to(dtype)
+    w = (torch.randn(out, n_in, generator=gen, device=dev) / n_in**0.5).to(dtype)
+    a = (torch.randn(slots, len(out_parts) * rank, n_in, generator=gen, device=dev)
+         / n_in**0.5).to(dtype)  # fmt: skip
+    b = (torch.randn(out, slots, rank, generator=gen, device=dev) / rank**0.5).to(dtype)
+    mask = torch.zeros(tokens, slots, dtype=dtype, device=dev)
+    mask[torch.arange(tokens, device=dev), torch.arange(tokens, device=dev) % slots] = 1.0
+    mask[::3] = 0.0  # base tokens
+    assert skinny_gemm.lora_fits(tokens, w, out_parts, gated)
+    got = skinny_gemm.skinny_linear(x, w, gated=gated,
+                                    lora=shrunk_rows(x, a, b, mask, out_parts))  # fmt: skip
+    ref = [t.double().cpu() for t in (x, w, a, b, mask)]
+    want = add_lora(ref[0], ref[0] @ ref[1].T, *ref[2:], out_parts)
+    mags = add_lora(ref[0].abs(), ref[0].abs() @ ref[1].abs().T, *(t.abs() for t in ref[2:]),
+                    out_parts)  # fmt: skip
+    if gated:
+        gate, up = (p.to(dtype).double() for p in want.chunk(2, -1))
+        want, mags = torch.nn.functional.silu(gate) * up, mags[:, :14336] * mags[:, 14336:]
+    atol = reduction_atol(n_in + rank, float(mags.max()), dtype) * (3 if gated else 1)
+    assert float((got.double().cpu() - want).abs().max()) < atol

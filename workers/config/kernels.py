@@ -42,12 +42,14 @@ class KernelConfig(BaseModel):
         "batched GEMM (1-9% slower for it). On for large decode batches; needs the gate/up "
         "rows of a rank divisible by 128",
     )
-    lora_side_stream: bool = Field(
-        False,
-        description="LoRA on CUDA: run a projection's adapter products (the SGMV shrink and "
-        "expand) on a second stream beside its base GEMM, which reads the same rows, and add "
-        "them after both (in the CUDA graphs too; o's and down's on the folded path stay before "
-        "their GEMM, which sums the stream's squares). Off: after the GEMM, on one stream",
+    lora_products: Literal["after", "beside", "epilogue"] = Field(
+        "after",
+        description="LoRA on CUDA, where a projection's adapter products run: after: the SGMV "
+        "shrink and expand after its base GEMM, on one stream; beside: on a second stream "
+        "beside the base GEMM, which reads the same rows, added after both (o's and down's on "
+        "the folded path stay before their GEMM); epilogue: the shrink before the base GEMM "
+        "and the expand in its epilogue, no launch after (the folded path of decode steps of "
+        "up to 64 tokens; elsewhere after)",
     )
     # A bool, not "on"/"off": YAML (config files, --set) reads those as booleans.
     flashinfer_decode_tensor_cores: bool | None = Field(

@@ -26,6 +26,7 @@ from workers.kvcache.kv_dtype import checkpoint_scales, is_fp8, kv_storage_dtype
 from workers.kvcache.page_table import PageTable
 from workers.kvcache.pool import KVPool
 from workers.lora.manager import build_lora, lora_graph_mask, lora_step
+from workers.model.blocked_weights import block_gate_up_weights
 from workers.model.dummy import build_dummy_model
 from workers.model.files import load_model_config, resolve_model
 from workers.model.loader import load_model
@@ -78,7 +79,7 @@ class ModelRunner:
                 cfg.kernels.fold_norms,
             )  # fmt: skip
         if cfg.kernels.blocked_weights:
-            self.model.block_weights()
+            block_gate_up_weights(self.model)
         self.lora = build_lora(cfg, self.model, self.model_config, self._to_device)
         attn = self.model.attention
         kv_dtype = kv_storage_dtype(cfg.kv_cache_dtype, self.dtype)

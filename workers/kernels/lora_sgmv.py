@@ -22,6 +22,8 @@ expand's B tile loads while the shrink ends.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -133,6 +135,59 @@ def _expand_slot_kernel(
     tl.store(at, (y.to(tl.float32) + added).to(y.dtype), mask=keep)
 
 
+@dataclasses.dataclass(frozen=True)
+class ShrunkRows:
+    """A projection's shrunk rows, for the skinny GEMM's epilogue to expand and add into its
+    own product (`skinny_linear(lora=...)`) instead of `_expand_slot_kernel` launching after
+    it: `partial` [splits, tokens, parts x rank] float32 sums (`shrink`), `mask` [tokens,
+    slots] one-hot of each token's slot, `b` [out, slots, rank], and where along the output
+    parts 1 and 2 start (`n_out` past the last part)."""
+
+    partial: torch.Tensor
+    mask: torch.Tensor
+    b: torch.Tensor
+    ends: tuple[int, int]
+
+
+def shrink(
+    x: torch.Tensor, a: torch.Tensor, mask: torch.Tensor, n_out: int,
+    choices: tuple[int, int, int, tuple[int, int]] | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """The first launch of `sgmv_add_lora`: each token's rows of x [T, in] (rows contiguous)
+    times its slot's A, `[splits, T, parts x rank]` float32 partial sums over the input."""
+    tokens, n_in = x.shape
+    split_k, block_k, _, warps = choices or launch_choices(tokens, n_in, n_out)
+    slots, stacked, _ = a.shape
+    assert x.stride(1) == 1
+    splits = triton.cdiv(n_in, split_k)
+    partial = torch.empty((splits, tokens, stacked), dtype=torch.float32, device=x.device)
+    _shrink_slot_kernel[(slots, splits)](
+        x, a, mask, partial, tokens, n_in, x.stride(0), SLOTS=slots, T_PAD=_t_pad(tokens),
+        PR=stacked, PR_PAD=max(16, triton.next_power_of_2(stacked)), SPLIT=split_k,
+        BLOCK_K=block_k, num_warps=warps[0], **pdl.launch_options(x),
+    )  # fmt: skip
+    return partial
+
+
+def shrunk_rows(
+    x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor, out_parts: list[int]
+) -> ShrunkRows:
+    """`shrink` of x's rows for a GEMM epilogue to finish (`ShrunkRows`)."""
+    partial = shrink(x.contiguous(), a, mask, sum(out_parts))
+    return ShrunkRows(partial, mask, b, part_ends(out_parts))
+
+
+def part_ends(out_parts: list[int]) -> tuple[int, int]:
+    """Where parts 1 and 2 start along the output; the output's size for parts not there."""
+    n_out = sum(out_parts)
+    ends = [sum(out_parts[: i + 1]) for i in range(len(out_parts) - 1)] + [n_out, n_out]
+    return ends[0], ends[1]
+
+
+def _t_pad(tokens: int) -> int:
+    return max(16, triton.next_power_of_2(tokens))  # tl.dot's smallest M
+
+
 def sgmv_add_lora(
     x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor,
     out_parts: list[int], sumsq: torch.Tensor | None = None, eps: float = 0.0,
@@ -143,26 +198,17 @@ def sgmv_add_lora(
     [T, SUMSQ_SLOTS] float64 where given. `choices`: launch choices other than
     `launch_choices`' (a sweep's)."""
     tokens, n_in = x.shape
-    split_k, block_k, block_n, warps = choices or launch_choices(tokens, n_in, y.shape[1])
-    slots, stacked, _ = a.shape
+    _, _, block_n, warps = choices or launch_choices(tokens, n_in, y.shape[1])
     rank, parts = b.shape[-1], len(out_parts)
-    assert stacked == parts * rank and parts <= MAX_PARTS and x.stride(1) == y.stride(1) == 1
+    assert a.shape[1] == parts * rank and parts <= MAX_PARTS and y.stride(1) == 1
     if sumsq is not None and (sumsq.shape != (tokens, SUMSQ_SLOTS) or sumsq.dtype != torch.float64):
         raise ValueError(f"sumsq must be float64 [{tokens}, {SUMSQ_SLOTS}], not {sumsq.shape}")
-    splits = triton.cdiv(n_in, split_k)
-    partial = torch.empty((splits, tokens, stacked), dtype=torch.float32, device=x.device)
-    launch = pdl.launch_options(x)
+    partial = shrink(x, a, mask, y.shape[1], choices)
     ends = [sum(out_parts[: i + 1]) for i in range(parts)] + [0, 0]
-    t_pad = max(16, triton.next_power_of_2(tokens))  # tl.dot's smallest M
-    _shrink_slot_kernel[(slots, splits)](
-        x, a, mask, partial, tokens, n_in, x.stride(0), SLOTS=slots, T_PAD=t_pad,
-        PR=stacked, PR_PAD=max(16, triton.next_power_of_2(stacked)), SPLIT=split_k,
-        BLOCK_K=block_k, num_warps=warps[0], **launch,
-    )  # fmt: skip
-    _expand_slot_kernel[(slots, triton.cdiv(y.shape[1], block_n))](
+    _expand_slot_kernel[(a.shape[0], triton.cdiv(y.shape[1], block_n))](
         y, b, mask, partial, partial if sumsq is None else sumsq, tokens, n_in, eps,
-        y.shape[1], splits, y.stride(0), ends[0], ends[1], SLOTS=slots, T_PAD=t_pad, R=rank,
-        R_PAD=max(16, triton.next_power_of_2(rank)), PARTS=parts, NORM_IN=sumsq is not None,
-        BLOCK_N=block_n, num_warps=warps[1], **launch,
+        y.shape[1], partial.shape[0], y.stride(0), ends[0], ends[1], SLOTS=a.shape[0],
+        T_PAD=_t_pad(tokens), R=rank, R_PAD=max(16, triton.next_power_of_2(rank)), PARTS=parts,
+        NORM_IN=sumsq is not None, BLOCK_N=block_n, num_warps=warps[1], **pdl.launch_options(x),
     )  # fmt: skip
     return y

@@ -26,6 +26,7 @@ import torch
 import triton
 
 from workers.kernels import pdl
+from workers.kernels.lora_sgmv import MAX_TOKENS, ShrunkRows, part_ends
 from workers.kernels.rope import RotaryStore, kv_max
 from workers.kernels.skinny_dot import dot_kernel
 from workers.kernels.skinny_gemv import gemv_kernel
@@ -115,7 +116,7 @@ def skinny_linear(
     config: Config | None = None, gated: bool = False, out_dtype: torch.dtype | None = None,
     sumsq_in: torch.Tensor | None = None, eps: float = 0.0,
     residual: torch.Tensor | None = None, sumsq_out: torch.Tensor | None = None,
-    rotary: RotaryStore | None = None,
+    rotary: RotaryStore | None = None, lora: ShrunkRows | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """`F.linear(x, weight, bias)` for 2-D 16-bit `x` [M, K] and a `weight` [N, K], row-major or
     in blocks of rows (`weight_blocks`: the tensor-core kernel then runs at every M), in
@@ -130,19 +131,19 @@ def skinny_linear(
     the caller): the squares of y's rows are added into it, for the next launch's `sumsq_in`.
     `rotary`: `weight` is a q/k/v projection ([Hq + 2 Hkv] heads of `rotary.head_dim` rows) and
     the tensor-core kernel's epilogue does `rope.rotary_store` (`rotary_applies`): k and v go
-    into the KV pool and the result is the rotated q [M, Hq * head_dim], in x's dtype."""
+    into the KV pool and the result is the rotated q [M, Hq * head_dim], in x's dtype.
+    `lora`: x's rows shrunk by their adapters' A (`lora_sgmv.shrunk_rows`), whose products with
+    B the tensor-core kernel adds to each tile before its other epilogues (`lora_fits`)."""
     m, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     if x.stride(1) != 1:
         x = x.contiguous()
-    cfg = config or config_for(m, weight.shape[0], k, x.device)
+    cfg = launch_config(m, weight, gated, lora is not None, config)
     w_block = rows_per_block(weight)  # a block's stride is its K x block values
-    if w_block > 1 and not cfg.dot:  # the GEMV reads rows: a blocked W goes on tensor cores
-        cfg = config_for(2, weight.shape[0], k, x.device)
     if gated and (cfg.split_k > 1 or bias is not None or out_dtype is not None):
         raise ValueError("the gated product runs in x's dtype, without split-K or bias")
-    if gated and cfg.dot:
-        cfg = dataclasses.replace(cfg, block_n=max(16, cfg.block_n // 2))
+    if lora is not None and not _parts_fit(cfg, lora.ends, n):
+        raise ValueError(f"tiles of {cfg.block_n} columns straddle the LoRA parts {lora.ends}")
     if w_block > 1 and (n % cfg.block_n or max(w_block, cfg.block_n) % min(w_block, cfg.block_n)):
         raise ValueError(f"tiles of {cfg.block_n} rows do not cover blocks of {w_block} of {n}")
     others = gated or out_dtype is not None or residual is not None or sumsq_out is not None
@@ -169,6 +170,9 @@ def skinny_linear(
     extra: dict[str, object] = dict(LOOP_STAGES=cfg.num_stages)
     if cfg.dot:
         extra = dict(SWAP=cfg.swap, ROTARY_HALF=rot_half, KV_MAX=rot_kv_max, W_BLOCK=w_block)
+        lora_args, lora_consts = _lora_args(lora, y)
+        extra |= lora_consts
+        rot_args += lora_args
     r = residual if residual is not None else y  # unused pointers where off
     kernel[grid](
         x, weight, b, y, ws, locks, r, y if sumsq_in is None else sumsq_in,
@@ -181,6 +185,53 @@ def skinny_linear(
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}), **pdl.launch_options(x),
     )  # fmt: skip
     return y
+
+
+def launch_config(
+    m: int, weight: torch.Tensor, gated: bool = False, lora: bool = False,
+    config: Config | None = None,
+) -> Config:  # fmt: skip
+    """`skinny_linear`'s config for `m` rows times `weight` (`config`, else the table's): the
+    tensor-core kernel where W is blocked or a LoRA epilogue runs (the GEMV has neither), the
+    gated product's tiles half as wide, a tile of each of gate and up."""
+    n, k = weight.shape
+    cfg = config or config_for(m, n, k, weight.device)
+    if rows_per_block(weight) > 1 and not cfg.dot:  # the GEMV reads rows: blocks go on
+        cfg = config_for(2, n, k, weight.device)  # tensor cores
+    if lora and not cfg.dot:
+        cfg = config_for(2 * MAX_GEMV_ROWS, n, k, weight.device)
+        cfg = cfg if cfg.dot else default_config(2 * MAX_GEMV_ROWS, n, k)
+    if gated and cfg.dot:
+        cfg = dataclasses.replace(cfg, block_n=max(16, cfg.block_n // 2))
+    return cfg
+
+
+def lora_fits(m: int, weight: torch.Tensor, out_parts: list[int], gated: bool = False) -> bool:
+    """Whether `skinny_linear(lora=...)` takes `m` rows times `weight` with LoRA parts of
+    `out_parts` columns: the skinny GEMM runs it and no tile straddles two parts."""
+    if not applies(m, weight, gated) or m > MAX_TOKENS:
+        return False
+    n = weight.shape[0] // 2 if gated else weight.shape[0]
+    return _parts_fit(launch_config(m, weight, gated, True), part_ends(out_parts), n)
+
+
+def _parts_fit(cfg: Config, ends: tuple[int, int], n: int) -> bool:
+    return all(end >= n or end % cfg.block_n == 0 for end in ends)
+
+
+def _lora_args(lora: ShrunkRows | None, y: torch.Tensor) -> tuple[tuple, dict[str, int]]:
+    """The dot kernel's LoRA arguments and constexprs; placeholders (LORA_PARTS 0) without."""
+    if lora is None:
+        consts = dict(LORA_SLOTS=1, LORA_R=1, LORA_R_PAD=16, LORA_PARTS=0)
+        return (y, y, y, 0, 0, 0, 0), consts
+    slots, rank = lora.b.shape[1:]
+    splits, _, stacked = lora.partial.shape
+    if lora.mask.stride(1) != 1 or not lora.b.is_contiguous():
+        raise ValueError("the LoRA mask's rows and B must be contiguous")
+    args = (lora.partial, lora.mask, lora.b, lora.b.shape[0], splits, *lora.ends)
+    consts = dict(LORA_SLOTS=slots, LORA_R=rank, LORA_R_PAD=max(16, triton.next_power_of_2(rank)),
+                  LORA_PARTS=stacked // rank)  # fmt: skip
+    return args, consts
 
 
 def _rotary_args(

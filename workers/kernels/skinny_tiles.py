@@ -153,3 +153,34 @@ def program_tiles(
         w_ptrs = w_ptr + (offs_n % N).to(tl.int64)[:, None] * stride_w + (k_start + offs_k)[None, :]
     x_ptrs = x_ptr + (offs_m % M)[:, None] * stride_x + (k_start + offs_k)[None, :]
     return offs_m, offs_n, offs_k, k_start, w_ptrs, x_ptrs
+
+
+@triton.jit
+def lora_products(
+    lp_ptr, lm_ptr, lb_ptr, offs_m, offs_n, M, n_b, splits, end0, end1,
+    SLOTS: tl.constexpr, R: tl.constexpr, R_PAD: tl.constexpr, PARTS: tl.constexpr,
+):  # fmt: skip
+    """[BLOCK_M, BLOCK_N] float32: each row's LoRA products for the output columns `offs_n`
+    (rows of B [n_b, SLOTS, R]; R_PAD: R's power of two, 16 or more), from the shrunk rows
+    `lp_ptr` ([splits, M, PARTS x R] float32 partial sums, `lora_sgmv.shrink`) and the one-hot
+    slots `lm_ptr` [M, SLOTS]. A tile lies in one part (the launcher checks): its first
+    column's, by `end0`/`end1`. Each slot present in the tile's rows reads its B rows once,
+    for all of them."""
+    j = tl.arange(0, R_PAD)
+    part = (tl.min(offs_n, axis=0) >= end0).to(tl.int32) + (tl.min(offs_n, axis=0) >= end1)
+    rows = (offs_m < M)[:, None] & (j < R)[None, :]
+    at = lp_ptr + offs_m[:, None] * (PARTS * R) + part * R + j[None, :]
+    s = tl.load(at, mask=rows, other=0.0)
+    for split in range(1, splits):
+        s += tl.load(at + split * M * (PARTS * R), mask=rows, other=0.0)
+    acc = tl.zeros((offs_m.shape[0], offs_n.shape[0]), dtype=tl.float32)
+    for slot in tl.static_range(SLOTS):
+        mine = tl.load(lm_ptr + offs_m * SLOTS + slot, mask=offs_m < M, other=0.0) != 0
+        if tl.sum(mine.to(tl.int32), axis=0) > 0:
+            b = tl.load(lb_ptr + offs_n[:, None] * (SLOTS * R) + slot * R + j[None, :],
+                        mask=(offs_n < n_b)[:, None] & (j < R)[None, :],
+                        other=0.0).to(tl.float32)  # fmt: skip
+            # tf32 products: 10 bits of the shrunk rows' mantissa, below the output's rounding
+            acc = tl.dot(tl.where(mine[:, None], s, 0.0), tl.trans(b), acc,
+                         input_precision="tf32")  # fmt: skip
+    return acc

@@ -41,8 +41,8 @@ class LoRAManager:
         self.model_config = model_config
         self.max_rank = cfg.max_lora_rank
         self.max_cpu = cfg.max_cpu_loras or cfg.max_loras
-        side_stream = cfg.kernels.lora_side_stream
-        self.slots = LoRASlots(model, cfg.max_loras, cfg.max_lora_rank, side_stream)
+        products = cfg.kernels.lora_products
+        self.slots = LoRASlots(model, cfg.max_loras, cfg.max_lora_rank, products)
         self.host: OrderedDict[int, LoRAAdapter] = OrderedDict()  # by lora_int_id, LRU first
         # every adapter taken and not removed, though LRU dropped its copies: its pages may stay
         self.taken: dict[int, LoRARequest] = {}

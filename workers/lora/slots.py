@@ -32,12 +32,12 @@ ATTENTION, MLP_PROJECTIONS = ("qkv", "o"), ("gate_up", "down")
 
 class LoRASlots:
     def __init__(
-        self, model: LlamaForCausalLM, num_slots: int, max_rank: int, side_stream: bool = False
+        self, model: LlamaForCausalLM, num_slots: int, max_rank: int, products: str = "after"
     ) -> None:
         self.model = model
         self.num_slots = num_slots
         self.rank = max_rank
-        self.context = LoRAContext(side_stream)
+        self.context = LoRAContext(products)
         weight = model.decoder_layers[0].self_attn.o_proj.weight
         dtype, device = weight.dtype, weight.device
         self.dtype = dtype  # the stacks' and each step's slot mask's

@@ -18,6 +18,7 @@ from workers.kernels.weight_blocks import blocked_linear, rows_per_block
 from workers.parallel.group import SINGLE, TPGroup
 
 if TYPE_CHECKING:
+    from workers.kernels.lora_sgmv import ShrunkRows
     from workers.kernels.rope import RotaryStore
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)  # CUDA: workers/kernels/fused.py, skinny_gemm.py
@@ -70,26 +71,28 @@ def silu_and_mul(y: torch.Tensor) -> torch.Tensor:
 
 def rms_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm: RMSNorm,
-    sumsq: torch.Tensor | None, gated: bool = False,
+    sumsq: torch.Tensor | None, gated: bool = False, lora: ShrunkRows | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """`linear(norm(x), weight, bias)` (`gated`: its `silu_and_mul_linear`) for a `norm` whose
     gain is folded into `weight`'s columns (`LlamaForCausalLM.fold_norm_gains`). With `sumsq`,
     the float64 sums of the squares of x's rows that the launch writing x left
     (`residual_linear`), the skinny GEMM scales its products by 1/rms and no norm kernel runs;
-    without, `norm` runs first."""
+    without, `norm` runs first. `lora`: x's rows shrunk by their adapters, whose products the
+    skinny GEMM adds (`skinny_gemm.lora_fits`; with `sumsq`)."""
     if sumsq is None:
         h = norm(x)
         return silu_and_mul_linear(h, weight) if gated else linear(h, weight, bias)
     from workers.kernels import skinny_gemm  # Triton: imported on first CUDA use
 
     in_one = gated and skinny_gemm.applies(x.shape[0], weight, gated=True)
-    y = skinny_gemm.skinny_linear(x, weight, bias, gated=in_one, sumsq_in=sumsq, eps=norm.eps)
+    y = skinny_gemm.skinny_linear(x, weight, bias, gated=in_one, sumsq_in=sumsq, eps=norm.eps,
+                                  lora=lora)  # fmt: skip
     return silu_and_mul(y) if gated and not in_one else y
 
 
 def rms_linear_rotary(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm: RMSNorm,
-    sumsq: torch.Tensor | None, store: RotaryStore | None,
+    sumsq: torch.Tensor | None, store: RotaryStore | None, lora: ShrunkRows | None = None,
 ) -> torch.Tensor | None:  # fmt: skip
     """`rms_linear` of a q/k/v weight whose GEMM epilogue also rotates q and k and writes k and
     v where `store` says (`skinny_gemm.skinny_linear(rotary=...)`): the rotated q
@@ -100,20 +103,22 @@ def rms_linear_rotary(
 
     if not skinny_gemm.rotary_applies(x.shape[0], weight, store.head_dim):
         return None
-    return skinny_gemm.skinny_linear(x, weight, bias, sumsq_in=sumsq, eps=norm.eps, rotary=store)
+    return skinny_gemm.skinny_linear(x, weight, bias, sumsq_in=sumsq, eps=norm.eps, rotary=store,
+                                     lora=lora)  # fmt: skip
 
 
 def residual_linear(
-    x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, sumsq: torch.Tensor | None
-) -> torch.Tensor:
+    x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, sumsq: torch.Tensor | None,
+    lora: ShrunkRows | None = None,
+) -> torch.Tensor:  # fmt: skip
     """`residual + x W^T` (one rank: no all-reduce), in the skinny GEMM's epilogue where it runs
     x's rows; with `sumsq` (zeroed, CUDA), it also adds the squares of the sum's rows into it for
-    `rms_linear`."""
-    if sumsq is None and not skinny_takes_all(x, [weight]):
+    `rms_linear`; with `lora` (see `rms_linear`), the adapters' products too."""
+    if sumsq is None and lora is None and not skinny_takes_all(x, [weight]):
         return residual + linear(x, weight)
     from workers.kernels import skinny_gemm  # Triton: imported on first CUDA use
 
-    return skinny_gemm.skinny_linear(x, weight, residual=residual, sumsq_out=sumsq)
+    return skinny_gemm.skinny_linear(x, weight, residual=residual, sumsq_out=sumsq, lora=lora)
 
 
 def skinny_takes_all(x: torch.Tensor, weights: list[torch.Tensor]) -> bool:

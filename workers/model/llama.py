@@ -14,7 +14,6 @@ from torch import nn
 
 from workers.attention.base import AttentionBackend
 from workers.attention.rotary import RotaryEmbedding, apply_rotary
-from workers.kernels.weight_blocks import BLOCK_ROWS, block_rows
 from workers.kvcache.kv_dtype import is_kv_scale
 from workers.model.config import ModelConfig
 from workers.model.layers import (
@@ -74,19 +73,22 @@ class Attention(nn.Module):
         and no rotary kernel come between the GEMM and the attention."""
         w, bias = self.qkv_proj.weight, self.qkv_proj.bias
         lora = self.lora if self.lora is not None and self.lora.active else None
-        rotate_in_gemm = self.q_norm is None and lora is None  # LoRA adds to q/k/v first
+        # LoRA adds to q/k/v before rotary: in the GEMM's epilogue (`shrunk`), else after it
+        shrunk = lora.shrunk("qkv", residual, w) if lora and sum_in is not None else None
+        rotate_in_gemm = self.q_norm is None and (lora is None or shrunk is not None)
         store = attn.rotary_store(self.layer_id, *cos_sin) if rotate_in_gemm else None
-        q = rms_linear_rotary(residual, w, bias, norm, sum_in, store)
+        q = rms_linear_rotary(residual, w, bias, norm, sum_in, store, shrunk)
         if q is not None:
             q = q.view(-1, self.num_heads, self.head_dim)
             out = attn.attend_rotated(self.layer_id, q).reshape(q.shape[0], -1)
         else:
-            qkv = (rms_linear(residual, w, bias, norm, sum_in) if lora is None
-                   else lora.rms_linear("qkv", residual, w, bias, norm, sum_in))  # fmt: skip
+            if lora is None:
+                qkv = rms_linear(residual, w, bias, norm, sum_in)
+            else:
+                qkv = lora.rms_linear("qkv", residual, w, bias, norm, sum_in, shrunk=shrunk)
             out = self.attend(qkv, cos_sin, attn)
-        if lora is not None:  # into the stream, which the GEMM below adds its product to
-            lora.add("o", out, residual)
-        return residual_linear(out, self.o_proj.weight, residual, sum_out)
+        into = lora.into_residual("o", out, residual, self.o_proj.weight) if lora else None
+        return residual_linear(out, self.o_proj.weight, residual, sum_out, into)
 
     def attend(
         self, qkv: torch.Tensor, cos_sin: tuple[torch.Tensor, ...], attn: AttentionBackend
@@ -132,12 +134,13 @@ class MLP(nn.Module):
     ) -> torch.Tensor:  # fmt: skip
         """`residual + MLP(norm(residual))`, as `Attention.forward_folded`."""
         w = self.gate_up_proj.weight
-        if self.lora is None or not self.lora.active:
+        lora, into = self.lora if self.lora is not None and self.lora.active else None, None
+        if lora is None:
             act = rms_linear(residual, w, None, norm, sum_in, gated=True)
         else:  # LoRA adds to gate and up before the activation, and down's to the stream
-            act = silu_and_mul(self.lora.rms_linear("gate_up", residual, w, None, norm, sum_in))
-            self.lora.add("down", act, residual)
-        return residual_linear(act, self.down_proj.weight, residual, sum_out)
+            act = lora.rms_linear("gate_up", residual, w, None, norm, sum_in, gated=True)
+            into = lora.into_residual("down", act, residual, self.down_proj.weight)
+        return residual_linear(act, self.down_proj.weight, residual, sum_out, into)
 
 
 class DecoderLayer(nn.Module):
@@ -296,21 +299,6 @@ class LlamaForCausalLM(nn.Module):
                 weight.data.copy_(weight.data.float() * gain.data.float()[None, :])
                 gain.data.fill_(1.0)
         self.norms_folded = True
-
-    def block_weights(self) -> None:
-        """Store each layer's gate_up weight in blocks of rows (`weight_blocks`,
-        `KernelConfig.blocked_weights`), after any folding: its decode GEMM tiles then read
-        contiguous memory."""
-        for layer in self.decoder_layers:
-            if not isinstance(layer.mlp, MLP):  # experts: stacked, read by their own kernel
-                continue
-            weight = layer.mlp.gate_up_proj.weight
-            if weight.shape[0] // 2 % BLOCK_ROWS:
-                raise ValueError(
-                    f"blocked_weights needs the gate/up rows of a rank ({weight.shape[0] // 2}) "
-                    f"divisible by {BLOCK_ROWS}"
-                )
-            block_rows(weight)
 
     def _folding_pays(self) -> bool:
         """One rank, and the skinny GEMM runs every weight of a batch-1 decode step: where

@@ -14,11 +14,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from workers.kernels.lora_ops import add_lora, add_lora_beside
-from workers.model.layers import RMSNorm, linear, rms_linear
+from workers.model.layers import RMSNorm, linear, rms_linear, silu_and_mul
+
+if TYPE_CHECKING:
+    from workers.kernels.lora_sgmv import ShrunkRows
 
 
 @dataclass
@@ -27,12 +31,13 @@ class LoRAStep:
 
 
 class LoRAContext:
-    """Shared by a model's hooks: the step being run, set around its forward; `side_stream`:
-    on CUDA, a projection's products run beside its base GEMM (`add_lora_beside`)."""
+    """Shared by a model's hooks: the step being run, set around its forward; `products`
+    (`KernelConfig.lora_products`): on CUDA, whether a projection's products run after its base
+    GEMM, beside it (`add_lora_beside`) or in its epilogue where it takes them (`shrunk`)."""
 
-    def __init__(self, side_stream: bool = False) -> None:
+    def __init__(self, products: str = "after") -> None:
         self.step: LoRAStep | None = None
-        self.side_stream = side_stream
+        self.products = products
 
 
 @dataclass
@@ -76,20 +81,55 @@ class LayerLoRA:
         """`base()` (the base product of x's rows) plus `name`'s products of them: beside it
         on a second stream where the context says so (`add_lora_beside`), else after it."""
         step, stack = self.context.step, self.stacks.get(name)
-        if step is not None and stack is not None and self.context.side_stream and x.is_cuda:
+        beside = self.context.products == "beside"
+        if step is not None and stack is not None and beside and x.is_cuda:
             return add_lora_beside(base, x, stack.a, stack.b, step.mask, stack.out_parts, sumsq,
                                    eps)  # fmt: skip
         return self.add(name, x, base(), sumsq, eps)
 
+    def shrunk(
+        self, name: str, x: torch.Tensor, weight: torch.Tensor, gated: bool = False
+    ) -> ShrunkRows | None:
+        """x's rows shrunk by `name`'s adapters for the skinny GEMM of `weight` to expand in its
+        epilogue (one launch here, none after the GEMM), where that GEMM takes them
+        (`skinny_gemm.lora_fits`); else None."""
+        step, stack = self.context.step, self.stacks.get(name)
+        if step is None or stack is None or not x.is_cuda or self.context.products != "epilogue":
+            return None
+        from workers.kernels import lora_sgmv, skinny_gemm  # Triton: imported on first CUDA use
+
+        if not skinny_gemm.lora_fits(x.shape[0], weight, stack.out_parts, gated):
+            return None
+        return lora_sgmv.shrunk_rows(x, stack.a, stack.b, step.mask, stack.out_parts)
+
+    def into_residual(
+        self, name: str, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor
+    ) -> ShrunkRows | None:
+        """`name`'s products of x's rows for the GEMM that adds x W^T to `residual`
+        (`residual_linear`): shrunk for its epilogue where it takes them, else added into
+        `residual` now."""
+        shrunk = self.shrunk(name, x, weight)
+        if shrunk is None:
+            self.add(name, x, residual)
+        return shrunk
+
     def rms_linear(
         self, name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-        norm: RMSNorm, sumsq: torch.Tensor | None,
+        norm: RMSNorm, sumsq: torch.Tensor | None, gated: bool = False,
+        shrunk: ShrunkRows | None = None,
     ) -> torch.Tensor:  # fmt: skip
-        """`rms_linear(x, weight, bias, norm, sumsq)` plus `name`'s products of the same normed
-        rows: of x scaled by 1/rms where `sumsq` holds its sums of squares, else of `norm(x)`,
-        run once for both."""
+        """`rms_linear(x, weight, bias, norm, sumsq, gated)` plus `name`'s products of the same
+        normed rows (before the activation): in the GEMM's epilogue where it takes them, else
+        of x scaled by 1/rms where `sumsq` holds its sums of squares, else of `norm(x)`, run
+        once for both. `shrunk`: this `shrunk` of x's rows, where already run."""
+        if shrunk is None and sumsq is not None:
+            shrunk = self.shrunk(name, x, weight, gated)
+        if shrunk is not None:
+            return rms_linear(x, weight, bias, norm, sumsq, gated, shrunk)
         if sumsq is None:
             h = norm(x)
-            return self.linear(name, h, lambda: linear(h, weight, bias))
-        return self.linear(name, x, lambda: rms_linear(x, weight, bias, norm, sumsq), sumsq,
-                           norm.eps)  # fmt: skip
+            y = self.linear(name, h, lambda: linear(h, weight, bias))
+        else:
+            y = self.linear(name, x, lambda: rms_linear(x, weight, bias, norm, sumsq), sumsq,
+                            norm.eps)  # fmt: skip
+        return silu_and_mul(y) if gated else y
