@@ -113,6 +113,24 @@ def running_replicas() -> int:
     return int(states.get("RUNNING", 0))
 
 
+def kill(replica: str) -> None:
+    """Kill the replica actor `replica` and wait until a call to it fails: `ray.kill` only asks
+    for the kill, and the replica answers what reaches it before it dies."""
+    actor = ray.get_actor(replica, namespace="serve")
+    ray.kill(actor, no_restart=True)
+
+    def dead() -> bool:
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=30)
+        except ray.exceptions.ActorDiedError:
+            return True
+        except ray.exceptions.ActorUnavailableError:  # gone, but Ray has yet to tell it died
+            pass
+        return False
+
+    wait_until(dead, 30, what=f"{replica} to die")
+
+
 def catch_up(forwarder: Any) -> None:
     """Wait until the forwarder's router has read the hub twice more (all published so far)."""
     start = forwarder.feed_reads.remote().result(timeout_s=30)
@@ -139,7 +157,7 @@ def test_prompts_sharing_a_prefix_stay_on_one_replica_through_a_replica_death(
     assert len(set().union(*by_tenant)) > 1  # different prefixes do not all pile onto one replica
 
     dead = next(iter(by_tenant[0]))
-    ray.kill(ray.get_actor(dead, namespace="serve"), no_restart=True)
+    kill(dead)
     after = homes(0, 1)  # Serve retries on a live replica: the caller sees no error
     assert dead not in after
     assert len(homes(0, 3) | after) == 1  # sticky again, on its new home
@@ -172,6 +190,6 @@ def test_a_router_routes_on_what_another_router_sent_and_never_on_a_dead_cache(
 
     # Kill S's home: Serve replaces it with an empty replica. Neither router routes on the
     # dead cache: S goes where the live caches say, to X, which holds its first page.
-    ray.kill(ray.get_actor(home, namespace="serve"), no_restart=True)
+    kill(home)
     after = {send(r, request(f"s-after-{i}", *s, (3, 1))) for i, r in enumerate(routers)}
     assert after == {x}
