@@ -38,7 +38,7 @@ class KVEventFeed:
         self._lock = threading.Lock()
         self.index_pages: dict[str, list[int]] = {}  # pool -> its index's entries per tier
         self._subscribed = 0  # subscriptions so far; a read for fewer must be a snapshot
-        self.reads = 0  # reads answered by the hub (how far behind a router can be: one period)
+        self.reads = 0  # reads answered by the hub and queued (a router lags one period)
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-event-feed", daemon=True)
         self._thread.start()
@@ -83,13 +83,13 @@ class KVEventFeed:
                     logger.exception("reading KV events failed")
                 read, synced = None, -1
             if read is not None:
-                self.reads += 1
                 epoch, cursor = read.epoch, read.cursor
                 synced = subscribed if read.snapshot else synced
                 with self._lock:
                     for pool, batch in read.batches:
                         for q in self._queues.get(pool, ()):
                             q.put(batch)
+                self.reads += 1  # once queued: a policy that sees the count can apply them
                 if not read.batches:  # the wait ran out: read again at once
                     continue
             # after batches a period passes: the next read takes what came; without a hub (none
