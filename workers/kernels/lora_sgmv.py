@@ -72,16 +72,21 @@ def _shrink_slot_kernel(
     k_end = tl.where(tl.sum(mine.to(tl.int32), axis=0) > 0, n_in, 0)  # none: reads nothing
     rows = tl.arange(0, PR_PAD)
     a_rows = a_ptr + slot.to(tl.int64) * PR * n_in + rows[:, None] * n_in
+    k_stop = tl.minimum(k_end, split * SPLIT + SPLIT)
+    k = split * SPLIT + tl.arange(0, BLOCK_K)
+    # A is a weight: its first tile streams in while the kernel writing x ends
+    a = tl.load(a_rows + k[None, :], mask=(rows[:, None] < PR) & (k < k_stop)[None, :], other=0.0)
     wait_for_inputs(PDL)
     acc = tl.zeros((T_PAD, PR_PAD), dtype=tl.float32)
     for k0 in range(split * SPLIT, split * SPLIT + SPLIT, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        use = k < k_end
         # only the slot's rows are read: masked-off lanes load nothing
-        x = tl.load(x_ptr + t[:, None] * stride_x + k[None, :], mask=mine[:, None] & use[None, :],
-                    other=0.0)  # fmt: skip
-        a = tl.load(a_rows + k[None, :], mask=(rows[:, None] < PR) & use[None, :], other=0.0)
+        x = tl.load(x_ptr + t[:, None] * stride_x + k[None, :],
+                    mask=mine[:, None] & (k < k_end)[None, :], other=0.0)  # fmt: skip
         acc = tl.dot(x, tl.trans(a.to(x.dtype)), acc)
+        k += BLOCK_K  # the next tile of A (none past the split)
+        a = tl.load(a_rows + k[None, :], mask=(rows[:, None] < PR) & (k < k_stop)[None, :],
+                    other=0.0)  # fmt: skip
     out = part_ptr + (split * tokens + t[:, None]) * PR + rows[None, :]
     tl.store(out, acc, mask=mine[:, None] & (rows[None, :] < PR))
 
