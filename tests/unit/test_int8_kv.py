@@ -93,13 +93,17 @@ def test_torch_attention_over_int8_pages_is_attention_over_their_values() -> Non
         torch.testing.assert_close(out[row], want, rtol=1e-5, atol=1e-5)
 
 
-def test_int8_runs_on_flashinfer_when_asked() -> None:
-    """`auto` reads int8 pages with the torch backend; FlashInfer's backend (a Triton decode
-    kernel, dequantized pages for prefill) takes them when asked for."""
+def test_int8_runs_on_flashinfer_by_default_on_cuda() -> None:
+    """`auto` reads int8 pages with the backend it picks for a bf16 cache (FlashInfer's on a GPU
+    where it is installed: a Triton decode kernel, dequantized pages for prefill), with the
+    torch backend on the CPU or when asked for."""
     cuda = torch.device("cuda")
-    assert EngineConfig(**INT8).resolved_backend(cuda, torch.bfloat16, 64) == "torch"
-    asked = EngineConfig(attention_backend="flashinfer", **INT8)
-    assert asked.resolved_backend(cuda, torch.bfloat16, 64) == "flashinfer"
+    bf16_cache = EngineConfig(**{**INT8, "kv_cache_dtype": "auto"})
+    want = bf16_cache.resolved_backend(cuda, torch.bfloat16, 64)
+    assert EngineConfig(**INT8).resolved_backend(cuda, torch.bfloat16, 64) == want
+    assert EngineConfig(**INT8).resolved_backend(torch.device("cpu"), torch.float32) == "torch"
+    asked = EngineConfig(attention_backend="torch", **INT8)
+    assert asked.resolved_backend(cuda, torch.bfloat16, 64) == "torch"
 
 
 def test_int8_pages_carry_their_scales_across_the_handoff(tiny_llama: str) -> None:

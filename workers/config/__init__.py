@@ -168,9 +168,8 @@ class EngineConfig(BaseModel):
         "an element, twice the tokens per GiB and half the bytes per hand-off, scaled per layer "
         "by the checkpoint's k_scale/v_scale where it has them, else 1.0; int8: one byte an "
         "element plus a float32 scale per token and head computed as K/V are written, closer "
-        "to a bf16 cache; read by the torch backend (auto), or with attention_backend="
-        "'flashinfer' by a Triton decode kernel, prefill steps dequantizing the pages they read "
-        "(docs/fp8_kv_cache.md)",
+        "to a bf16 cache; on the flashinfer backend read by a Triton decode kernel, prefill "
+        "steps dequantizing the pages they read (docs/fp8_kv_cache.md)",
     )
     enable_prefix_caching: bool = True
     attention_backend: Literal["auto", "torch", "flashinfer"] = Field(
@@ -266,16 +265,14 @@ class EngineConfig(BaseModel):
         self, device: torch.device, dtype: torch.dtype | None = None, head_dim: int | None = None
     ) -> str:
         """FlashInfer needs CUDA, a 16-bit model dtype and a head size its kernels are built
-        for; `auto` falls back to torch otherwise, and for int8 KV, which the torch backend
-        reads as its tests do (FlashInfer's int8 path, a Triton decode kernel and dequantized
-        prefill pages, runs when asked for)."""
+        for; `auto` falls back to torch otherwise."""
         if self.attention_backend == "auto":
             import torch
 
             has_flashinfer = importlib.util.find_spec("flashinfer") is not None
             half = dtype in (None, torch.bfloat16, torch.float16)
             sized = head_dim is None or head_dim in FLASHINFER_HEAD_DIMS
-            fits = has_flashinfer and half and sized and self.kv_cache_dtype != "int8"
+            fits = has_flashinfer and half and sized
             return "flashinfer" if device.type == "cuda" and fits else "torch"
         return self.attention_backend
 
