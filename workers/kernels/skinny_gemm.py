@@ -212,7 +212,8 @@ def lora_fits(m: int, weight: torch.Tensor, out_parts: list[int], gated: bool = 
     if not applies(m, weight, gated) or m > MAX_TOKENS:
         return False
     n = weight.shape[0] // 2 if gated else weight.shape[0]
-    return _parts_fit(launch_config(m, weight, gated, True), part_ends(out_parts), n)
+    cfg = launch_config(m, weight, gated, True)  # may not be the table's cell for m rows
+    return not (gated and cfg.split_k > 1) and _parts_fit(cfg, part_ends(out_parts), n)
 
 
 def _parts_fit(cfg: Config, ends: tuple[int, int], n: int) -> bool:
