@@ -2,7 +2,7 @@
 rank `rank` (every projection targeted) against the same batch without adapters.
 
     python bench/bench_lora.py --device cuda --out DIR [--tokenizer-dir DIR] [--batches 16 64]
-    python bench/bench_lora.py --device cuda --out DIR --products beside  # kernels.lora_products
+    python bench/bench_lora.py --device cuda --out DIR --products after,beside,epilogue
     python bench/bench_lora.py --device cpu       # a smoke run: tiny shapes, a few steps
 
 On CUDA the model has Llama-3-8B's shapes with random bf16 weights (load_format dummy) and the
@@ -14,12 +14,14 @@ each step is the bytes it must read (the weights, the batch's KV, and with adapt
 the adapters it holds) over the copy rate measured in the same process; `x_base` is the LoRA
 step's time over the base step's. `--products` picks where the products run
 (`KernelConfig.lora_products`): after their base GEMMs, beside them on a second stream, or the
-expand in the GEMMs' epilogue.
+expand in the GEMMs' epilogue; several, comma-separated, run one engine after another in one
+process, each row with its own base step.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import tempfile
@@ -32,7 +34,7 @@ sys.path.insert(0, REPO)
 
 import torch  # noqa: E402
 
-from bench.gpu_common import dummy_model_dir, embedded_model_dir, median_of  # noqa: E402
+from bench.gpu_common import Floor, dummy_model_dir, embedded_model_dir, median_of  # noqa: E402
 from bench.results_io import add_out_argument, write_result  # noqa: E402
 from workers.config import EngineConfig  # noqa: E402
 from workers.engine.engine import Engine  # noqa: E402
@@ -89,48 +91,11 @@ def decode_ms(engine: Engine, loras: list[LoRARequest | None], context: int, ste
     return taken
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    tokenizer = embedded_model_dir()  # tokenizer files for the dummy model
-    ap.add_argument("--tokenizer-dir", type=Path, required=tokenizer is None, default=tokenizer)
-    ap.add_argument("--batches", type=int, nargs="+", default=[16, 64])
-    ap.add_argument("--adapters", type=int, default=8)
-    ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--context", type=int, default=512)
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--products", choices=("after", "beside", "epilogue"), default="after",
-                    help="where the LoRA products run (KernelConfig.lora_products)")  # fmt: skip
-    ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "pdserve-bench")
-    add_out_argument(ap)
-    args = ap.parse_args()
-    cuda = args.device == "cuda"
-    if not cuda:  # smoke: tiny shapes, small batches, a few steps
-        args.batches, args.context, args.steps, args.repeats = [4], 32, 3, 1
-    shape = "llama3-8b" if cuda else "tiny-llama"
-    model_dir = dummy_model_dir(shape, args.tokenizer_dir, args.work)
-    model_config = load_model_config(model_dir)
-    adapter_dirs = [write_adapter(args.work / f"lora-{shape}-{i}", model_config, args.rank, i)
-                    for i in range(args.adapters)]  # fmt: skip
-    loras = [LoRARequest(lora_name=f"a{i}", lora_int_id=i + 1, lora_path=str(d))
-             for i, d in enumerate(adapter_dirs)]  # fmt: skip
-    largest = max(args.batches)
-    cfg = EngineConfig(
-        model=str(model_dir), load_format="dummy", device=args.device,
-        dtype="bfloat16" if cuda else "float32", enable_lora=True, max_loras=args.adapters,
-        max_lora_rank=args.rank, max_num_seqs=largest, enable_prefix_caching=False,
-        max_num_batched_tokens=max(2048, args.context),
-        num_kv_pages=largest * -(-(args.context + args.steps + 32) // 16) + 1,
-        cuda_graph_batch_sizes=tuple(args.batches),
-        kernels={"lora_products": args.products},
-    )  # fmt: skip
+def measure(
+    args: argparse.Namespace, cfg: EngineConfig, loras: list[LoRARequest], floor: Floor | None
+) -> list[dict]:
+    """Each batch size's base and LoRA step with `cfg`'s engine, freed before returning."""
     engine = Engine(cfg)
-    floor = None
-    if cuda:
-        from bench.gpu_common import Floor
-
-        floor = Floor.measure()
     weight_bytes = engine.runner.weight_bytes
     assert engine.runner.lora is not None
     adapter_bytes = engine.runner.lora.adapter(loras[0]).nbytes // 2  # host float32, device bf16
@@ -145,14 +110,61 @@ def main() -> None:
         kv = batch * (args.context + args.steps // 2) * kv_token_bytes
         held = min(batch, args.adapters)
         row = {"batch": batch, "adapters": held, "rank": args.rank, "context": args.context,
-               "products": args.products, "base_ms": base, "lora_ms": lora,
+               "products": cfg.kernels.lora_products, "base_ms": base, "lora_ms": lora,
                "x_base": round(lora / base, 3)}  # fmt: skip
         if floor is not None:
             row |= {f"base_{k}": v for k, v in floor.columns(weight_bytes + kv, base).items()}
             lora_bytes = weight_bytes + kv + held * adapter_bytes
             row |= {f"lora_{k}": v for k, v in floor.columns(lora_bytes, lora).items()}
         rows.append(row)
-        print(json.dumps(row))
+        print(json.dumps(row), flush=True)
+    del engine
+    gc.collect()  # the runner's graphs and pools, before the next engine allocates its own
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    tokenizer = embedded_model_dir()  # tokenizer files for the dummy model
+    ap.add_argument("--tokenizer-dir", type=Path, required=tokenizer is None, default=tokenizer)
+    ap.add_argument("--batches", type=int, nargs="+", default=[16, 64])
+    ap.add_argument("--adapters", type=int, default=8)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--products", default="after",
+                    help="where the LoRA products run (KernelConfig.lora_products), one engine "
+                    "after another: e.g. after,beside,epilogue")  # fmt: skip
+    ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "pdserve-bench")
+    add_out_argument(ap)
+    args = ap.parse_args()
+    cuda = args.device == "cuda"
+    if not cuda:  # smoke: tiny shapes, small batches, a few steps
+        args.batches, args.context, args.steps, args.repeats = [4], 32, 3, 1
+    shape = "llama3-8b" if cuda else "tiny-llama"
+    model_dir = dummy_model_dir(shape, args.tokenizer_dir, args.work)
+    model_config = load_model_config(model_dir)
+    adapter_dirs = [write_adapter(args.work / f"lora-{shape}-{i}", model_config, args.rank, i)
+                    for i in range(args.adapters)]  # fmt: skip
+    loras = [LoRARequest(lora_name=f"a{i}", lora_int_id=i + 1, lora_path=str(d))
+             for i, d in enumerate(adapter_dirs)]  # fmt: skip
+    floor = None
+    if cuda:
+        floor = Floor.measure()
+    rows = []
+    for products in args.products.split(","):  # one engine at a time: each holds the model
+        rows += measure(args, EngineConfig(
+            model=str(model_dir), load_format="dummy", device=args.device,
+            dtype="bfloat16" if cuda else "float32", enable_lora=True, max_loras=args.adapters,
+            max_lora_rank=args.rank, max_num_seqs=max(args.batches),
+            enable_prefix_caching=False, max_num_batched_tokens=max(2048, args.context),
+            num_kv_pages=max(args.batches) * -(-(args.context + args.steps + 32) // 16) + 1,
+            cuda_graph_batch_sizes=tuple(args.batches), kernels={"lora_products": products},
+        ), loras, floor)  # fmt: skip
     model = f"{shape} shapes, random {'bf16' if cuda else 'float32'} weights"
     write_result(args.out, "lora-decode", rows, model=model, title=TITLE,
                  measured=None if floor is None else floor.measured())  # fmt: skip
