@@ -48,8 +48,8 @@ class KernelConfig(BaseModel):
         "shrink and expand after its base GEMM, on one stream; beside: on a second stream "
         "beside the base GEMM, which reads the same rows, added after both (o's and down's on "
         "the folded path stay before their GEMM); epilogue: the shrink before the base GEMM "
-        "and the expand in its epilogue, no launch after (the folded path of decode steps of "
-        "up to 64 tokens; elsewhere after)",
+        "and the expand in its epilogue, no launch after (decode steps on the folded path whose "
+        "GEMMs run the skinny GEMM's tensor-core kernel, 9-64 tokens; elsewhere after)",
     )
     # A bool, not "on"/"off": YAML (config files, --set) reads those as booleans.
     flashinfer_decode_tensor_cores: bool | None = Field(

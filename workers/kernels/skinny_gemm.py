@@ -138,12 +138,13 @@ def skinny_linear(
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     if x.stride(1) != 1:
         x = x.contiguous()
-    cfg = launch_config(m, weight, gated, lora is not None, config)
+    cfg = launch_config(m, weight, gated, config)
     w_block = rows_per_block(weight)  # a block's stride is its K x block values
     if gated and (cfg.split_k > 1 or bias is not None or out_dtype is not None):
         raise ValueError("the gated product runs in x's dtype, without split-K or bias")
-    if lora is not None and not _parts_fit(cfg, lora.ends, n):
-        raise ValueError(f"tiles of {cfg.block_n} columns straddle the LoRA parts {lora.ends}")
+    if lora is not None and not (cfg.dot and _parts_fit(cfg, lora.ends, n)):
+        raise ValueError(f"the LoRA epilogue needs the tensor-core kernel, tiles within its "
+                         f"parts {lora.ends}; got {cfg}")  # fmt: skip
     if w_block > 1 and (n % cfg.block_n or max(w_block, cfg.block_n) % min(w_block, cfg.block_n)):
         raise ValueError(f"tiles of {cfg.block_n} rows do not cover blocks of {w_block} of {n}")
     others = gated or out_dtype is not None or residual is not None or sumsq_out is not None
@@ -188,19 +189,15 @@ def skinny_linear(
 
 
 def launch_config(
-    m: int, weight: torch.Tensor, gated: bool = False, lora: bool = False,
-    config: Config | None = None,
-) -> Config:  # fmt: skip
+    m: int, weight: torch.Tensor, gated: bool = False, config: Config | None = None
+) -> Config:
     """`skinny_linear`'s config for `m` rows times `weight` (`config`, else the table's): the
-    tensor-core kernel where W is blocked or a LoRA epilogue runs (the GEMV has neither), the
-    gated product's tiles half as wide, a tile of each of gate and up."""
+    tensor-core kernel where W is blocked (the GEMV reads rows), the gated product's tiles half
+    as wide, a tile of each of gate and up."""
     n, k = weight.shape
     cfg = config or config_for(m, n, k, weight.device)
-    if rows_per_block(weight) > 1 and not cfg.dot:  # the GEMV reads rows: blocks go on
-        cfg = config_for(2, n, k, weight.device)  # tensor cores
-    if lora and not cfg.dot:
-        cfg = config_for(2 * MAX_GEMV_ROWS, n, k, weight.device)
-        cfg = cfg if cfg.dot else default_config(2 * MAX_GEMV_ROWS, n, k)
+    if rows_per_block(weight) > 1 and not cfg.dot:
+        cfg = config_for(2, n, k, weight.device)
     if gated and cfg.dot:
         cfg = dataclasses.replace(cfg, block_n=max(16, cfg.block_n // 2))
     return cfg
@@ -208,12 +205,15 @@ def launch_config(
 
 def lora_fits(m: int, weight: torch.Tensor, out_parts: list[int], gated: bool = False) -> bool:
     """Whether `skinny_linear(lora=...)` takes `m` rows times `weight` with LoRA parts of
-    `out_parts` columns: the skinny GEMM runs it and no tile straddles two parts."""
+    `out_parts` columns: the skinny GEMM runs it on its tensor-core kernel (where the GEMV
+    kernel is the faster, at 1-8 rows, the products run after it instead), and no tile
+    straddles two parts."""
     if not applies(m, weight, gated) or m > MAX_TOKENS:
         return False
     n = weight.shape[0] // 2 if gated else weight.shape[0]
-    cfg = launch_config(m, weight, gated, True)  # may not be the table's cell for m rows
-    return not (gated and cfg.split_k > 1) and _parts_fit(cfg, part_ends(out_parts), n)
+    cfg = launch_config(m, weight, gated)
+    fused = cfg.dot and not (gated and cfg.split_k > 1)
+    return fused and _parts_fit(cfg, part_ends(out_parts), n)
 
 
 def _parts_fit(cfg: Config, ends: tuple[int, int], n: int) -> bool:
