@@ -105,30 +105,34 @@ def test_lora_decode_steps_replay_a_graph_with_the_eager_tokens(
 
 
 def test_products_in_the_gemm_epilogue_give_the_after_path_tokens(
-    smollm2_random: Path, tmp_path: Path
+    tokenizer_dir: Path, tmp_path: Path
 ) -> None:
     """`kernels.lora_products="epilogue"` (the expand inside the folded path's skinny GEMMs,
-    q/k/v rotated there too) against "after" (the SGMV launches after each GEMM), bf16 with
-    CUDA graphs, a batch mixing two adapters of rank 16 and base rows: each request's first
-    tokens equal unless the "after" run's top two were within bf16 noise, top-1 log-probs
-    close; the adapters change the log-probs."""
+    q/k/v rotated there too) against "after" (the SGMV launches after each GEMM), Llama-3-8B's
+    shapes (those of the GPU's skinny GEMM table) with random bf16 weights and CUDA graphs, a
+    batch of 16 mixing two adapters of rank 16 and base rows: each request's first tokens
+    equal unless the "after" run's top two were within bf16 noise, top-1 log-probs close; the
+    adapters change the log-probs."""
     from bench.bench_lora import write_adapter
+    from bench.gpu_common import dummy_model_dir
     from workers.model.files import load_model_config
 
-    shapes = load_model_config(smollm2_random)
+    model = dummy_model_dir("llama3-8b", tokenizer_dir, tmp_path)
+    shapes = load_model_config(model)
     loras = [LoRARequest(lora_name=f"e{i}", lora_int_id=i + 1,
                          lora_path=str(write_adapter(tmp_path / f"e{i}", shapes, 16, i)))
              for i in range(2)]  # fmt: skip
-    kw = dict(device="cuda", enable_lora=True, max_loras=2, max_lora_rank=16,
-              kv_cache_memory_gb=1, cuda_graph_batch_sizes=(16,))  # fmt: skip
-    prompts = [[(13 * j + 7 * i) % 4000 + 5 for j in range(20 + 3 * i)] for i in range(9)]
-    which = [None, *loras] * 3
+    kw = dict(device="cuda", load_format="dummy", enable_lora=True, max_loras=2,
+              max_lora_rank=16, num_kv_pages=128, max_num_seqs=16,
+              cuda_graph_batch_sizes=(16,))  # fmt: skip
+    prompts = [[(13 * j + 7 * i) % 4000 + 5 for j in range(20 + 3 * i)] for i in range(16)]
+    which = [None, *loras] * 5 + [None]
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=2)
     runs = {}
     for products in ("after", "epilogue"):
-        llm = LLM(str(smollm2_random), kernels={"lora_products": products}, **kw)
+        llm = LLM(str(model), kernels={"lora_products": products}, **kw)
         if not llm.engine.runner.model.norms_folded:
-            pytest.skip("this GPU's skinny GEMM does not take SmolLM2's decode: no folded path")
+            pytest.skip("no skinny GEMM table for this GPU: no folded path, no epilogue")
         runs[products] = llm.generate(prompts, params, lora_request=which)
         base = llm.generate(prompts, params) if products == "after" else None
         del llm

@@ -101,6 +101,8 @@ def test_products_in_the_gemm_epilogue(
     mask = torch.zeros(tokens, slots, dtype=dtype, device=dev)
     mask[torch.arange(tokens, device=dev), torch.arange(tokens, device=dev) % slots] = 1.0
     mask[::3] = 0.0  # base tokens
+    if not skinny_gemm.applies(tokens, w, gated):
+        pytest.skip("no skinny GEMM table cell for this GPU and shape: no epilogue to test")
     assert skinny_gemm.lora_fits(tokens, w, out_parts, gated)
     got = skinny_gemm.skinny_linear(x, w, gated=gated,
                                     lora=shrunk_rows(x, a, b, mask, out_parts))  # fmt: skip

@@ -226,9 +226,11 @@ def _lora_args(lora: ShrunkRows | None, y: torch.Tensor) -> tuple[tuple, dict[st
         consts = dict(LORA_SLOTS=1, LORA_R=1, LORA_R_PAD=16, LORA_PARTS=0)
         return (y, y, y, 0, 0, 0, 0), consts
     slots, rank = lora.b.shape[1:]
-    splits, _, stacked = lora.partial.shape
-    if lora.mask.stride(1) != 1 or not lora.b.is_contiguous():
-        raise ValueError("the LoRA mask's rows and B must be contiguous")
+    splits, tokens, stacked = lora.partial.shape
+    if lora.mask.shape != (tokens, slots) or not lora.mask.is_contiguous():
+        raise ValueError(f"the LoRA mask must be a contiguous [{tokens}, {slots}]")
+    if not lora.b.is_contiguous() or tokens != y.shape[0]:
+        raise ValueError("B must be contiguous and the shrunk rows those of x")
     args = (lora.partial, lora.mask, lora.b, lora.b.shape[0], splits, *lora.ends)
     consts = dict(LORA_SLOTS=slots, LORA_R=rank, LORA_R_PAD=max(16, triton.next_power_of_2(rank)),
                   LORA_PARTS=stacked // rank)  # fmt: skip

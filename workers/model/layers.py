@@ -80,6 +80,8 @@ def rms_linear(
     without, `norm` runs first. `lora`: x's rows shrunk by their adapters, whose products the
     skinny GEMM adds (`skinny_gemm.lora_fits`; with `sumsq`)."""
     if sumsq is None:
+        if lora is not None:
+            raise ValueError("LoRA products in the GEMM need x's sums of squares (sumsq)")
         h = norm(x)
         return silu_and_mul_linear(h, weight) if gated else linear(h, weight, bias)
     from workers.kernels import skinny_gemm  # Triton: imported on first CUDA use
