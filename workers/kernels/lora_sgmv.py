@@ -209,7 +209,7 @@ def sgmv_add_lora(
     if sumsq is not None and (sumsq.shape != (tokens, SUMSQ_SLOTS) or sumsq.dtype != torch.float64):
         raise ValueError(f"sumsq must be float64 [{tokens}, {SUMSQ_SLOTS}], not {sumsq.shape}")
     partial = shrink(x, a, mask, y.shape[1], choices)
-    ends = [sum(out_parts[: i + 1]) for i in range(parts)] + [0, 0]
+    ends = part_ends(out_parts)
     _expand_slot_kernel[(a.shape[0], triton.cdiv(y.shape[1], block_n))](
         y, b, mask, partial, partial if sumsq is None else sumsq, tokens, n_in, eps,
         y.shape[1], partial.shape[0], y.stride(0), ends[0], ends[1], SLOTS=a.shape[0],

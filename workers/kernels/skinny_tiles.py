@@ -167,7 +167,8 @@ def lora_products(
     column's, by `end0`/`end1`. Each slot present in the tile's rows reads its B rows once,
     for all of them."""
     j = tl.arange(0, R_PAD)
-    part = (tl.min(offs_n, axis=0) >= end0).to(tl.int32) + (tl.min(offs_n, axis=0) >= end1)
+    first = tl.min(offs_n, axis=0)
+    part = (first >= end0).to(tl.int32) + (first >= end1)
     rows = (offs_m < M)[:, None] & (j < R)[None, :]
     at = lp_ptr + offs_m[:, None] * (PARTS * R) + part * R + j[None, :]
     s = tl.load(at, mask=rows, other=0.0)
