@@ -138,7 +138,8 @@ class MLP(nn.Module):
         if lora is None:
             act = rms_linear(residual, w, None, norm, sum_in, gated=True)
         else:  # LoRA adds to gate and up before the activation, and down's to the stream
-            act = lora.rms_linear("gate_up", residual, w, None, norm, sum_in, gated=True)
+            shrunk = lora.shrunk("gate_up", residual, w, True) if sum_in is not None else None
+            act = lora.rms_linear("gate_up", residual, w, None, norm, sum_in, True, shrunk)
             into = lora.into_residual("down", act, residual, self.down_proj.weight)
         return residual_linear(act, self.down_proj.weight, residual, sum_out, into)
 

@@ -119,11 +119,9 @@ class LayerLoRA:
         shrunk: ShrunkRows | None = None,
     ) -> torch.Tensor:  # fmt: skip
         """`rms_linear(x, weight, bias, norm, sumsq, gated)` plus `name`'s products of the same
-        normed rows (before the activation): in the GEMM's epilogue where it takes them, else
-        of x scaled by 1/rms where `sumsq` holds its sums of squares, else of `norm(x)`, run
-        once for both. `shrunk`: this `shrunk` of x's rows, where already run."""
-        if shrunk is None and sumsq is not None:
-            shrunk = self.shrunk(name, x, weight, gated)
+        normed rows (before the activation): in the GEMM's epilogue given `shrunk` (the
+        caller's `shrunk` of x's rows), else of x scaled by 1/rms where `sumsq` holds its sums
+        of squares, else of `norm(x)`, run once for both."""
         if shrunk is not None:
             return rms_linear(x, weight, bias, norm, sumsq, gated, shrunk)
         if sumsq is None:
