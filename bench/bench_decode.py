@@ -14,9 +14,11 @@ rank's bytes (the all-reduces between the ranks are part of the gap). Three ways
 Parts are timed too: the graph replay (forward, LM head and argmax; replays queued back to
 back between CUDA events, `gpu_common.replay_ms`; one GPU only: a rank cannot replay its graph
 alone), the host's input plan and FlashInfer's plan, and the
-eager step; `--profile` adds, for 1x1024 and 64x2048 (or the `--cases` given), where the graph
-replay's device time goes (with `--tp`, a whole step's on rank 0) and the top kernels and host
-ops of an eager step;
+eager step. `x_roofline` sets the step against a second bound, each GEMM at the slower of
+its weight read and its FLOPs at the bf16 GEMM peak measured in the same run (large batches'
+GEMMs are compute-bound: there the byte floor is out of any kernel's reach). `--profile` adds,
+for 1x1024 and 64x2048 (or the `--cases` given), where the graph replay's device time goes
+(with `--tp`, a whole step's on rank 0) and the top kernels and host ops of an eager step;
 `--trace DIR` also writes each profiled replay as a Chrome trace (every kernel's start and end:
 a layer's critical path, kernel by kernel).
 
@@ -41,8 +43,10 @@ from bench.gpu_common import (
     bench_parser,
     decode_config,
     engine_run,
+    gemm_peak_tflops,
     median_of,
     replay_ms,
+    roofline_columns,
     step_timeline,
     top_kernels,
     wall_ms,
@@ -155,7 +159,9 @@ def main() -> None:
     add_repeats_argument(ap)
     args = ap.parse_args()
     floor = Floor.measure()
-    print(f"copy bandwidth {floor.copy_gbps:.0f} GB/s (read + write)", flush=True)
+    peak = gemm_peak_tflops()
+    print(f"copy bandwidth {floor.copy_gbps:.0f} GB/s (read + write), bf16 GEMM peak "
+          f"{peak:.0f} TFLOP/s", flush=True)  # fmt: skip
     cases = CASES
     profiled = [(1, 1024), (64, 2048)]
     if args.cases:
@@ -204,6 +210,7 @@ def main() -> None:
             flashinfer_plan_ms=round(fi_plan_ms, 3),
             eager_step_ms=round(eager_ms, 3),
             **against,
+            **roofline_columns(floor, peak, runner, nbytes, batch, best),
             x_floor_runs=[floor.columns(nbytes, r)["x_floor"] for r in runs] or None,
             replay_x_floor=None if replay is None else floor.columns(nbytes, replay)["x_floor"],
             tokens_per_s=round(batch / best * 1e3),
@@ -223,7 +230,8 @@ def main() -> None:
         torch.cuda.synchronize()
     name = "decode" if args.tp == 1 else f"decode-tp{args.tp}"
     model = f"{args.shape} shapes, random bf16 weights, page {page_size}, CUDA graphs"
-    write_result(args.out, name, rows, model=model, measured=floor.measured())
+    measured = dict(gemm_peak_tflops=round(peak), **floor.measured())
+    write_result(args.out, name, rows, model=model, measured=measured)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ router and the k routed experts' three matrices, causal attention, and the LM he
 Each figure is the median of `--repeats` runs (each run recorded).
 
     python bench/bench_moe.py --device cuda --out DIR [--tokenizer-dir DIR] [--repeats 3]
+        [--profile [--trace DIR]]   # where each decode graph's device time goes, by kernel
     python bench/bench_moe.py --device cpu      # smoke: a tiny MoE in float32, no ceilings
 """
 
@@ -38,6 +39,7 @@ from bench.gpu_common import (  # noqa: E402
     gemm_peak_tflops,
     median_of,
     replay_ms,
+    step_timeline,
     wall_ms,
     weight_bytes_read,
 )
@@ -97,6 +99,8 @@ def main() -> None:
     ap = bench_parser(__doc__, tokenizer_dir=embedded_model_dir())
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     add_repeats_argument(ap)
+    ap.add_argument("--profile", action="store_true", help="each decode graph's kernels by kind")
+    ap.add_argument("--trace", help="with --profile: a folder for Chrome traces of the replays")
     args = ap.parse_args()
     dev, cuda = args.device, args.device == "cuda"
     shape = SHAPE[dev] if args.shape == "llama3-8b" else args.shape  # bench_parser's default
@@ -132,6 +136,9 @@ def main() -> None:
                    if floor and replay else None)  # fmt: skip
         rows.append(row)
         print("DECODE", row, flush=True)
+        if args.profile and graph is not None:
+            trace = args.trace and f"{args.trace}/moe_replay_{batch}x{context}.json"
+            print(step_timeline(graph.replay, trace), flush=True)
     step = prefill_step(runner, 1, prompt)
     runs = [round(wall_ms(lambda: runner.execute(step), warmup=1, iters=3), 2)
             for _ in range(args.repeats)]  # fmt: skip

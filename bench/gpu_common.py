@@ -335,6 +335,28 @@ def weight_bytes_read(runner: ModelRunner, batch: int) -> int:
     return total
 
 
+def multiplied_weights(runner: ModelRunner) -> tuple[int, int]:
+    """(elements, bytes) of the weights a step multiplies by its rows: every matrix but an
+    untied embedding table (only gathered from; a tied one is also the LM head)."""
+    embed = runner.model.model.embed_tokens.weight
+    tied = runner.model_config.tie_word_embeddings
+    mats = [p for p in runner.model.parameters() if p.dim() >= 2 and (tied or p is not embed)]
+    return sum(p.numel() for p in mats), sum(p.numel() * p.element_size() for p in mats)
+
+
+def roofline_columns(
+    floor: Floor, peak_tflops: float, runner: ModelRunner, nbytes: float, rows: int, taken: float
+) -> dict[str, float]:
+    """The step's time if each GEMM ran at the slower of its weight read (copy rate) and its
+    FLOPs (the measured GEMM peak), the rest of its bytes at the copy rate: where the byte
+    floor is below what any kernel could reach (large batches, whose GEMMs are compute-bound),
+    `x_roofline` shows how far the step is from that (`x_floor` stays the goals' measure)."""
+    numel, wbytes = multiplied_weights(runner)
+    gemm_ms = max(wbytes / floor.copy_gbps / 1e6, 2 * rows * numel / peak_tflops / 1e9)
+    roof = gemm_ms + (nbytes - wbytes) / floor.copy_gbps / 1e6
+    return {"roofline_ms": round(roof, 3), "x_roofline": round(taken / roof, 3)}
+
+
 def top_kernels(fn: Callable[[], object], limit: int = 12) -> str:
     """A profiler table of the CUDA kernels `fn` spends the most device time in."""
     from torch.profiler import ProfilerActivity, profile
@@ -357,6 +379,11 @@ def top_kernels(fn: Callable[[], object], limit: int = 12) -> str:
 KERNEL_KINDS = (
     ("_gemv_kernel", "gemm: triton gemv"),
     ("_dot_kernel", "gemm: triton dot"),
+    ("_w13_kernel", "moe: experts' gate/up"),
+    ("_w2_kernel", "moe: experts' down"),
+    ("_route_kernel", "moe: routing"),
+    ("_plan_kernel", "moe: alignment"),
+    ("_scatter_kernel", "moe: alignment"),
     ("rms_norm", "norm"),
     ("rotary", "rope + kv write"),
     ("silu", "silu"),
