@@ -1,5 +1,6 @@
 """Tune the fused MoE kernel's launch table for this GPU: per expert shape and token bucket, time
-each candidate `MoEConfig` on random bf16 experts and routing, and write the fastest to
+each candidate `MoEConfig` (the aligned kernels' tiles; at small token counts the GEMV kernels'
+too) on random bf16 experts and routing, and write the fastest to
 `workers/kernels/tables/moe_fused_<gpu>.json` (`moe_tuning`), which `fused_moe` then reads.
 
     python bench/sweep_moe.py [--shapes 128,2048,768,8] [--tokens 1,2,...] [--write]
@@ -30,7 +31,10 @@ TOKENS = "1,2,4,8,16,32,64,128,256,512,1024,2048,4096,8192"
 
 
 def candidates(tokens: int, top_k: int, experts: int) -> list[MoEConfig]:
-    """Tiles that fit: block_m at most a few times an expert's expected pairs."""
+    """Tiles that fit: block_m at most a few times an expert's expected pairs. Where the pairs
+    are at most the experts (twice `default_config`'s bound, so that the sweep finds where they
+    stop winning), also the GEMV kernels' (`moe_gemv.py`) tiles: block_n 4 (the skinny GEMV's
+    pick at M = 1) to 32 rows, block_k 128-512, 1-4 warps, 1-2 loop stages."""
     per_expert = max(1, tokens * top_k // experts)
     block_ms = [m for m in (16, 32, 64, 128) if m <= max(16, 2 * per_expert)]
     out = []
@@ -40,6 +44,15 @@ def candidates(tokens: int, top_k: int, experts: int) -> list[MoEConfig]:
         if bm * bn >= 128 * 128 and warps == 4:  # large tiles: 8 warps only
             continue
         out.append(MoEConfig(bm, bn, bk, warps, stages))
+    if tokens * top_k <= experts:
+        for bn, bk, warps, stages in itertools.product(
+            (4, 8, 16, 32), (128, 256, 512), (1, 2, 4), (1, 2)
+        ):
+            # gate's and up's [bn, bk] float32 accumulators: 128 registers a thread at most
+            if bn * bk > 2048 * warps:
+                continue
+            out.append(MoEConfig(block_n=bn, block_k=bk, num_warps=warps, num_stages=stages,
+                                 gemv=True))  # fmt: skip
     return out
 
 

@@ -52,18 +52,21 @@ def test_fused_moe_matches_fp64(shape, tokens: int, dtype: torch.dtype) -> None:
     assert err <= 4 * eps, f"relative error {err:.2e}"
 
 
-def test_expert_parallel_rank_and_cuda_graph_replay() -> None:
+@pytest.mark.parametrize("gemv", [False, True])
+def test_expert_parallel_rank_and_cuda_graph_replay(gemv: bool) -> None:
     """Rank 1 of 2 (experts 64..127) inside a captured graph: new routing, replayed, gives the
-    reference's sum over that rank's experts only."""
+    reference's sum over that rank's experts only; the aligned kernels and the GEMV ones."""
     from workers.kernels.moe_fused import fused_moe
+    from workers.kernels.moe_tuning import GEMV_DEFAULT, MoEConfig
 
+    config = GEMV_DEFAULT if gemv else MoEConfig()
     x, w13, w2, weights, ids = _inputs(A3B, 8, torch.bfloat16, 1)
     mine = slice(64, 128)
     args = [x, w13[mine].contiguous(), w2[mine].contiguous(), weights, ids]
-    fused_moe(*args, 64, 128)  # compile outside the capture
+    fused_moe(*args, 64, 128, config)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = fused_moe(*args, 64, 128)
+        out = fused_moe(*args, 64, 128, config)
     x2, _, _, weights2, ids2 = _inputs(A3B, 8, torch.bfloat16, 2)
     x.copy_(x2), weights.copy_(weights2), ids.copy_(ids2)
     graph.replay()
@@ -72,6 +75,34 @@ def test_expert_parallel_rank_and_cuda_graph_replay() -> None:
     assert err <= 4 * 2**-8
     untouched = ((ids < 64).all(dim=1)).nonzero().flatten()
     assert (out[untouched] == 0).all()
+
+
+def test_fused_router_equals_mm_then_route_top_k_when_replayed() -> None:
+    """`route_fused` at Qwen3-30B-A3B's router shape, captured and replayed on new rows (its
+    counters reset by each launch): torch.mm + `route_top_k`'s ids, but for a rare near-tie
+    that a logit's one-step rounding difference decides."""
+    from workers.kernels.moe_route import FUSED_MAX_TOKENS, route_fused, route_top_k
+
+    E, H, _, k = A3B
+    gen = torch.Generator("cuda").manual_seed(0)
+    w = (torch.randn(E, H, generator=gen, device="cuda") / H**0.5).bfloat16()
+    x = torch.randn(FUSED_MAX_TOKENS, H, generator=gen, device="cuda").bfloat16()
+    route_fused(x, w, k, True)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        weights, ids = route_fused(x, w, k, True)
+    differing = 0
+    for _ in range(4):
+        x.copy_(torch.randn(x.shape, generator=gen, device="cuda"))
+        graph.replay()
+        logits = torch.mm(x, w.t())
+        want_w, want_ids = route_top_k(logits, k, True)
+        same = (ids == want_ids).all(dim=1)
+        differing += int((~same).sum())
+        # a logit a bf16 step apart moves the weights by e^step
+        step = float(torch.finfo(torch.bfloat16).eps * logits.abs().max())
+        torch.testing.assert_close(weights[same], want_w[same], rtol=2 * step, atol=1e-6)
+    assert differing <= 2, f"{differing} of {4 * FUSED_MAX_TOKENS} rows picked other experts"
 
 
 @pytest.fixture(scope="module")

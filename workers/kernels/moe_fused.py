@@ -11,10 +11,11 @@
    weight and written to the pair's own row [pairs, H] (no atomics: the result is the same
    whatever order tiles run in).
 4. The k rows of each token summed (one reduce).
-Launch configs: `moe_tuning` (per GPU model, bench/sweep_moe.py). Every launch here, the
-routing's included, uses PDL (`pdl.py`): at batch 1 the layer is a chain of short kernels. Nothing
-allocates beyond the step's buffers or syncs the host, so a decode step's calls can be captured
-in CUDA graphs.
+Launch configs: `moe_tuning` (per GPU model, bench/sweep_moe.py); a config with `gemv` set (batch
+1-8 by default) takes `moe_gemv.gemv_moe` instead: two launches, no alignment, the sum fused.
+Every launch here, the routing's included, uses PDL (`pdl.py`): at batch 1 the layer is a chain
+of short kernels. Nothing allocates beyond the step's buffers or syncs the host, so a decode
+step's calls can be captured in CUDA graphs.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import triton.language as tl
 
 from workers.kernels import pdl
 from workers.kernels.moe_align import align
+from workers.kernels.moe_gemv import gemv_moe
 from workers.kernels.moe_tuning import MoEConfig, MoETable, moe_config, moe_table
 from workers.kernels.pdl import start_dependents, wait_for_inputs
 
@@ -126,6 +128,8 @@ def fused_moe(
     num_local, two_i, _ = w13.shape
     top_k, inter = topk_ids.shape[1], two_i // 2
     cfg = config or config_for(x, w13, top_k)
+    if cfg.gemv:
+        return gemv_moe(x, w13, w2, topk_weights, topk_ids, first, num_experts, cfg)
     n = T * top_k
     pairs, tile_expert = align(topk_ids, first, num_local, cfg.block_m)
     tiles = tile_expert.numel()

@@ -1,6 +1,7 @@
 """The fused MoE kernel's launch configs per GPU model (`tables/moe_fused_<gpu>.json`, written by
 bench/sweep_moe.py): per expert shape "E,H,I,top_k" (this rank's experts), the config that ran
-fastest for each token-count bucket (a power of two). A GPU or shape without an entry takes
+fastest for each token-count bucket (a power of two): the aligned grouped-GEMM kernels' tiles,
+or (`gemv`) the small-batch GEMV kernels' (`moe_gemv.py`). A GPU or shape without an entry takes
 `default_config`. No Triton here, so tables load and test on any machine.
 """
 
@@ -27,6 +28,14 @@ class MoEConfig:
     block_k: int = 64
     num_warps: int = 4
     num_stages: int = 3
+    # The GEMV kernels (no alignment, a program per pair or token): block_n and block_k are then
+    # their output rows and reduction tile, num_stages their K loop's stages; block_m is unused.
+    gemv: bool = False
+
+
+# Before a sweep, at batch 1-8: tiles of the skinny GEMV's shape at M = 1 (few rows, a long K
+# tile, so that enough programs keep every multiprocessor's loads in flight).
+GEMV_DEFAULT = MoEConfig(block_n=16, block_k=256, num_warps=4, num_stages=1, gemv=True)
 
 
 MoETable = dict[Shape, dict[int, MoEConfig]]  # shape -> token bucket -> config
@@ -37,8 +46,18 @@ def bucket(tokens: int) -> int:
 
 
 def default_config(tokens: int, top_k: int, num_experts: int) -> MoEConfig:
-    """Before a sweep: small tiles where each expert sees a few pairs (decode), larger where
-    each sees many (prefill)."""
+    """Before a sweep: the GEMV kernels while the (token, slot) pairs are at most half the
+    experts, small tiles where each expert sees a few pairs (decode), larger where each sees
+    many (prefill).
+
+    GEMV up to E/2 pairs (batch 1-8 at Qwen3-30B-A3B's 128 experts and top-8): n pairs routed
+    at random touch E (1 - e^(-n/E)) experts, so at n = E/2 an expert with pairs has ~1.3 of
+    them. The aligned kernels' 16-row tiles are then >90% padding and their two alignment
+    launches and the top-k sum buy nothing; the GEMV reads a shared expert's weights once per
+    pair instead (~20% of pairs at E/2), and those re-reads run side by side, from L2. Above
+    that the shared reads grow and the grouped tiles' reuse wins back."""
+    if 2 * tokens * top_k <= num_experts:
+        return GEMV_DEFAULT
     per_expert = tokens * top_k / num_experts
     if per_expert <= 16:
         return MoEConfig(16, 64, 128, 4, 3)
@@ -55,11 +74,20 @@ def parse(data: dict[str, Any]) -> MoETable:
     return table
 
 
+def _fields(cfg: MoEConfig) -> dict[str, Any]:
+    """A config's JSON fields: `gemv` only where set, so the tables written before it stay as
+    they were (`parse` takes either)."""
+    fields = dataclasses.asdict(cfg)
+    if not cfg.gemv:
+        del fields["gemv"]
+    return fields
+
+
 def dumps(table: MoETable, gpu_name: str) -> str:
     """A table's JSON text: a shape per block, a token bucket a line."""
     blocks = []
     for shape in sorted(table):
-        lines = [f'      "{b}": {json.dumps(dataclasses.asdict(c))}'
+        lines = [f'      "{b}": {json.dumps(_fields(c))}'
                  for b, c in sorted(table[shape].items())]  # fmt: skip
         blocks.append(f'    "{",".join(map(str, shape))}": {{\n' + ",\n".join(lines) + "\n    }")
     body = ",\n".join(blocks)
