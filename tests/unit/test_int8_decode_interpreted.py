@@ -94,6 +94,14 @@ def check_store() -> None:
             assert torch.equal(got[..., :d], want[..., :d]), (d, kv_index)
             scales = [r[..., d:].contiguous().view(torch.float32) for r in (got, want)]
             torch.testing.assert_close(*scales, rtol=2e-6, atol=0)
+        # For the decode kernel: q times H in float32 too, the same rows written
+        written = kv.clone()
+        q_by_h = rope_int8.rotary_store_int8(q, k, v, cos, sin, kv, half, pages, slots,
+                                             rotate_q_by_h=True)  # fmt: skip
+        h = hadamard(d, torch.device("cpu"))
+        assert h is not None and q_by_h.dtype == torch.float32
+        torch.testing.assert_close(q_by_h, rotated[0] @ h, rtol=0, atol=1e-5)
+        assert torch.equal(kv, written)
 
 
 def test_int8_kernels_interpreted_match_torch() -> None:

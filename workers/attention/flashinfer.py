@@ -317,7 +317,18 @@ class GraphDecodeAttention(_PagedFlashInfer):
         self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         cos: torch.Tensor, sin: torch.Tensor,
     ) -> torch.Tensor:  # fmt: skip
-        """The parent's, or at batch 1 the one-launch kernel (which also writes k and v)."""
+        """The parent's, or at batch 1 the one-launch kernel (which also writes k and v); over
+        an int8 pool the write kernel also rotates q by H for the decode kernel (two launches
+        a layer fewer than rotating it here)."""
+        if self.int8 is not None and self._rope_kernel_takes(q, k):
+            assert self._rotations is not None
+            kv = self.pool.layer(layer_id)
+            q_by_h = rotary_store_int8(
+                q, k, v, cos, sin, kv, self._rotations.half, self.slot_pages, self.slot_offsets,
+                rotate_q_by_h=True,
+            )  # fmt: skip
+            table = (self.kv_indptr, self.kv_indices, self.last_page_len)
+            return self._rotations.decode_rotated(self.int8, kv, q_by_h, table, q.dtype)
         if self.split_kv is None:
             return super().forward_rotary(layer_id, q, k, v, cos, sin)
         kv = self.pool.layer(layer_id)

@@ -44,8 +44,16 @@ class Int8Rotations:
     ) -> torch.Tensor:  # fmt: skip
         """Decode over one layer's int8 pool `kv`: q rotated by H in float32 (the kernel casts
         it to fp16, finer than q's bf16), and the kernel's float32 output rotated back."""
-        out = kernel.forward(q.float() @ self.full, kv, kv_indptr, kv_indices, last_page_len)
-        return (out @ self.full).to(q.dtype)
+        table = (kv_indptr, kv_indices, last_page_len)
+        return self.decode_rotated(kernel, kv, q.float() @ self.full, table, q.dtype)
+
+    def decode_rotated(
+        self, kernel: Int8Decode, kv: torch.Tensor, q_by_h: torch.Tensor,
+        table: tuple[torch.Tensor, torch.Tensor, torch.Tensor], dtype: torch.dtype,
+    ) -> torch.Tensor:  # fmt: skip
+        """`decode` of q already rotated by H in float32 (`rope_int8.rotary_store_int8`'s
+        `rotate_q_by_h`); the output in `dtype`."""
+        return (kernel.forward(q_by_h, kv, *table) @ self.full).to(dtype)
 
 
 class Int8Steps:

@@ -1,6 +1,8 @@
 """The rotary embedding and the K/V write into an int8 pool in one launch (`rotary_store_int8`):
 `rope.rotary_store`'s q and k rotation, then each K/V row rotated by a Hadamard matrix and rounded
-to int8 at its own scale, as `kvcache/int8_rows.quantize_rows` stores it."""
+to int8 at its own scale, as `kvcache/int8_rows.quantize_rows` stores it. For a decode step read
+by `int8_decode` it also gives q rotated by that matrix (in float32, as the kernel reads it),
+which otherwise takes two more launches a layer (a cast and a product)."""
 
 from __future__ import annotations
 
@@ -43,22 +45,46 @@ def _int8_rows(y1, y2, a, dst, dst_scale, mask, HALF: tl.constexpr):
 
 
 @triton.jit
+def _rotate_q_by_h(q_ptr, cos_ptr, sin_ptr, a, q_out_ptr, token, q_stride_t, q_stride_h,
+                   cs_stride, num_q_heads, HALF: tl.constexpr, Q_BLOCK: tl.constexpr):  # fmt: skip
+    """`rope.rotate_q`'s rows (rounded to q's dtype, as it stores them) times H, stored in
+    float32 into `q_out`; returns the token's cos and sin."""
+    dims = tl.arange(0, HALF)[None, :]
+    cos = tl.load(cos_ptr + token * cs_stride + dims).to(tl.float32)
+    sin = tl.load(sin_ptr + token * cs_stride + dims).to(tl.float32)
+    qh = tl.arange(0, Q_BLOCK)[:, None]
+    qm = qh < num_q_heads
+    x1, x2 = halves(q_ptr + token * q_stride_t + qh * q_stride_h, qm, HALF)
+    ty = q_ptr.dtype.element_ty
+    y1 = (x1 * cos - x2 * sin).to(ty).to(tl.float32)
+    y2 = (x2 * cos + x1 * sin).to(ty).to(tl.float32)
+    dst = q_out_ptr + token * num_q_heads * 2 * HALF + qh * 2 * HALF + dims
+    tl.store(dst, tl.dot(y1 + y2, a, input_precision="ieee") * _SQRT_HALF, mask=qm)
+    tl.store(dst + HALF, tl.dot(y1 - y2, a, input_precision="ieee") * _SQRT_HALF, mask=qm)
+    return cos, sin
+
+
+@triton.jit
 def _rotary_store_int8_kernel(
     q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, h_ptr, q_out_ptr, kv_ptr, kvf_ptr, slot_pages_ptr,
     slot_offsets_ptr, q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
     cs_stride, kv_stride_page, kv_stride_kv, kv_stride_slot, kv_stride_head, num_q_heads,
     num_kv_heads, HALF: tl.constexpr, Q_BLOCK: tl.constexpr, KV_BLOCK: tl.constexpr,
-    PDL: tl.constexpr,
+    ROTATE_Q: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     start_dependents(PDL)
     wait_for_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
-    cos, sin = rotate_q(q_ptr, cos_ptr, sin_ptr, q_out_ptr, token, q_stride_t, q_stride_h,
-                         cs_stride, num_q_heads, HALF, Q_BLOCK)  # fmt: skip
-    # k, rotated and rounded to q's dtype (as `rotary` stores it), and v: int8 rows in their slot.
-    ty = q_out_ptr.dtype.element_ty
     dims = tl.arange(0, HALF)[None, :]
     a = tl.load(h_ptr + tl.arange(0, HALF)[:, None] * HALF + dims)
+    if ROTATE_Q:
+        cos, sin = _rotate_q_by_h(q_ptr, cos_ptr, sin_ptr, a, q_out_ptr, token, q_stride_t,
+                                  q_stride_h, cs_stride, num_q_heads, HALF, Q_BLOCK)  # fmt: skip
+    else:
+        cos, sin = rotate_q(q_ptr, cos_ptr, sin_ptr, q_out_ptr, token, q_stride_t, q_stride_h,
+                             cs_stride, num_q_heads, HALF, Q_BLOCK)  # fmt: skip
+    # k, rotated and rounded to q's dtype (as `rotary` stores it), and v: int8 rows in their slot.
+    ty = q_ptr.dtype.element_ty
     page = tl.load(slot_pages_ptr + token).to(tl.int64)
     slot = tl.load(slot_offsets_ptr + token).to(tl.int64)
     kh = tl.arange(0, KV_BLOCK)[:, None]
@@ -80,12 +106,13 @@ def _rotary_store_int8_kernel(
 def rotary_store_int8(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     kv: torch.Tensor, half_hadamard: torch.Tensor, slot_pages: torch.Tensor,
-    slot_offsets: torch.Tensor,
+    slot_offsets: torch.Tensor, rotate_q_by_h: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """`rotary_store` into an int8 pool `kv` `[pages, 2, page_size, Hkv, D + 4]`: k (rotated,
-    rounded to its dtype) and v as rows rotated by the Hadamard matrix of D, built from
-    `half_hadamard` (that of D / 2, float32), and rounded at their own scales; returns the
-    rotated q."""
+    rounded to its dtype) and v as rows rotated by the Hadamard matrix H of D, built from
+    `half_hadamard` (that of D / 2, float32), and rounded at their own scales; returns q after
+    its rotary embedding, or with `rotate_q_by_h` that (rounded to q's dtype) times H, in
+    float32: `int8_decode`'s input."""
     tokens, num_q_heads, dim = q.shape
     num_kv_heads = k.shape[1]
     assert k.shape == v.shape == (tokens, num_kv_heads, dim)
@@ -93,15 +120,17 @@ def rotary_store_int8(
     assert half_hadamard.shape == (dim // 2, dim // 2) and half_hadamard.is_contiguous()
     assert q.stride(-1) == k.stride(-1) == v.stride(-1) == kv.stride(-1) == cos.stride(-1) == 1
     assert cos.stride() == sin.stride() and slot_pages.shape == slot_offsets.shape == (tokens,)
-    out = torch.empty((tokens, num_q_heads, dim), dtype=q.dtype, device=q.device)
+    out_dtype = torch.float32 if rotate_q_by_h else q.dtype
+    out = torch.empty((tokens, num_q_heads, dim), dtype=out_dtype, device=q.device)
+    q_block = triton.next_power_of_2(num_q_heads)  # rows of the H product: at least 16
     if tokens:
         _rotary_store_int8_kernel[(tokens,)](
             q, k, v, cos, sin, half_hadamard, out, kv, kv.view(torch.float32), slot_pages,
             slot_offsets, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
             v.stride(1), cos.stride(0), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
             num_q_heads, num_kv_heads, HALF=dim // 2,
-            Q_BLOCK=triton.next_power_of_2(num_q_heads),
+            Q_BLOCK=max(16, q_block) if rotate_q_by_h else q_block,
             KV_BLOCK=max(16, triton.next_power_of_2(num_kv_heads)),  # the products' rows
-            num_warps=4, **pdl.launch_options(q),
+            ROTATE_Q=rotate_q_by_h, num_warps=4, **pdl.launch_options(q),
         )  # fmt: skip
     return out
