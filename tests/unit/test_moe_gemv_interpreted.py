@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.tolerance import reduction_atol
-from tests.unit.test_moe_fused_interpreted import _term_scale
+from tests.unit.test_moe_fused_interpreted import assert_matches_torch_path
 from tests.unit.test_skinny_gemm_interpreted import interpreted
 
 E, H, INTER = 6, 40, 24  # H, I: tails of every block below
@@ -47,7 +46,6 @@ def _check(dtype: torch.dtype) -> None:
     from workers.kernels.moe_fused import fused_moe
     from workers.kernels.moe_gemv import gemv_moe
     from workers.kernels.moe_tuning import GEMV_DEFAULT, MoEConfig
-    from workers.model.moe_experts import grouped_experts
 
     gen = torch.Generator().manual_seed(0)
     w13 = (torch.randn(E, 2 * INTER, H, generator=gen) / H**0.5).to(dtype)
@@ -59,15 +57,8 @@ def _check(dtype: torch.dtype) -> None:
         weights = torch.softmax(torch.randn(tokens, k, generator=gen), -1)
         mine = slice(first, first + held)
         out = gemv_moe(x, w13[mine], w2[mine], weights, ids, first, E, cfg)
-        want = grouped_experts(
-            x.double(), w13[mine].double(), w2[mine].double(), weights.double(), ids, first
-        )
-        assert out.shape == (tokens, H) and out.dtype == dtype
-        # float32 sums, then act and the output rounded to 16 bits once each
-        scale = _term_scale(x, w13[mine], w2[mine], weights, ids, first)
-        atol = reduction_atol(INTER, scale, dtype) + 2 * float(torch.finfo(dtype).eps) * scale
-        err = float((out.double() - want).abs().max())
-        assert err < atol, (dtype, fields, err, atol)
+        assert_matches_torch_path(out, x, w13[mine], w2[mine], weights, ids, first,
+                                  (dtype, fields))  # fmt: skip
         local = (ids >= first) & (ids < first + held)
         assert local.any(dim=1).any()  # some token has a local expert
         none_here = ~local.any(dim=1)

@@ -135,20 +135,33 @@ def _rotary_store_kernel(
 
 
 @triton.jit
-def rotate_q(q_ptr, cos_ptr, sin_ptr, q_out_ptr, token, q_stride_t, q_stride_h, cs_stride,
-              num_q_heads, HALF: tl.constexpr, Q_BLOCK: tl.constexpr):  # fmt: skip
-    """`token`'s cos and sin (`[1, HALF]` float32: a row's first half is its second), and its
-    q heads rotated into the new packed `[T, Hq, D]` `q_out`."""
+def rotary_q_rows(q_ptr, cos_ptr, sin_ptr, token, q_stride_t, q_stride_h, cs_stride,
+                  num_q_heads, HALF: tl.constexpr, Q_BLOCK: tl.constexpr):  # fmt: skip
+    """`token`'s q heads after the rotary embedding (float32 halves `[Q_BLOCK, HALF]`), their
+    mask, its cos and sin (`[1, HALF]` float32: a row's first half is its second), and where
+    its rows go in a packed `[T, Hq, D]` q (pointer offsets)."""
     dims = tl.arange(0, HALF)[None, :]
     cos = tl.load(cos_ptr + token * cs_stride + dims).to(tl.float32)
     sin = tl.load(sin_ptr + token * cs_stride + dims).to(tl.float32)
     qh = tl.arange(0, Q_BLOCK)[:, None]
     qm = qh < num_q_heads
     x1, x2 = halves(q_ptr + token * q_stride_t + qh * q_stride_h, qm, HALF)
-    dst = q_out_ptr + token * num_q_heads * 2 * HALF + qh * 2 * HALF + dims
+    dst = token * num_q_heads * 2 * HALF + qh * 2 * HALF + dims
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin, qm, cos, sin, dst
+
+
+@triton.jit
+def rotate_q(q_ptr, cos_ptr, sin_ptr, q_out_ptr, token, q_stride_t, q_stride_h, cs_stride,
+             num_q_heads, HALF: tl.constexpr, Q_BLOCK: tl.constexpr):  # fmt: skip
+    """`token`'s cos and sin (`[1, HALF]` float32: a row's first half is its second), and its
+    q heads rotated into the new packed `[T, Hq, D]` `q_out`."""
+    y1, y2, qm, cos, sin, dst = rotary_q_rows(
+        q_ptr, cos_ptr, sin_ptr, token, q_stride_t, q_stride_h, cs_stride, num_q_heads, HALF,
+        Q_BLOCK,
+    )  # fmt: skip
     ty = q_out_ptr.dtype.element_ty
-    tl.store(dst, (x1 * cos - x2 * sin).to(ty), mask=qm)
-    tl.store(dst + HALF, (x2 * cos + x1 * sin).to(ty), mask=qm)
+    tl.store(q_out_ptr + dst, y1.to(ty), mask=qm)
+    tl.store(q_out_ptr + dst + HALF, y2.to(ty), mask=qm)
     return cos, sin
 
 

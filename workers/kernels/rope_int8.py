@@ -12,7 +12,7 @@ import triton.language as tl
 
 from workers.kernels import pdl
 from workers.kernels.pdl import start_dependents, wait_for_inputs
-from workers.kernels.rope import halves, rotate_q
+from workers.kernels.rope import halves, rotary_q_rows, rotate_q
 
 # 1.5 x 2^23: (x + _ROUND) - _ROUND is x rounded half to even (torch.round) for |x| < 2^22
 _ROUND = tl.constexpr(12582912.0)
@@ -49,18 +49,15 @@ def _rotate_q_by_h(q_ptr, cos_ptr, sin_ptr, a, q_out_ptr, token, q_stride_t, q_s
                    cs_stride, num_q_heads, HALF: tl.constexpr, Q_BLOCK: tl.constexpr):  # fmt: skip
     """`rope.rotate_q`'s rows (rounded to q's dtype, as it stores them) times H, stored in
     float32 into `q_out`; returns the token's cos and sin."""
-    dims = tl.arange(0, HALF)[None, :]
-    cos = tl.load(cos_ptr + token * cs_stride + dims).to(tl.float32)
-    sin = tl.load(sin_ptr + token * cs_stride + dims).to(tl.float32)
-    qh = tl.arange(0, Q_BLOCK)[:, None]
-    qm = qh < num_q_heads
-    x1, x2 = halves(q_ptr + token * q_stride_t + qh * q_stride_h, qm, HALF)
+    y1, y2, qm, cos, sin, dst = rotary_q_rows(
+        q_ptr, cos_ptr, sin_ptr, token, q_stride_t, q_stride_h, cs_stride, num_q_heads, HALF,
+        Q_BLOCK,
+    )  # fmt: skip
     ty = q_ptr.dtype.element_ty
-    y1 = (x1 * cos - x2 * sin).to(ty).to(tl.float32)
-    y2 = (x2 * cos + x1 * sin).to(ty).to(tl.float32)
-    dst = q_out_ptr + token * num_q_heads * 2 * HALF + qh * 2 * HALF + dims
-    tl.store(dst, tl.dot(y1 + y2, a, input_precision="ieee") * _SQRT_HALF, mask=qm)
-    tl.store(dst + HALF, tl.dot(y1 - y2, a, input_precision="ieee") * _SQRT_HALF, mask=qm)
+    y1, y2 = y1.to(ty).to(tl.float32), y2.to(ty).to(tl.float32)
+    tl.store(q_out_ptr + dst, tl.dot(y1 + y2, a, input_precision="ieee") * _SQRT_HALF, mask=qm)
+    tl.store(q_out_ptr + dst + HALF, tl.dot(y1 - y2, a, input_precision="ieee") * _SQRT_HALF,
+             mask=qm)  # fmt: skip
     return cos, sin
 
 
