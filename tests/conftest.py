@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 from collections.abc import Iterator
@@ -162,3 +163,85 @@ def make_random_checkpoint(
         if f.name.startswith(("tokenizer", "chat_template", "special_tokens")):
             shutil.copy(f, tmp_dir / f.name)
     return tmp_dir
+
+
+@functools.cache
+def _smollm2_vocabulary() -> dict[str, tuple[Any, Any, Any]]:
+    """The embedded SmolLM2 GGUF's `tokenizer.*` fields: name -> (value, type, array item type)."""
+    from gguf import GGUFReader
+
+    from workers.model.files import _embedded_gguf
+
+    fields = GGUFReader(_embedded_gguf(DEFAULT_MODEL)).fields
+    return {
+        name: (f.contents(), f.types[0], f.types[1] if len(f.types) > 1 else None)
+        for name, f in fields.items()
+        if name.startswith("tokenizer.")
+    }
+
+
+def make_random_qwen3_moe_gguf(
+    path: Path, *, hidden: int = 64, layers: int = 2, experts: int = 8, top_k: int = 2,
+    expert_size: int = 32, heads: int = 4, kv_heads: int = 2, head_dim: int = 16, seed: int = 0,
+) -> Path:  # fmt: skip
+    """A tiny random Qwen3-MoE written as llama.cpp writes one to GGUF (architecture `qwen3moe`,
+    its tensor names and metadata keys, float32 tensors) with SmolLM2's vocabulary (49152 tokens:
+    its GGUF's `tokenizer.*` fields). Tensors are in torch's orientation, `[out, in]` and the
+    experts stacked `[E, out, in]` (GGUF's shape lists the dimensions reversed); q and k are not
+    permuted (llama.cpp permutes them for `llama`'s rotary layout only, and transformers
+    un-permutes only that architecture). Weights are N(0, 1/fan_in) and the norms' 1 + N(0, 0.01),
+    so every matrix, the router included, moves the greedy tokens."""
+    import numpy as np
+    from gguf import GGUFWriter, LlamaFileType
+
+    vocab = _smollm2_vocabulary()
+    vocab_size = len(vocab["tokenizer.ggml.tokens"][0])
+    rng = np.random.default_rng(seed)
+
+    def linear(out: int, inp: int, *stack: int) -> Any:
+        return (rng.standard_normal((*stack, out, inp)) / inp**0.5).astype(np.float32)
+
+    def norm(n: int) -> Any:
+        return (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    w = GGUFWriter(path, "qwen3moe")
+    w.add_name("tiny-random-qwen3-moe")
+    w.add_file_type(LlamaFileType.ALL_F32)
+    w.add_block_count(layers)
+    w.add_context_length(512)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(3 * hidden)  # a dense MLP's width: no layer of this model has one
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_freq_base(1e6)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_expert_count(experts)
+    w.add_expert_used_count(top_k)
+    w.add_expert_feed_forward_length(expert_size)
+    w.add_vocab_size(vocab_size)
+    for name, (value, kind, item_kind) in vocab.items():
+        w.add_key_value(name, value, kind, item_kind)
+    w.add_tensor("token_embd.weight", rng.standard_normal((vocab_size, hidden)).astype(np.float32))
+    for i in range(layers):
+        blk = f"blk.{i}."
+        w.add_tensor(blk + "attn_norm.weight", norm(hidden))
+        w.add_tensor(blk + "attn_q.weight", linear(heads * head_dim, hidden))
+        w.add_tensor(blk + "attn_k.weight", linear(kv_heads * head_dim, hidden))
+        w.add_tensor(blk + "attn_v.weight", linear(kv_heads * head_dim, hidden))
+        w.add_tensor(blk + "attn_output.weight", linear(hidden, heads * head_dim))
+        w.add_tensor(blk + "attn_q_norm.weight", norm(head_dim))
+        w.add_tensor(blk + "attn_k_norm.weight", norm(head_dim))
+        w.add_tensor(blk + "ffn_norm.weight", norm(hidden))
+        w.add_tensor(blk + "ffn_gate_inp.weight", linear(experts, hidden))  # the router
+        w.add_tensor(blk + "ffn_gate_exps.weight", linear(expert_size, hidden, experts))
+        w.add_tensor(blk + "ffn_up_exps.weight", linear(expert_size, hidden, experts))
+        w.add_tensor(blk + "ffn_down_exps.weight", linear(hidden, expert_size, experts))
+    w.add_tensor("output_norm.weight", norm(hidden))
+    w.add_tensor("output.weight", linear(vocab_size, hidden))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -46,19 +46,25 @@ def moe_checkpoint(tmp: Path, tokenizer_dir: Path, case: str) -> Path:
     return make_random_checkpoint(tmp, tokenizer_dir, arch, **fields)
 
 
-def _reference(path: Path) -> tuple[list[list[int]], list[list[int]]]:
+def hf_reference(
+    path: Path, gguf_file: str | None = None, **config: object
+) -> tuple[list[list[int]], list[list[int]]]:
+    """PROMPTS' token ids and HF transformers' greedy tokens for them (float32), from the
+    checkpoint directory `path` or its file `gguf_file`; `config` overrides config fields."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(path)
+    tok = AutoTokenizer.from_pretrained(path, gguf_file=gguf_file)
     prompts = [tok.encode(p) for p in PROMPTS]
-    hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(
+        path, gguf_file=gguf_file, torch_dtype=torch.float32, **config
+    ).eval()
     return prompts, hf_greedy_batch(hf, prompts, NEW_TOKENS)
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_greedy_tokens_equal_hf(tmp_path: Path, smollm2_dir: Path, case: str) -> None:
     path = moe_checkpoint(tmp_path, smollm2_dir, case)
-    prompts, expected = _reference(path)
+    prompts, expected = hf_reference(path)
     llm = LLM(str(path), enable_prefix_caching=True, **SMALL)
     cfg = llm.engine.runner.model_config
     layers = llm.engine.runner.model.decoder_layers

@@ -132,7 +132,8 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    fixes = gguf_config_fixes(gguf)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, **fixes)
     # save_pretrained refuses models read from GGUF; the dequantised tensors are plain, though.
     state = model.state_dict()
     if model.config.tie_word_embeddings:
@@ -149,6 +150,28 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     model.generation_config.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     os.replace(tmp, out)  # config.json appears atomically with everything else
+
+
+# Metadata that transformers' GGUF reader leaves out, per `general.architecture`: GGUF key (after
+# the architecture's prefix) -> config field. transformers (5.25) maps no Qwen3-MoE
+# `expert_feed_forward_length`, so `moe_intermediate_size` stays Qwen3MoeConfig's default, 768
+# (Qwen3-30B-A3B's), and a file whose experts are of another width (Qwen3-235B-A22B's 1536) fails
+# to load. Given the file's own value, the read is right whether or not transformers learns the key.
+GGUF_CONFIG_FIXES = {"qwen3moe": {"expert_feed_forward_length": "moe_intermediate_size"}}
+
+
+def gguf_config_fixes(gguf: Path) -> dict[str, Any]:
+    """The config fields (`GGUF_CONFIG_FIXES`) that `gguf`'s metadata gives and transformers
+    misses, for `from_pretrained`."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(gguf).fields
+    arch = fields["general.architecture"].contents()
+    return {
+        name: fields[f"{arch}.{key}"].contents()
+        for key, name in GGUF_CONFIG_FIXES.get(arch, {}).items()
+        if f"{arch}.{key}" in fields
+    }
 
 
 def read_hf_config(model_dir: Path) -> dict[str, Any]:
