@@ -31,7 +31,7 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def test_greedy_tokens_equal_hf_from_the_same_file(moe_gguf: Path, cache: Path) -> None:
-    # transformers' own GGUF reader, given the one config field it misses (the xfail below)
+    # transformers' own GGUF reader, given the one config field it misses (GGUF_CONFIG_FIXES)
     prompts, expected = hf_reference(
         moe_gguf.parent, moe_gguf.name, moe_intermediate_size=EXPERT_SIZE
     )
@@ -69,19 +69,3 @@ def test_the_expert_width_is_read_from_the_file(tmp_path: Path) -> None:
     assert gguf_config_fixes(qwen3_moe) == {"moe_intermediate_size": 1536}
     assert gguf_config_fixes(metadata_only_gguf(tmp_path / "b.gguf", "qwen3moe", None)) == {}
     assert gguf_config_fixes(metadata_only_gguf(tmp_path / "c.gguf", "llama", 1536)) == {}
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="transformers (5.25) maps no qwen3moe `expert_feed_forward_length` (its "
-    "integrations/ggml.py GGUF_CONFIG_MAPPING['qwen3_moe']): the config keeps "
-    "Qwen3MoeConfig's default moe_intermediate_size (768), and a file of another expert width "
-    "fails to load (a size mismatch). When this passes, transformers reads the key and "
-    "workers/model/files.py's GGUF_CONFIG_FIXES may go.",
-)
-def test_transformers_reads_the_expert_width(tmp_path: Path) -> None:
-    from transformers import AutoConfig
-
-    path = metadata_only_gguf(tmp_path / "a.gguf", "qwen3moe", EXPERT_SIZE)
-    config = AutoConfig.from_pretrained(tmp_path, gguf_file=path.name)
-    assert (config.model_type, config.moe_intermediate_size) == ("qwen3_moe", EXPERT_SIZE)
