@@ -242,15 +242,21 @@ def _rotated_reference(
     """The torch reference in float32 on a copy of `pool`: q and k rotated, k/v written, attend."""
     from workers.attention.rotary import apply_rotary
 
+    q_rot, k_rot = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    return _reference_of_rotated(pool, batch, q_rot, k_rot, v, layer)
+
+
+def _reference_of_rotated(
+    pool: KVPool, batch: AttentionBatch, q_rot: torch.Tensor, k_rot: torch.Tensor,
+    v: torch.Tensor, layer: int,
+) -> torch.Tensor:  # fmt: skip
+    """The torch reference in float32 on a copy of `pool` given q and k rotated: k/v written
+    (the bf16-rounded rotated k: what a fused kernel must write), attend."""
     ref_pool = KVPool(pool.layout, pool.pages.shape[0], "cuda")
     ref_pool.pages.copy_(pool.pages)
-    ref = TorchAttention(ref_pool, q.shape[1], q.shape[-1] ** -0.5)
+    ref = TorchAttention(ref_pool, q_rot.shape[1], q_rot.shape[-1] ** -0.5)
     ref.plan(batch)
-    q_rot, k_rot = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-    out = ref.forward(layer, q_rot.float(), k_rot.float(), v.float())
-    # What the fused kernel must have written: the bf16-rounded rotated k and v (the reference
-    # wrote the same values into its copy).
-    return out
+    return ref.forward(layer, q_rot.float(), k_rot.float(), v.float())
 
 
 def _cos_sin(batch: AttentionBatch, head_dim: int) -> tuple[torch.Tensor, ...]:
@@ -340,3 +346,85 @@ def test_graph_decode_attention_at_batch_one_replays_the_split_kv_kernel(heads: 
         attn.plan(batch)
         graph.replay()
         assert rel_err(out, ref) < BF16_TOLERANCE, length
+
+
+@pytest.mark.parametrize("heads", sorted(HEADS))
+@pytest.mark.parametrize("kv_lens", [[40], [4100], [2, 33, 700]])
+def test_split_kv_decode_kernel_applies_the_qk_norms_first(heads: str, kv_lens: list[int]) -> None:
+    """With `qk_norm` (Qwen3) the one-launch decode kernel equals the unfused path
+    (`fused.rms_norm` of the strided q and k, then rotating, writing and attending in float32),
+    and is far from the norm dropped or applied after the rotary; its slot holds the normed,
+    rotated k and v."""
+    from tests.gpu.test_fused_kernels import (
+        assert_rounded_alike,
+        qk_norm_weights,
+        strided_qkv,
+        unfused_orders,
+    )
+    from workers.attention.paged_metadata import paged_metadata
+    from workers.kernels.split_kv_decode import SplitKVDecode
+
+    hq, hkv, d = HEADS[heads]
+    seed = zlib.crc32(f"qk-norm/{heads}/{kv_lens}".encode())
+    pool, batch = random_batch("decode", 16, hkv, d, seed, kv_lens=kv_lens)
+    q, k, v = strided_qkv(batch.num_tokens, hq, hkv, d, torch.bfloat16, seed)
+    norm = qk_norm_weights(d, torch.bfloat16)
+    cos, sin = _cos_sin(batch, d)  # positions past 0: the rotary is no identity
+    want_q, wrong_q = unfused_orders(q, norm.q_weight, cos, sin)
+    want_k, wrong_k = unfused_orders(k, norm.k_weight, cos, sin)
+    ref = _reference_of_rotated(pool, batch, want_q, want_k, v, layer=2)
+    wrong = [_reference_of_rotated(pool, batch, bad_q, bad_k, v, layer=2)
+             for bad_q, bad_k in zip(wrong_q, wrong_k)]  # fmt: skip
+    meta = paged_metadata(batch, 16)
+    kernel = SplitKVDecode(len(batch.q_lens), hq, hkv, d, d**-0.5, pool.pages.device)
+    out = kernel.forward(
+        q, k, v, cos, sin, pool.layer(2), meta.kv_indptr.cuda(), meta.kv_indices,
+        meta.last_page_len.cuda(), batch.slot_pages, batch.slot_offsets, norm,
+    )  # fmt: skip
+    assert torch.isfinite(out).all() and rel_err(out, ref) < BF16_TOLERANCE, rel_err(out, ref)
+    assert all(rel_err(out, bad) > 2 * BF16_TOLERANCE for bad in wrong)
+    layer = pool.layer(2)
+    assert_rounded_alike(layer[batch.slot_pages, 0, batch.slot_offsets], want_k)
+    assert torch.equal(layer[batch.slot_pages, 1, batch.slot_offsets], v)
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_forward_rotary_applies_the_qk_norms_in_its_kernel(graph: bool) -> None:
+    """`forward_rotary(..., qk_norm=...)` on the step backend (`rope.rotary_store`) and on a
+    batch-1 decode graph's (the one-launch kernel) against the same backend given q and k
+    normed by `QKNorm.apply` (what the model ran before: `fused.rms_norm`), over twin pools;
+    far from the same without the norms."""
+    from tests.gpu.test_fused_kernels import assert_rounded_alike, qk_norm_weights, strided_qkv
+    from workers.attention.flashinfer import (
+        FlashInferAttention,
+        GraphDecodeAttention,
+        new_workspace,
+    )
+
+    hq, hkv, d = HEADS["gqa-32/8-d128"]
+    pool, batch = random_batch("decode", 16, hkv, d, seed=7, kv_lens=[900] if graph else None)
+    pools = [pool]
+    for _ in range(2):
+        pools.append(KVPool(pool.layout, pool.pages.shape[0], "cuda"))
+        pools[-1].pages.copy_(pool.pages)
+    q, k, v = strided_qkv(batch.num_tokens, hq, hkv, d, torch.bfloat16, seed=7)
+    norm = qk_norm_weights(d, torch.bfloat16)
+    cos, sin = _cos_sin(batch, d)
+
+    def backend(p: KVPool) -> FlashInferAttention | GraphDecodeAttention:
+        if not graph:
+            return FlashInferAttention(p, hq, d**-0.5)
+        indices = torch.zeros(4096, dtype=torch.int32, device="cuda")
+        attn = GraphDecodeAttention(p, hq, d**-0.5, 1, new_workspace(p.pages.device), indices)
+        assert attn.split_kv is not None
+        return attn
+
+    fused_attn, unfused, unnormed = (backend(p) for p in pools)
+    for attn in (fused_attn, unfused, unnormed):
+        attn.plan(batch)
+    out = fused_attn.forward_rotary(1, q, k, v, cos, sin, qk_norm=norm)
+    ref = unfused.forward_rotary(1, *norm.apply(q, k), v, cos, sin)
+    bad = unnormed.forward_rotary(1, q, k, v, cos, sin)
+    assert rel_err(out, ref) < BF16_TOLERANCE / 2 and rel_err(out, bad) > 5 * BF16_TOLERANCE
+    slot = (batch.slot_pages, 0, batch.slot_offsets)
+    assert_rounded_alike(pools[0].layer(1)[slot], pools[1].layer(1)[slot])

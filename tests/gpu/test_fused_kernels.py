@@ -1,4 +1,6 @@
-"""The Triton kernels equal the torch code they replace, to bf16/fp16 rounding."""
+"""The Triton kernels equal the torch code they replace, to bf16/fp16 rounding. Qwen3's q/k
+norms in the rotary kernels: here (`rope.rotary_store`, and the helpers the int8 and decode
+kernels' tests in test_int8_kv_gpu.py and test_flashinfer_attention.py share)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.attention.rotary import RotaryEmbedding
+from workers.kernels.norms import QKNorm
 from workers.model.layers import RMSNorm
 
 pytestmark = pytest.mark.gpu
@@ -128,6 +131,103 @@ def test_rotary_store_rotates_and_writes_slots(
     assert torch.equal(pool[slot_pages, layer, 1, slot_offsets], v)
     pool[slot_pages, layer, :, slot_offsets] = before[slot_pages, layer, :, slot_offsets]
     assert torch.equal(pool, before)  # no slot but the tokens' own was written
+
+
+QK_EPS = 1e-6
+
+
+def strided_qkv(
+    tokens: int, hq: int, hkv: int, d: int, dtype: torch.dtype, seed: int = 0
+) -> tuple[torch.Tensor, ...]:
+    """q `[T, hq, d]`, k and v `[T, hkv, d]` as views of one packed q/k/v output (strided, as
+    `Attention.attend` splits it), heads of very different magnitudes (the norm's reason)."""
+    gen = torch.Generator("cuda").manual_seed(seed)
+    packed = torch.randn(tokens, hq + 2 * hkv, d, generator=gen, device="cuda")
+    scales = torch.rand(tokens, hq + 2 * hkv, 1, generator=gen, device="cuda") * 20 + 0.01
+    q, k, v = (packed * scales).to(dtype).split([hq, hkv, hkv], dim=1)
+    return q, k, v
+
+
+def qk_norm_weights(head_dim: int, dtype: torch.dtype) -> QKNorm:
+    """Random q and k norm weights around 1: a row's two halves get different weights, so a
+    norm after the rotary (which mixes them) would not give the same values."""
+    gen = torch.Generator("cuda").manual_seed(head_dim)
+    w = (torch.randn(2, head_dim, generator=gen, device="cuda") * 0.5 + 1).to(dtype)
+    return QKNorm(w[0], w[1], QK_EPS)
+
+
+def unfused_orders(
+    x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """`rope.rotary(fused.rms_norm(x))`, the unfused path's q or k, and what a kernel that
+    dropped the norm or applied it after the rotary would give instead."""
+    from workers.kernels import fused, rope
+
+    turned = rope.rotary(x, cos, sin)
+    wrong = [turned, fused.rms_norm(turned, w, QK_EPS)]
+    return rope.rotary(fused.rms_norm(x, w, QK_EPS), cos, sin), wrong
+
+
+def assert_rounded_alike(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal but where the sum of squares' order, or the compiler's contractions, move a
+    rounding by a step (a few values in a hundred at most)."""
+    assert got.shape == want.shape and got.dtype == want.dtype
+    torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=2e-2)
+    assert float((got != want).float().mean()) < 0.02
+
+
+def assert_far_from(got: torch.Tensor, wrong: list[torch.Tensor]) -> None:
+    for bad in wrong:
+        rel = float((got.float() - bad.float()).norm() / bad.float().norm())
+        assert rel > 0.1, rel
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,head_dim", [(32, 128), (9, 64)])
+def test_rms_norm_reads_strided_heads_in_place(
+    dtype: torch.dtype, heads: int, head_dim: int
+) -> None:
+    """The unfused q/k norm (`QKNorm.apply`): heads of a packed q/k/v output, read where they
+    are, give their contiguous copy's result bit for bit, and the torch form's."""
+    from workers.kernels import fused
+
+    packed = (torch.randn(37, heads + 6, head_dim, device="cuda") * 3).to(dtype)
+    x = packed[:, 2 : 2 + heads]
+    weight = torch.randn(head_dim, device="cuda").to(dtype)
+    out = fused.rms_norm(x, weight, QK_EPS)
+    assert out.is_contiguous() and torch.equal(out, fused.rms_norm(x.contiguous(), weight, QK_EPS))
+    x32 = x.float()
+    close(out, weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + QK_EPS)).to(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(32, 8, 128), (32, 4, 128), (9, 3, 64)])
+def test_rotary_store_applies_the_qk_norms_first(
+    dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int
+) -> None:
+    """With `qk_norm` (Qwen3) the returned q and the written k are the unfused path's
+    (`fused.rms_norm`, then `rope.rotary`), far from the norm dropped or applied after the
+    rotary; v is written as it is, and no other slot."""
+    from workers.kernels import rope
+
+    tokens, pages, page_size = 37, 11, 4
+    q, k, v = strided_qkv(tokens, heads, kv_heads, head_dim, dtype, seed=head_dim + heads)
+    norm = qk_norm_weights(head_dim, dtype)
+    positions = torch.randint(1, 8000, (tokens,), device="cuda")
+    cos, sin = RotaryEmbedding(head_dim, 1000000.0, None).cuda().cos_sin(positions, dtype)
+    slots = torch.randperm(pages * page_size, device="cuda")[:tokens]
+    slot_pages, slot_offsets = slots // page_size, slots % page_size
+    pool = torch.randn(pages, 2, page_size, kv_heads, head_dim, device="cuda").to(dtype)
+    before = pool.clone()
+    q_out = rope.rotary_store(q, k, v, cos, sin, pool, slot_pages, slot_offsets, qk_norm=norm)
+    written = pool[slot_pages, 0, slot_offsets]
+    for got, x, w in ((q_out, q, norm.q_weight), (written, k, norm.k_weight)):
+        want, wrong = unfused_orders(x, w, cos, sin)
+        assert_rounded_alike(got, want)
+        assert_far_from(got, wrong)
+    assert torch.equal(pool[slot_pages, 1, slot_offsets], v)
+    pool[slot_pages, :, slot_offsets] = before[slot_pages, :, slot_offsets]
+    assert torch.equal(pool, before)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -1,9 +1,9 @@
 """The int8 KV cache on the flashinfer backend (a GPU): the Triton decode kernel
 (`kernels/int8_decode.py`) against the torch reference reading the same int8 rows, the rotary +
-int8 write kernel (`rope_int8.rotary_store_int8`) against the torch path's rows, the backend's
-prefill/decode/mixed steps and writes, a decode graph with the rotary embedding, and the engine
-(SmolLM2's shape, random weights) against the torch backend's tokens. SmolLM2's real weights
-against HF float32: tests/gpu/test_smollm2_gpu.py (`-k int8`)."""
+int8 write kernel (`rope_int8.rotary_store_int8`, with Qwen3's q/k norms too) against the torch
+path's rows, the backend's prefill/decode/mixed steps and writes, a decode graph with the rotary
+embedding, and the engine (SmolLM2's shape, random weights) against the torch backend's tokens.
+SmolLM2's real weights against HF float32: tests/gpu/test_smollm2_gpu.py (`-k int8`)."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from tests.gpu.test_fp8_decode_kernel import (
     reference_layers,
     replayed_decode_graphs,
 )
+from tests.gpu.test_fused_kernels import qk_norm_weights, strided_qkv, unfused_orders
 from workers.attention.torch_ref import TorchAttention
 from workers.config import EngineConfig
 from workers.engine.model_runner import ModelRunner
@@ -123,6 +124,41 @@ def test_rotary_store_int8_writes_the_torch_paths_rows(heads: str, tokens: int) 
     want_k = quantize_rows(rope.rotary(k, cos, sin))
     assert_rows_match(layer[batch.slot_pages, 0, batch.slot_offsets], want_k)
     assert_rows_match(layer[batch.slot_pages, 1, batch.slot_offsets], quantize_rows(v))
+
+
+@pytest.mark.parametrize("heads", sorted(HEADS))
+@pytest.mark.parametrize("by_h", [False, True])
+def test_rotary_store_int8_applies_the_qk_norms_first(heads: str, by_h: bool) -> None:
+    """With `qk_norm` (Qwen3), both q paths: q (rotated, or that times H in float32) and the
+    k rows are the unfused path's (`fused.rms_norm`, `rope.rotary`, `quantize_rows`); far from
+    the norm dropped or applied after the rotary (an int8 row is its own scale's: the weights
+    tell them apart). At 8 warps (`rotary_store_int8` with norms)."""
+    from workers.kernels import rope_int8
+
+    hq, hkv, d = HEADS[heads]
+    tokens = 64
+    bf16, batch = random_batch("decode", 16, hkv, d, seed=tokens, kv_lens=[40] * tokens)
+    pool = int8_pool(bf16)
+    q, k, v = strided_qkv(tokens, hq, hkv, d, torch.bfloat16, seed=d)
+    norm = qk_norm_weights(d, torch.bfloat16)
+    cos, sin = _cos_sin(batch, d)
+    half, h = hadamard(d // 2, pool.pages.device), hadamard(d, pool.pages.device)
+    assert half is not None and h is not None
+    out = rope_int8.rotary_store_int8(q, k, v, cos, sin, pool.layer(1), half.contiguous(),
+                                      batch.slot_pages, batch.slot_offsets, rotate_q_by_h=by_h,
+                                      qk_norm=norm)  # fmt: skip
+    want_q, wrong_q = unfused_orders(q, norm.q_weight, cos, sin)
+    if by_h:
+        want_q, wrong_q = want_q.float() @ h, [bad.float() @ h for bad in wrong_q]
+    assert out.dtype == want_q.dtype and rel_err(out, want_q) < 1e-3
+    assert all(rel_err(out, bad) > 0.1 for bad in wrong_q)
+    want_k, wrong_k = unfused_orders(k, norm.k_weight, cos, sin)
+    stored = pool.layer(1)[batch.slot_pages, 0, batch.slot_offsets]
+    assert_rows_match(stored, quantize_rows(want_k))
+    for bad in wrong_k:
+        diff = (stored[..., :d].float() - quantize_rows(bad)[..., :d].float()).abs().mean()
+        assert float(diff) > 5
+    assert_rows_match(pool.layer(1)[batch.slot_pages, 1, batch.slot_offsets], quantize_rows(v))
 
 
 @pytest.mark.parametrize("heads", sorted(HEADS))

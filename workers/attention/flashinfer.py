@@ -12,8 +12,8 @@ what reads it; its rows are written by `rope_int8.rotary_store_int8`, not in a G
 FlashInfer reads a page table in CSR form (`paged_metadata.py`).
 
 Two backends share the per-layer work (write the new K/V into the pool, then attend; the model
-calls `forward_rotary`, which also applies the rotary embedding to q and k in the kernel that
-writes K/V, `rope.rotary_store`):
+calls `forward_rotary`, which also applies the rotary embedding to q and k, and Qwen3's q/k
+norms before it, in the kernel that writes K/V, `rope.rotary_store`):
 - `FlashInferAttention` plans whatever step comes: a decode wrapper when every sequence adds one
   token, else a causal prefill wrapper whose queries are the last `q_len` of `kv_len` positions.
 - `GraphDecodeAttention` serves decode steps of exactly one batch size from fixed buffers, so a
@@ -40,6 +40,7 @@ from workers.kernels import fp8_decode, rope, split_kv_decode
 from workers.kernels.fp8_decode import FP8Decode
 from workers.kernels.host_staging import host_array
 from workers.kernels.int8_decode import Int8Decode
+from workers.kernels.norms import QKNorm
 from workers.kernels.rope_int8 import rotary_store_int8
 from workers.kernels.split_kv_decode import SplitKVDecode
 from workers.kvcache.pool import KVPool
@@ -126,29 +127,25 @@ class _PagedFlashInfer(AttentionBackend):
         return self._wrapper.run(q, kv, k_scale=k_scale, v_scale=v_scale)
 
     def forward_rotary(
-        self,
-        layer_id: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-    ) -> torch.Tensor:
-        """`forward` of q and k before their rotary embedding: one Triton kernel rotates q and k
-        and writes k and v into the pool (per layer, 1 launch instead of 2 rotary kernels and
-        2 index writes). Same values as rotating with `rope.rotary` and then `forward`."""
+        self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        cos: torch.Tensor, sin: torch.Tensor, qk_norm: QKNorm | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """`forward` of q and k before their rotary embedding and `qk_norm` (Qwen3's per-head
+        RMSNorms): one Triton kernel norms and rotates q and k and writes k and v into the pool
+        (1 launch a layer instead of 2 rotary kernels and 2 index writes, and 2 norms and 2
+        copies). Same values as `qk_norm.apply`, `rope.rotary`, then `forward` (the fallback)."""
         if not self._rope_kernel_takes(q, k):
+            if qk_norm is not None:
+                q, k = qk_norm.apply(q, k)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             return self.forward(layer_id, q, k, v)
         kv, scales = self.pool.layer(layer_id), self.pool.scales
         if self._rotations is not None:
-            q = rotary_store_int8(q, k, v, cos, sin, kv, self._rotations.half,
-                                  self._slot_pages, self._slot_offsets)  # fmt: skip
+            q = rotary_store_int8(q, k, v, cos, sin, kv, self._rotations.half, self._slot_pages,
+                                  self._slot_offsets, qk_norm=qk_norm)  # fmt: skip
             return self._run(layer_id, q)
-        q = rope.rotary_store(
-            q, k, v, cos, sin, kv, self._slot_pages, self._slot_offsets,
-            scales.k[layer_id], scales.v[layer_id],
-        )  # fmt: skip
+        q = rope.rotary_store(q, k, v, cos, sin, kv, self._slot_pages, self._slot_offsets,
+                              scales.k[layer_id], scales.v[layer_id], qk_norm)  # fmt: skip
         return self._run(layer_id, q)
 
     def _rope_kernel_takes(self, *tensors: torch.Tensor) -> bool:
@@ -184,8 +181,7 @@ class FlashInferAttention(_PagedFlashInfer):
         super().__init__(pool, num_q_heads, scale, tensor_cores)
         self.workspace = new_workspace(pool.pages.device) if workspace is None else workspace
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_tensor_cores=self._tensor_cores
-        )
+            self.workspace, "NHD", use_tensor_cores=self._tensor_cores)  # fmt: skip
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         self._int8_steps: Int8Steps | None = None
         if self._rotations is not None:
@@ -202,17 +198,11 @@ class FlashInferAttention(_PagedFlashInfer):
             self._plan_decode(self._decode, meta)
             self._wrapper = self._decode
             return
+        # causal: bottom-right aligned, query i of q_len sits at kv_len - q_len + i
         self._plans.plan(
-            self._prefill,
-            meta.qo_indptr,
-            meta.kv_indptr,
-            meta.kv_indices,
-            meta.last_page_len,
-            *self._heads,
-            causal=True,  # bottom-right aligned: query i of q_len sits at kv_len - q_len + i
-            sm_scale=self.scale,
-            **self._plan_dtypes,
-        )
+            self._prefill, meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.last_page_len,
+            *self._heads, causal=True, sm_scale=self.scale, **self._plan_dtypes,
+        )  # fmt: skip
         self._wrapper = self._prefill
 
     def _run(self, layer_id: int, q: torch.Tensor) -> torch.Tensor:
@@ -281,14 +271,10 @@ class GraphDecodeAttention(_PagedFlashInfer):
                                      device)  # fmt: skip
             return
         self._wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            workspace,
-            "NHD",
-            use_cuda_graph=True,
-            use_tensor_cores=self._tensor_cores,
-            paged_kv_indptr_buffer=self.kv_indptr,
-            paged_kv_indices_buffer=indices_buffer,
+            workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self._tensor_cores,
+            paged_kv_indptr_buffer=self.kv_indptr, paged_kv_indices_buffer=indices_buffer,
             paged_kv_last_page_len_buffer=self.last_page_len,
-        )
+        )  # fmt: skip
 
     @property
     def accepts_token_rows(self) -> bool:
@@ -315,26 +301,29 @@ class GraphDecodeAttention(_PagedFlashInfer):
 
     def forward_rotary(
         self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-        cos: torch.Tensor, sin: torch.Tensor,
+        cos: torch.Tensor, sin: torch.Tensor, qk_norm: QKNorm | None = None,
     ) -> torch.Tensor:  # fmt: skip
-        """The parent's, or at batch 1 the one-launch kernel (which also writes k and v); over
-        an int8 pool the write kernel also rotates q by H for the decode kernel (two launches
-        a layer fewer than rotating it here)."""
+        """The parent's, or at batch 1 the one-launch kernel (which also writes k and v, and
+        applies `qk_norm`); over an int8 pool the write kernel also rotates q by H for the
+        decode kernel (two launches a layer fewer than rotating it here)."""
         if self.int8 is not None and self._rope_kernel_takes(q, k):
             assert self._rotations is not None
             kv = self.pool.layer(layer_id)
             q_by_h = rotary_store_int8(
                 q, k, v, cos, sin, kv, self._rotations.half, self.slot_pages, self.slot_offsets,
-                rotate_q_by_h=True,
+                rotate_q_by_h=True, qk_norm=qk_norm,
             )  # fmt: skip
             table = (self.kv_indptr, self.kv_indices, self.last_page_len)
             return self._rotations.decode_rotated(self.int8, kv, q_by_h, table, q.dtype)
         if self.split_kv is None:
-            return super().forward_rotary(layer_id, q, k, v, cos, sin)
+            return super().forward_rotary(layer_id, q, k, v, cos, sin, qk_norm)
+        if qk_norm is not None and not self._rope_kernel_takes(q, k):
+            q, k = qk_norm.apply(q, k)  # the kernel's norms round to the pool's dtype
+            qk_norm = None
         kv = self.pool.layer(layer_id)
         return self.split_kv.forward(
             q.to(kv.dtype), k.to(kv.dtype), v.to(kv.dtype), cos, sin, kv, self.kv_indptr,
-            self.kv_indices, self.last_page_len, self.slot_pages, self.slot_offsets,
+            self.kv_indices, self.last_page_len, self.slot_pages, self.slot_offsets, qk_norm,
         )  # fmt: skip
 
     def rotary_store(

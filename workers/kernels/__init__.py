@@ -7,6 +7,7 @@ CUDA only; imported lazily by the code that calls them, so CPU machines never co
 `step_inputs` (a decode step's first kernel), `split_kv_decode` (batch-1 attention),
 `fp8_decode` (decode attention over FP8 pages; both share `split_kv_common`),
 `greedy_argmax`, `all_reduce` (the IPC all-reduce). `tuning`, `host_staging` (a step's host
-arrays in page-locked memory allocated once, for their copies to the GPU) and `weight_blocks`
-(weights stored in blocks of rows, and F.linear over them) import no Triton.
+arrays in page-locked memory allocated once, for their copies to the GPU), `weight_blocks`
+(weights stored in blocks of rows, and F.linear over them) and `norms` (RMSNorm's dispatch,
+Qwen3's q/k norms as the rotary kernels take them) import no Triton.
 """

@@ -5,7 +5,7 @@ each; on a GPU decode step of a small batch those launches, not bytes, set the t
 an H200: ~1100 of a Llama-3-8B step's ~1300 kernels were such, about 2 ms of 6). Each function
 here is one kernel and rounds where the torch code rounds, so results match it to bf16 rounding:
 - `rms_norm`: float32 statistics, the normalised row cast to the input dtype, then times weight
-  (HF's `LlamaRMSNorm`);
+  (HF's `LlamaRMSNorm`); strided `[T, H, D]` rows (Qwen3's q/k heads) read in place;
 - `add_rms_norm`: `residual + x` rounded to the input dtype (what torch's add gives), then
   `rms_norm` of that sum; returns both, so a decoder layer needs no separate add kernel;
 - `silu_and_mul`: `silu(gate)` rounded to the input dtype, times `up`, as torch computes it.
@@ -31,36 +31,44 @@ def applies(x: torch.Tensor) -> bool:
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, w_ptr, out_ptr, x_stride, out_stride, n, eps, BLOCK: tl.constexpr, PDL: tl.constexpr
+    x_ptr, w_ptr, out_ptr, x_stride_t, x_stride_h, n, eps, BLOCK: tl.constexpr, PDL: tl.constexpr
 ):
     start_dependents(PDL)
-    row = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     wait_for_inputs(PDL)
-    x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + t * x_stride_t + h * x_stride_h + cols, mask=mask, other=0.0)
+    x = x.to(tl.float32)
     inv = tl.rsqrt(tl.sum(x * x, axis=0) / n + eps)
     normed = (x * inv).to(out_ptr.dtype.element_ty).to(tl.float32)
     out = (normed * w).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + row * out_stride + cols, out, mask=mask)
+    tl.store(out_ptr + (t * tl.num_programs(1) + h) * n + cols, out, mask=mask)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dimension of `x` (any leading shape)."""
+    """RMSNorm over the last dimension of `x` (any leading shape), into a new contiguous tensor.
+    A `[T, H, n]` `x` whose rows are strided (q or k heads, views of the q/k/v GEMM's output)
+    is read in place, a program per (t, h): no copy launch first."""
     n = x.shape[-1]
-    rows = x.reshape(-1, n)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    out = torch.empty((rows.shape[0], n), dtype=x.dtype, device=x.device)
-    if rows.shape[0]:
+    if x.dim() == 3 and x.stride(-1) == 1 and x.shape[1] <= 65535:  # the grid's y limit
+        rows = x
+    else:
+        rows = x.reshape(-1, 1, n)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+    tokens, heads = rows.shape[:2]
+    out = torch.empty((tokens, heads, n), dtype=x.dtype, device=x.device)
+    if tokens and heads:
         block, warps = triton.next_power_of_2(n), 4 if n <= 2048 else 8
-        _rms_norm_kernel[(rows.shape[0],)](
+        _rms_norm_kernel[(tokens, heads)](
             rows,
             weight,
             out,
             rows.stride(0),
-            n,
+            rows.stride(1),
             n,
             eps,
             BLOCK=block,

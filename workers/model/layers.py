@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workers.kernels.norms import HALF_DTYPES, rms_norm
 from workers.kernels.weight_blocks import blocked_linear, rows_per_block
 from workers.parallel.group import SINGLE, TPGroup
 
@@ -21,7 +22,6 @@ if TYPE_CHECKING:
     from workers.kernels.lora_sgmv import ShrunkRows
     from workers.kernels.rope import RotaryStore
 
-HALF_DTYPES = (torch.bfloat16, torch.float16)  # CUDA: workers/kernels/fused.py, skinny_gemm.py
 WeightLoader = Callable[[nn.Parameter, torch.Tensor, "int | str | None"], None]
 
 
@@ -157,14 +157,7 @@ class RMSNorm(nn.Module):
         self.weight = _param((dim,), replicated_loader)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and x.dtype in HALF_DTYPES:
-            from workers.kernels import fused  # Triton: imported on first CUDA use
-
-            return fused.rms_norm(x, self.weight, self.eps)
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
     def add_forward(
         self, x: torch.Tensor, residual: torch.Tensor, tp: TPGroup = SINGLE

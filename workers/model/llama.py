@@ -14,6 +14,7 @@ from torch import nn
 
 from workers.attention.base import AttentionBackend
 from workers.attention.rotary import RotaryEmbedding, apply_rotary
+from workers.kernels.norms import QKNorm
 from workers.kvcache.kv_dtype import is_kv_scale
 from workers.model.config import ModelConfig
 from workers.model.layers import (
@@ -75,6 +76,8 @@ class Attention(nn.Module):
         lora = self.lora if self.lora is not None and self.lora.active else None
         # LoRA adds to q/k/v before rotary: in the GEMM's epilogue (`shrunk`), else after it
         shrunk = lora.shrunk("qkv", residual, w) if lora and sum_in is not None else None
+        # Qwen3's q/k norms need a head's whole row, which the epilogue's tiles may split: they
+        # go to `forward_rotary`'s kernel instead (`attend`).
         rotate_in_gemm = self.q_norm is None and (lora is None or shrunk is not None)
         store = attn.rotary_store(self.layer_id, *cos_sin) if rotate_in_gemm else None
         q = rms_linear_rotary(residual, w, bias, norm, sum_in, store, shrunk)
@@ -98,18 +101,25 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = cos_sin
-        # A backend that writes K/V itself may rotate q and k in that same kernel (FlashInfer on
-        # CUDA: `forward_rotary`); the others are given rotated q and k.
+        qk_norm = self.qk_norm()
+        # A backend that writes K/V itself may norm (Qwen3) and rotate q and k in that same
+        # kernel (FlashInfer on CUDA: `forward_rotary`); the others are given them rotated.
         forward_rotary = getattr(attn, "forward_rotary", None)
         if forward_rotary is not None:
-            out = forward_rotary(self.layer_id, q, k, v, cos, sin)
+            out = forward_rotary(self.layer_id, q, k, v, cos, sin, qk_norm=qk_norm)
         else:
+            if qk_norm is not None:
+                q, k = qk_norm.apply(q, k)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             out = attn.forward(self.layer_id, q, k, v)
         return out.reshape(qkv.shape[0], -1)
+
+    def qk_norm(self) -> QKNorm | None:
+        """The q/k norms (Qwen3) for the attention backend; None for models without."""
+        if self.q_norm is None or self.k_norm is None:
+            return None
+        return QKNorm(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
 
 
 class MLP(nn.Module):
