@@ -118,7 +118,8 @@ def test_flashinfer_matches_torch_reference(heads: str, page_size: int, kind: st
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_graph_decode_attention_replays_new_batches(heads: str, page_size: int) -> None:
     """One capture, then replays after re-plans with other lengths, pages and padding rows."""
-    from workers.attention.flashinfer import GraphDecodeAttention, new_workspace
+    from workers.attention.flashinfer import new_workspace
+    from workers.attention.graph_decode import GraphDecodeAttention
 
     hq, hkv, d = HEADS[heads]
     graph_rows = 12
@@ -318,7 +319,8 @@ def test_split_kv_decode_kernel_matches_reference(
 def test_graph_decode_attention_at_batch_one_replays_the_split_kv_kernel(heads: str) -> None:
     """A batch-1 graph uses the one-launch kernel (and takes no prefill rows); replays after
     re-plans to other lengths attend to the current sequence."""
-    from workers.attention.flashinfer import GraphDecodeAttention, new_workspace
+    from workers.attention.flashinfer import new_workspace
+    from workers.attention.graph_decode import GraphDecodeAttention
     from workers.kernels import split_kv_decode
 
     assert split_kv_decode.MAX_BATCH >= 1

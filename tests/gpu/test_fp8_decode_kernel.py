@@ -166,7 +166,8 @@ def test_graph_decode_fp8_kernel_replays_with_rotary(rows: int, kernel: str) -> 
     """A decode graph over an FP8 pool runs the kernel (`KernelConfig.fp8_decode_kernel`) after
     the quantizing rotary+store, and takes prefill rows (it reads nothing before its input is
     ready)."""
-    from workers.attention.flashinfer import GraphDecodeAttention, new_workspace
+    from workers.attention.flashinfer import new_workspace
+    from workers.attention.graph_decode import GraphDecodeAttention
     from workers.attention.xqa_decode import XQABuffers
     from workers.kernels import rope
 

@@ -63,7 +63,8 @@ def test_flashinfer_fp8_matches_torch_reference(heads: str, kind: str, layer: in
 def test_graph_decode_fp8_replays_new_batches(rows: int) -> None:
     """Batch 1 leaves the 16-bit split-KV kernel for the FP8 kernel (`fp8_decode`, or
     FlashInfer's decode where that was measured the faster); both sizes replay."""
-    from workers.attention.flashinfer import GraphDecodeAttention, new_workspace
+    from workers.attention.flashinfer import new_workspace
+    from workers.attention.graph_decode import GraphDecodeAttention
     from workers.kernels import fp8_decode
 
     hq, hkv, d = HEADS["gqa-32/8-d128"]

@@ -191,7 +191,8 @@ def test_flashinfer_int8_matches_torch_reference(heads: str, kind: str) -> None:
 def test_graph_decode_int8_replays_with_rotary(rows: int) -> None:
     """A decode graph over an int8 pool: the rotary + int8 write kernel and the decode
     kernel, replayed after re-plans; it takes prefill rows."""
-    from workers.attention.flashinfer import GraphDecodeAttention, new_workspace
+    from workers.attention.flashinfer import new_workspace
+    from workers.attention.graph_decode import GraphDecodeAttention
     from workers.kernels import rope
 
     hq, hkv, d = HEADS["gqa-32/8-d128"]

@@ -39,7 +39,8 @@ import torch
 
 from workers.attention import xqa_decode
 from workers.attention.base import AttentionBatch
-from workers.attention.flashinfer import GraphDecodeAttention, new_workspace
+from workers.attention.flashinfer import new_workspace
+from workers.attention.graph_decode import GraphDecodeAttention
 from workers.attention.xqa_decode import XQABuffers
 from workers.config import KernelConfig
 from workers.kvcache.pool import KVPool
