@@ -46,14 +46,21 @@ def test_fp8_pool_holds_twice_the_pages_of_bf16_in_the_same_memory(tiny_llama: s
     assert fp8.num_pages == 2 * bf16.num_pages and fp8.num_tokens > 2 * bf16.num_tokens - 32
 
 
-def test_checkpoint_kv_scales_are_read_and_used(tiny_llama: str, tmp_path: Path) -> None:
+def test_checkpoint_kv_scales_are_read_and_used(
+    tiny_llama: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     model = tmp_path / "scaled"
     shutil.copytree(tiny_llama, model)
     k, v = (0.5, 0.25), (0.125, 2.0)
     save_file({f"model.layers.{i}.self_attn.{n}_scale": torch.tensor(s[i])
                for i in range(2) for n, s in (("k", k), ("v", v))},
               model / "kv_scales.safetensors")  # fmt: skip
-    llm = LLM(str(model), **FP8)
+    with caplog.at_level("WARNING", logger="workers.kvcache.kv_dtype"):
+        llm = LLM(str(model), **FP8)
+        assert "scale of 1.0" not in caplog.text  # the checkpoint's scales: no warning
+        LLM(tiny_llama, **FP8)
+    # as vLLM, a warning where FP8 falls back to 1.0, pointing at int8
+    assert caplog.text.count("scale of 1.0") == 1 and "int8" in caplog.text
     assert llm.engine.runner.pool.scales == KVScales(k, v)
     [out] = llm.generate([[1, 2, 3, 4, 5]], GREEDY)
     assert len(out.token_ids) == GREEDY.max_tokens

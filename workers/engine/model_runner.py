@@ -22,7 +22,7 @@ from workers.config import EngineConfig
 from workers.engine.kv_budget import engine_kv_pages
 from workers.engine.sampling_inputs import Masks, SamplingInputs
 from workers.kernels.host_staging import to_device
-from workers.kvcache.kv_dtype import checkpoint_scales, is_fp8, kv_storage_dtype
+from workers.kvcache.kv_dtype import kv_storage_dtype, pool_scales
 from workers.kvcache.page_table import PageTable
 from workers.kvcache.pool import KVPool
 from workers.lora.manager import build_lora, lora_graph_mask, lora_step
@@ -95,7 +95,7 @@ class ModelRunner:
         self.weight_bytes = sum(p.numel() * p.element_size() for p in params)
         self.max_model_len = self.model_config.context_limit(cfg.max_model_len)
         layers = self.model_config.num_layers
-        scales = checkpoint_scales(self.model_dir, layers) if is_fp8(kv_dtype) else None
+        scales = pool_scales(kv_dtype, self.model_dir, layers)
         self.pool = KVPool(self.kv_layout, self._num_pages(), self.device, self.dtype, scales)
         group = attn.num_heads // attn.num_kv_heads
         backend = cfg.resolved_backend(self.device, self.dtype, attn.head_dim, group)

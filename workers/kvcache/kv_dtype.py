@@ -12,6 +12,7 @@ its own instead (`int8_rows.py`), and ignores these scales.
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,8 @@ import torch
 from safetensors import safe_open
 
 from workers.kvcache.int8_rows import dequantize_rows, quantize_rows
+
+logger = logging.getLogger(__name__)
 
 KV_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "int8": torch.int8}
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448; a plain cast past it gives NaN
@@ -69,6 +72,24 @@ def checkpoint_scales(model_dir: Path, num_layers: int) -> KVScales | None:
         tuple(found[("k", i)] for i in range(num_layers)),
         tuple(found[("v", i)] for i in range(num_layers)),
     )
+
+
+def pool_scales(kv_dtype: torch.dtype, model_dir: Path, num_layers: int) -> KVScales | None:
+    """An FP8 pool's scales: the checkpoint's, else None (1.0 for every layer), which the log
+    warns of, as vLLM does: at 1.0, E4M3's 3 mantissa bits change greedy answers on some
+    models, and `int8` (a scale per row) keeps them closer to a 16-bit cache. None for other
+    pools."""
+    if not is_fp8(kv_dtype):
+        return None
+    scales = checkpoint_scales(model_dir, num_layers)
+    if scales is None:
+        logger.warning(
+            "kv_cache_dtype=fp8_e4m3: %s has no k_scale/v_scale, so K and V are stored at a "
+            "scale of 1.0, which may change the model's answers (docs/fp8_kv_cache.md); "
+            "kv_cache_dtype='int8' stays closer to a 16-bit cache at the same bytes",
+            model_dir,
+        )
+    return scales
 
 
 def quantize(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
