@@ -7,7 +7,8 @@ too) on random bf16 experts and routing, and write the fastest to
 
 A shape is "experts on a rank, hidden, expert intermediate, top-k": Qwen3-30B-A3B's by default,
 and its expert-parallel half (64 experts a rank); `--write` merges the results into the GPU's
-table (without it, the table is printed).
+table (without it, the table is printed). Each bucket's best is printed against the routed
+experts' bytes at the copy rate measured in the same run, and against the other path's best.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ if __package__ in (None, ""):  # run as a file: the repository's root on the pat
 
 import torch  # noqa: E402
 
-from bench.gpu_common import cuda_ms  # noqa: E402
+from bench.gpu_common import Floor, cuda_ms  # noqa: E402
 from workers.kernels.moe_tuning import MoEConfig, MoETable, Shape, dumps, moe_table  # noqa: E402
 from workers.kernels.tuning import table_path  # noqa: E402
 
@@ -56,7 +57,7 @@ def candidates(tokens: int, top_k: int, experts: int) -> list[MoEConfig]:
     return out
 
 
-def sweep(shape: Shape, token_counts: list[int]) -> dict[int, MoEConfig]:
+def sweep(shape: Shape, token_counts: list[int], floor: Floor) -> dict[int, MoEConfig]:
     from workers.kernels.moe_fused import fused_moe
 
     E, H, inter, k = shape
@@ -77,7 +78,13 @@ def sweep(shape: Shape, token_counts: list[int]) -> dict[int, MoEConfig]:
                 continue
             timed.append((ms, cfg))
         ms, cfg = min(timed, key=lambda t: t[0])
-        print(f"{shape} tokens={tokens}: {ms * 1e3:.1f} us {cfg}", flush=True)
+        # against the routed experts' bytes at the copy rate, and the other path's best
+        routed = int(ids.unique().numel()) * 3 * H * inter * w13.element_size()
+        floor_ms = floor.columns(routed, ms)
+        other = [t for t, c in timed if c.gemv != cfg.gemv]
+        vs = f", the other path's best {min(other) / ms:.2f}x" if other else ""
+        print(f"{shape} tokens={tokens}: {ms * 1e3:.1f} us ({floor_ms['x_floor']}x the routed "
+              f"experts' floor{vs}) {cfg}", flush=True)  # fmt: skip
         best[tokens] = cfg
     return best
 
@@ -91,9 +98,11 @@ def main() -> None:
     gpu = torch.cuda.get_device_name()
     table: MoETable = dict(moe_table(gpu))
     token_counts = [int(t) for t in args.tokens.split(",")]
+    floor = Floor.measure()
     for spec in args.shapes.split(";"):
         e, h, i, k = (int(v) for v in spec.split(","))
-        table[e, h, i, k] = {**table.get((e, h, i, k), {}), **sweep((e, h, i, k), token_counts)}
+        found = sweep((e, h, i, k), token_counts, floor)
+        table[e, h, i, k] = {**table.get((e, h, i, k), {}), **found}
     text = dumps(table, gpu)
     if args.write:
         table_path(gpu, "moe_fused").write_text(text)
