@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from workers.kernels.norms import HALF_DTYPES
 from workers.model.config import ModelConfig
 from workers.model.layers import replicated_loader
 from workers.model.moe_experts import StackedExperts
@@ -39,14 +40,15 @@ class Router(nn.Module):
         if x.is_cuda:
             from workers.kernels import moe_route  # Triton: first CUDA use
 
-            decode = x.shape[0] <= moe_route.FUSED_MAX_TOKENS
-            if decode and x.dtype in (torch.bfloat16, torch.float16):
+            if x.dtype in HALF_DTYPES and x.shape[0] <= moe_route.FUSED_MAX_TOKENS:
                 # the router GEMM too in the one launch (float32 stays on torch.mm's sums)
                 return moe_route.route_fused(x, self.weight, self.top_k, self.renormalize)
-            # one launch for the softmax, top-k and renormalisation of the GEMM's logits
-            return moe_route.route_top_k(torch.mm(x, self.weight.t()), self.top_k, self.renormalize)
         # logits in the model's dtype, softmax in float32 (as HF)
         logits = torch.mm(x, self.weight.t())
+        if logits.is_cuda:  # one launch for the softmax, top-k and renormalisation
+            from workers.kernels.moe_route import route_top_k
+
+            return route_top_k(logits, self.top_k, self.renormalize)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:
