@@ -55,6 +55,7 @@ from bench.gpu_common import (
 from bench.results_io import write_result
 from workers.engine.engine import Engine
 from workers.engine.model_runner import ModelRunner
+from workers.kvcache.int8_rows import INT8_MAX
 from workers.protocol import GenerateRequest, SamplingParams
 from workers.scheduler.step import StepInput
 from workers.sequence import Sequence
@@ -65,6 +66,22 @@ CASES = [(1, 1024), (1, 4096), (16, 1024), (16, 4096), (64, 1024), (64, 2048), (
 CASES += [(256, 1024), (256, 2048)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 ENGINE_CASES = {(1, 1024), (16, 1024), (64, 2048), (256, 1024)}  # prefilling all cases is slow
+
+
+def fill_random(pages: torch.Tensor, head_dim: int, pages_at_once: int = 1024) -> None:
+    """Random KV in a pool (attention over zeros would be no test), a slice of pages at a time:
+    FP8 has no `normal_`, and one bf16 copy of a 64 GiB pool would not fit beside it. int8 rows
+    get random values and one fixed scale (random bytes would make scales NaN or huge;
+    quantizing random rows would take a float32 rotation of the whole pool)."""
+    d = head_dim
+    scale = torch.tensor([2 / INT8_MAX], device=pages.device).view(torch.int8)  # |x| <= 2
+    for start in range(0, pages.shape[0], pages_at_once):
+        part = pages[start : start + pages_at_once]
+        if part.dtype == torch.int8:
+            part[..., :d].random_(-INT8_MAX, INT8_MAX + 1)
+            part[..., d:] = scale
+        else:
+            part.copy_(torch.randn(part.shape, dtype=torch.bfloat16, device=part.device))
 
 
 def decode_step(runner: ModelRunner, batch: int, context: int) -> StepInput:
@@ -172,7 +189,7 @@ def main() -> None:
     engine = Engine(cfg)
     assert engine.overlap
     runner = engine.runner
-    runner.pool.pages.normal_()  # attend over random KV, never zeros
+    fill_random(runner.pool.pages, runner.kv_layout.head_dim)
     graphs = runner.graphs
     assert graphs is not None
     kv_per_token = runner.kv_layout.page_bytes // page_size

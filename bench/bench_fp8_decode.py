@@ -27,12 +27,14 @@ the data behind `fp8_decode.FLASHINFER_FASTER`. XQA too (`xqa_us`). `--sweep` ad
 kernel's launch choices (tile, warps, stages, splits of each sequence) and XQA's splits, and
 reports the fastest of each per case; `--write-table` writes them as this GPU's table
 (`workers/kernels/tables/fp8_decode_<GPU>.json`, `tuning.py`): the Triton launches, and XQA
-where it was at least 5% faster.
+where it was at least 5% faster. `--attention --kv int8`: the same kernel over int8 rows
+against their floor, its sweep's fastest written as the table's `"int8"` launches.
 
     python -m bench.bench_fp8_decode --tokenizer-dir DIR [--out DIR] [--cases 1x4096,64x4096]
     python -m bench.bench_fp8_decode --tokenizer-dir DIR --fp8-kernels triton,xqa
     python -m bench.bench_fp8_decode --tokenizer-dir DIR --cases 64x4096 --kv auto,int8
     python -m bench.bench_fp8_decode --tokenizer-dir DIR --attention [--sweep [--write-table]]
+    python -m bench.bench_fp8_decode --tokenizer-dir DIR --attention --kv int8 [--sweep ...]
     python -m bench.bench_fp8_decode --tokenizer-dir DIR --device cpu   # smoke test: tiny shape
 """
 
@@ -49,7 +51,7 @@ from typing import Any
 
 import torch
 
-from bench.bench_decode import decode_step, engine_ms, overlapped_ms
+from bench.bench_decode import decode_step, engine_ms, fill_random, overlapped_ms
 from bench.gpu_common import (
     Floor,
     add_repeats_argument,
@@ -62,16 +64,16 @@ from bench.gpu_common import (
     weight_bytes_read,
 )
 from bench.results_io import write_result
-from workers.engine.model_runner import ModelRunner
 from workers.kernels.tuning import (
     FP8DecodeLaunch,
     dumps_fp8_decode,
     fp8_decode_table,
     table_path,
+    with_int8_launches,
     xqa_programs,
     xqa_table,
 )
-from workers.kvcache.int8_rows import INT8_MAX
+from workers.protocol import INT8_SCALE_BYTES
 
 CASES = [(1, 4096), (16, 4096), (64, 4096), (256, 2048), (256, 4096)]
 FP8_ONLY = {(256, 4096)}
@@ -81,27 +83,11 @@ KV_DTYPES = ("auto", "fp8_e4m3", "int8")
 ROW = "FP8ROW "  # a worker's result line
 Q_HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16  # --attention: Llama-3-8B's heads
 SWEEP = dict(tile=(64, 128), num_warps=(1, 4), stages=(3,), splits=(1, 2, 4, 8, 16, 32))
+SWEEP_INT8 = dict(tile=(32, 64, 128), num_warps=(2, 4, 8), stages=(3,), splits=(1, 2, 4, 8))
 XQA_SPLITS = (1, 2, 4, 8, 16, 32)
 # XQA's FP8 products cost precision (on random data; not measurably on SmolLM2's decode steps):
 # the table takes it only where it is at least 5% faster than the Triton kernel's best.
 XQA_MARGIN = 0.95
-
-
-def fill_random(runner: ModelRunner, pages_at_once: int = 1024) -> None:
-    """Random KV (attention over zeros would be no test), a slice of pages at a time: FP8 has
-    no `normal_`, and one bf16 copy of a 64 GiB pool would not fit beside it. int8 rows get
-    random values and one fixed scale (random bytes would make scales NaN or huge; quantizing
-    random rows would take a float32 rotation of the whole pool)."""
-    pages = runner.pool.pages
-    d = runner.kv_layout.head_dim
-    scale = torch.tensor([2 / INT8_MAX], device=pages.device).view(torch.int8)  # |x| <= 2
-    for start in range(0, pages.shape[0], pages_at_once):
-        part = pages[start : start + pages_at_once]
-        if part.dtype == torch.int8:
-            part[..., :d].random_(-INT8_MAX, INT8_MAX + 1)
-            part[..., d:] = scale
-        else:
-            part.copy_(torch.randn(part.shape, dtype=torch.bfloat16, device=part.device))
 
 
 def cpu_copy_gbps(mib: int = 256) -> float:
@@ -120,7 +106,7 @@ def worker(args: argparse.Namespace, kv_cache_dtype: str, cases: list[tuple[int,
         fields.update(device="cpu", attention_backend="torch", enforce_eager=True)
     engine = Engine(decode_config(args, cases, **fields))
     runner = engine.runner
-    fill_random(runner)
+    fill_random(runner.pool.pages, runner.kv_layout.head_dim)
     floor = Floor(cpu_copy_gbps()) if cpu else Floor.measure()
     kv_per_token = runner.kv_layout.page_bytes // runner.cfg.page_size
     for batch, context in cases:
@@ -173,20 +159,25 @@ def run_worker(
     return rows
 
 
+def row_bytes(int8: bool) -> int:
+    """A (token, head) row of K or V: FP8 values, or int8 values and their float32 scale."""
+    return HEAD_DIM + INT8_SCALE_BYTES if int8 else HEAD_DIM
+
+
 def attention_graph(
-    batch: int, context: int, run: Callable[..., object]
+    batch: int, context: int, run: Callable[..., object], int8: bool = False
 ) -> tuple[Callable[[], object], int]:
     """A CUDA graph of `run(q, layer_kv, indptr, indices, last)` over enough layers of random
-    FP8 K/V (each its own) that L2 holds none: its replay, and the number of layers."""
+    FP8 K/V (int8 rows with `int8`), each its own, that L2 holds none: its replay, and the
+    number of layers."""
     pages_per_seq = math.ceil(context / PAGE)
-    layer_bytes = batch * context * 2 * KV_HEADS * HEAD_DIM
+    layer_bytes = batch * context * 2 * KV_HEADS * row_bytes(int8)
     layers = max(1, min(32, math.ceil(2**30 / layer_bytes)))
-    shape = (batch * pages_per_seq, 2, PAGE, KV_HEADS, HEAD_DIM)
+    shape = (batch * pages_per_seq, 2, PAGE, KV_HEADS, row_bytes(int8))
     pools = []
     for _ in range(layers):
-        pool = torch.empty(shape, dtype=torch.float8_e4m3fn, device="cuda")
-        for part in pool.split(4096):  # no bf16 copy of a whole 2 GiB layer at once
-            part.copy_(torch.randn(part.shape, dtype=torch.bfloat16, device="cuda"))
+        pool = torch.empty(shape, dtype=torch.int8 if int8 else torch.float8_e4m3fn, device="cuda")
+        fill_random(pool, HEAD_DIM, pages_at_once=4096)
         pools.append(pool)
     q = torch.randn(batch, Q_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     indptr = torch.arange(batch + 1, dtype=torch.int32) * pages_per_seq
@@ -203,19 +194,26 @@ def attention_graph(
 
 
 def kernel_run(
-    batch: int, launch: FP8DecodeLaunch | None = None, splits: int | None = None
-) -> Callable[..., object]:
-    """The kernel with `launch` and `splits` (by default as the GPU's table has them)."""
+    batch: int, launch: FP8DecodeLaunch | None = None, splits: int | None = None,
+    int8: bool = False,
+) -> Callable[..., object]:  # fmt: skip
+    """The kernel with `launch` and `splits` (by default as the GPU's table has them), over FP8
+    pages or, with `int8`, int8 rows."""
     from workers.kernels.fp8_decode import FP8Decode
+    from workers.kernels.int8_decode import Int8Decode
 
-    kernel = FP8Decode(batch, Q_HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5, torch.device("cuda"),
-                       launch, splits)  # fmt: skip
+    shape = (batch, Q_HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5, torch.device("cuda"))
+    rows = Int8Decode(*shape, launch, splits) if int8 else None
+    pages = None if int8 else FP8Decode(*shape, launch, splits)
     device_meta: list[torch.Tensor] = []
 
     def run(q: torch.Tensor, kv: torch.Tensor, *meta: torch.Tensor) -> object:
         if not device_meta:
             device_meta.extend(m.cuda() for m in meta)
-        return kernel.forward(q, kv, *device_meta, 0.5, 2.0)
+        if rows is not None:
+            return rows.forward(q, kv, *device_meta)
+        assert pages is not None
+        return pages.forward(q, kv, *device_meta, 0.5, 2.0)
 
     return run
 
@@ -267,8 +265,8 @@ def xqa_run(batch: int, splits: int | None = None) -> Callable[..., object]:
     return run
 
 
-def layer_us(batch: int, context: int, run: Callable[..., object]) -> float:
-    replay, layers = attention_graph(batch, context, run)
+def layer_us(batch: int, context: int, run: Callable[..., object], int8: bool = False) -> float:
+    replay, layers = attention_graph(batch, context, run, int8)
     us = cuda_ms(replay, warmup=3, iters=20) * 1e3 / layers
     torch.cuda.empty_cache()
     return us
@@ -323,6 +321,43 @@ def attention(args: argparse.Namespace, cases: list[tuple[int, int]]) -> None:
     write_result(args.out, "decode-fp8-attention", rows, model=model, measured=floor.measured())
 
 
+def attention_int8(args: argparse.Namespace, cases: list[tuple[int, int]]) -> None:
+    """The attention alone over int8 rows (`kernels/int8_decode.py`), per layer, against the
+    floor of reading its rows once; with --sweep its launch choices, and with --write-table the
+    fastest as the `"int8"` launches of this GPU's table (its FP8 entries kept)."""
+    floor = Floor.measure()
+    rows = []
+    winners: dict[tuple[int, int], tuple[FP8DecodeLaunch, int]] = {}
+    for batch, context in cases:
+        kv_bytes = batch * context * 2 * KV_HEADS * row_bytes(int8=True)
+        row: dict[str, Any] = dict(batch=batch, context=context)
+        row["kernel_us"] = round(layer_us(batch, context, kernel_run(batch, int8=True), True), 2)
+        if args.sweep:
+            timed = {}
+            for values in itertools.product(*SWEEP_INT8.values()):
+                tile, num_warps, stages, splits = values
+                launch = FP8DecodeLaunch(tile=tile, num_warps=num_warps, stages=stages)
+                run = kernel_run(batch, launch, splits, int8=True)
+                timed[values] = layer_us(batch, context, run, True)
+                print(f"SWEEP-INT8 {batch}x{context} {launch} splits={splits}: "
+                      f"{timed[values]:.2f} us", flush=True)  # fmt: skip
+            best = min(timed, key=timed.__getitem__)
+            winners[batch, context] = (FP8DecodeLaunch(*best[:3]), best[3])
+            row["best_us"] = round(timed[best], 2)
+            row["best_launch"] = ",".join(f"{k}={v}" for k, v in zip(SWEEP_INT8, best))
+            row["best_x_floor"] = floor.columns(kv_bytes, row["best_us"], "us")["x_floor"]
+        row.update(floor.columns(kv_bytes, row["kernel_us"], unit="us"))
+        print("INT8-ATTENTION", row, flush=True)
+        rows.append(row)
+    if args.write_table:
+        gpu = torch.cuda.get_device_name()
+        text = with_int8_launches(gpu, fp8_decode_table(winners, KV_HEADS))
+        table_path(gpu, "fp8_decode").write_text(text)
+        print(f"launch table {table_path(gpu, 'fp8_decode')}:\n{text}", flush=True)
+    model = "Llama-3-8B attention heads (32/8, d128), page 16, int8 KV rows, one layer's time"
+    write_result(args.out, "decode-int8-attention", rows, model=model, measured=floor.measured())
+
+
 def main() -> None:
     ap = bench_parser(__doc__)
     ap.add_argument("--cases", help="only these, e.g. 1x4096,64x4096")
@@ -347,7 +382,7 @@ def main() -> None:
         worker(args, args.worker, cases)
         return
     if args.attention:
-        attention(args, cases)
+        attention_int8(args, cases) if args.kv == "int8" else attention(args, cases)
         return
     rows: list[dict[str, Any]] = []
     bf16_ms: dict[tuple[int, int], float] = {}

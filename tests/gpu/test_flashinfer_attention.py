@@ -397,11 +397,8 @@ def test_forward_rotary_applies_the_qk_norms_in_its_kernel(graph: bool) -> None:
     normed by `QKNorm.apply` (what the model ran before: `fused.rms_norm`), over twin pools;
     far from the same without the norms."""
     from tests.gpu.test_fused_kernels import assert_rounded_alike, qk_norm_weights, strided_qkv
-    from workers.attention.flashinfer import (
-        FlashInferAttention,
-        GraphDecodeAttention,
-        new_workspace,
-    )
+    from workers.attention.flashinfer import FlashInferAttention, new_workspace
+    from workers.attention.graph_decode import GraphDecodeAttention
 
     hq, hkv, d = HEADS["gqa-32/8-d128"]
     pool, batch = random_batch("decode", 16, hkv, d, seed=7, kv_lens=[900] if graph else None)

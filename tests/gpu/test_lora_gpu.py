@@ -128,13 +128,14 @@ def test_products_in_the_gemm_epilogue_give_the_after_path_tokens(
     prompts = [[(13 * j + 7 * i) % 4000 + 5 for j in range(20 + 3 * i)] for i in range(16)]
     which = [None, *loras] * 5 + [None]
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=2)
-    runs = {}
+    runs, base = {}, None
     for products in ("after", "epilogue"):
         llm = LLM(str(model), kernels={"lora_products": products}, **kw)
         if not llm.engine.runner.model.norms_folded:
             pytest.skip("no skinny GEMM table for this GPU: no folded path, no epilogue")
         runs[products] = llm.generate(prompts, params, lora_request=which)
-        base = llm.generate(prompts, params) if products == "after" else None
+        if products == "after":
+            base = llm.generate(prompts, params)
         del llm
     assert base is not None
     changed = 0

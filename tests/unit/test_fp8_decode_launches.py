@@ -6,10 +6,12 @@ the Triton kernel's launch and for XQA's programs; a sweep's winners make it
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from workers.attention.xqa_decode import DEFAULT_PROGRAMS, splits_for
+from workers.kernels import tuning
 from workers.kernels.split_kv_common import num_splits
 from workers.kernels.tuning import (
     FP8DecodeLaunch,
@@ -17,8 +19,10 @@ from workers.kernels.tuning import (
     fp8_decode_launch,
     fp8_decode_launches,
     fp8_decode_table,
+    int8_decode_launch,
     parse_fp8_decode,
     table_path,
+    with_int8_launches,
     xqa_programs,
     xqa_table,
 )
@@ -90,3 +94,29 @@ def test_table_from_sweep_winners_round_trips() -> None:
     text = dumps_fp8_decode(table, xqa, H200)
     assert table_path(H200, "fp8_decode").read_text() == text
     assert parse_fp8_decode(json.loads(text)) == table
+
+
+def test_int8_launches_kept_beside_the_fp8_table(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The int8 sweep's launches become the table's `"int8"` section, its FP8 launches and XQA
+    entries unchanged; int8 rows take them per batch size, the FP8 launch where there are
+    none (no section, or batch sizes below its first entry)."""
+    monkeypatch.setattr(tuning, "TABLES", tmp_path)
+    tuning._fp8_decode_file.cache_clear()
+    gpu = "Some GPU"
+    assert int8_decode_launch(64, gpu) == FP8DecodeLaunch()  # no file: the FP8 defaults
+    fp8 = {1: FP8DecodeLaunch(programs=128), 16: FP8DecodeLaunch(tile=64, num_warps=1)}
+    table_path(gpu, "fp8_decode").write_text(dumps_fp8_decode(fp8, {16: 256}, gpu))
+    tuning._fp8_decode_file.cache_clear()
+    assert int8_decode_launch(64, gpu) == fp8[16]  # no int8 section: the FP8 launch
+    int8 = {16: FP8DecodeLaunch(tile=32, num_warps=4, programs=2048)}
+    table_path(gpu, "fp8_decode").write_text(with_int8_launches(gpu, int8))
+    tuning._fp8_decode_file.cache_clear()
+    try:
+        assert fp8_decode_launches(gpu) == fp8 and xqa_programs(16, gpu) == 256
+        assert int8_decode_launch(8, gpu) == fp8[1]  # below the section's first entry
+        assert int8_decode_launch(16, gpu) == int8_decode_launch(300, gpu) == int8[16]
+        assert fp8_decode_launch(300, gpu) == fp8[16]
+    finally:
+        tuning._fp8_decode_file.cache_clear()

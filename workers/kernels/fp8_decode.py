@@ -61,4 +61,4 @@ class FP8Decode(PagedDecode):
         assert kv.dtype in _FP8 and kv.shape[-1] == self.head_dim
         table = (kv_indptr, kv_indices, last_page_len)
         scales = (self.scale * k_scale * LOG2E, v_scale)
-        return self.run(q, (kv, kv), kv, table, scales, int8_rows=False)
+        return self.run(q, (kv, kv), kv, table, scales)

@@ -31,8 +31,9 @@ def applies(num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dty
 
 class Int8Decode(PagedDecode):
     """The kernel for decode steps of exactly `batch_size` rows (`PagedDecode`; its launch by
-    default the FP8 kernel's for the GPU: the same loads a tile, 1.06x the bytes at
-    head_dim 64)."""
+    default the GPU table's int8 entry, else the FP8 kernel's)."""
+
+    int8_rows = True
 
     def forward(
         self, q: torch.Tensor, kv: torch.Tensor, kv_indptr: torch.Tensor,
@@ -45,4 +46,4 @@ class Int8Decode(PagedDecode):
         assert kv.dtype == torch.int8 and kv.shape[-1] == self.head_dim + SCALE_BYTES
         table = (kv_indptr, kv_indices, last_page_len)
         pools = (kv, kv.view(torch.float32))
-        return self.run(q, pools, kv, table, (self.scale * LOG2E, 1.0), int8_rows=True)
+        return self.run(q, pools, kv, table, (self.scale * LOG2E, 1.0))

@@ -28,7 +28,7 @@ from workers.kernels.split_kv_common import (
     sequence_pages,
     tile_kv,
 )
-from workers.kernels.tuning import FP8DecodeLaunch, fp8_decode_launch
+from workers.kernels.tuning import FP8DecodeLaunch, fp8_decode_launch, int8_decode_launch
 
 
 @triton.jit
@@ -129,6 +129,8 @@ class PagedDecode:
     stored): its fixed buffers for decode steps of exactly `batch_size` rows and its launch
     choices; `run` may be captured in a CUDA graph (nothing allocated but the output)."""
 
+    int8_rows = False  # the pool's rows: FP8 values (one scale a layer) or int8 rows
+
     def __init__(
         self, batch_size: int, num_q_heads: int, num_kv_heads: int, head_dim: int, scale: float,
         device: torch.device, launch: FP8DecodeLaunch | None = None, splits: int | None = None,
@@ -142,14 +144,15 @@ class PagedDecode:
         self.scale = scale
         if launch is None:
             gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
-            launch = fp8_decode_launch(batch_size, gpu)
+            table = int8_decode_launch if self.int8_rows else fp8_decode_launch
+            launch = table(batch_size, gpu)
         self.launch = dict(TILE=launch.tile, STAGES=launch.stages, num_warps=launch.num_warps)
         splits = splits or num_splits(batch_size, num_kv_heads, launch.programs)
         self.parts = SplitParts(batch_size, num_kv_heads, self.group, head_dim, splits, device)
 
     def run(
         self, q: torch.Tensor, pools: tuple[torch.Tensor, torch.Tensor], kv: torch.Tensor,
-        page_table: tuple[torch.Tensor, ...], scales: tuple[float, float], int8_rows: bool,
+        page_table: tuple[torch.Tensor, ...], scales: tuple[float, float],
     ) -> torch.Tensor:  # fmt: skip
         """The kernel over q `[B, Hq, D]` and `kv` one layer's pool `[pages, 2, page_size, Hkv,
         row]` (`pools`: its bytes and, for int8 rows, its float32 view), the page table in
@@ -167,7 +170,7 @@ class PagedDecode:
         )  # fmt: skip
         options = dict(
             GROUP=self.group, GROUP_P2=parts.group_p2, HALF=d // 2, PS=kv.shape[2],
-            SPLITS=parts.splits, INT8_ROWS=int8_rows, **self.launch, **pdl.launch_options(q),
+            SPLITS=parts.splits, INT8_ROWS=self.int8_rows, **self.launch, **pdl.launch_options(q),
         )  # fmt: skip
         parts.launch(_paged_decode_kernel, grid, args, options, q)
         return out

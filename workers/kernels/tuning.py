@@ -158,17 +158,32 @@ def parse_fp8_decode(data: dict[str, Any]) -> dict[int, FP8DecodeLaunch]:
     return {int(batch): FP8DecodeLaunch(**fields) for batch, fields in data["launches"].items()}
 
 
+def _launch_lines(launches: dict[int, FP8DecodeLaunch]) -> str:
+    return ",\n".join(f'    "{batch}": {json.dumps(dataclasses.asdict(launches[batch]))}'
+                      for batch in sorted(launches))  # fmt: skip
+
+
 def dumps_fp8_decode(
-    launches: dict[int, FP8DecodeLaunch], xqa: dict[int, int], gpu_name: str
-) -> str:
+    launches: dict[int, FP8DecodeLaunch], xqa: dict[int, int], gpu_name: str,
+    int8: dict[int, FP8DecodeLaunch] | None = None,
+) -> str:  # fmt: skip
     """The JSON text of an FP8 decode table, a batch size a line: the Triton kernel's launches,
-    and the batch sizes from which FlashInfer's XQA is the faster, with its programs."""
-    lines = [f'    "{batch}": {json.dumps(dataclasses.asdict(launches[batch]))}'
-             for batch in sorted(launches)]  # fmt: skip
+    the batch sizes from which FlashInfer's XQA is the faster, with its programs, and where
+    swept, the same kernel's launches over int8 rows (`"int8"`)."""
     xqa_lines = [f'    "{batch}": {{"programs": {xqa[batch]}}}' for batch in sorted(xqa)]
-    body, xqa_body = ",\n".join(lines), ",\n".join(xqa_lines)
-    return (f'{{\n  "gpu": {json.dumps(gpu_name)},\n  "launches": {{\n{body}\n  }},\n'
-            f'  "xqa": {{\n{xqa_body}\n  }}\n}}\n')  # fmt: skip
+    xqa_body = ",\n".join(xqa_lines)
+    text = (f'{{\n  "gpu": {json.dumps(gpu_name)},\n  "launches": {{\n{_launch_lines(launches)}'
+            f'\n  }},\n  "xqa": {{\n{xqa_body}\n  }}')  # fmt: skip
+    if int8:
+        text += f',\n  "int8": {{\n{_launch_lines(int8)}\n  }}'
+    return text + "\n}\n"
+
+
+def with_int8_launches(gpu_name: str, int8: dict[int, FP8DecodeLaunch]) -> str:
+    """The GPU's FP8 decode table text (as it is, or empty) with `int8` as its int8 launches."""
+    data = _fp8_decode_file(gpu_name)
+    launches = parse_fp8_decode(data) if data else {}
+    return dumps_fp8_decode(launches, fp8_decode_xqa(gpu_name), gpu_name, int8)
 
 
 def fp8_decode_xqa(gpu_name: str) -> dict[int, int]:
@@ -188,3 +203,14 @@ def fp8_decode_launch(batch_size: int, gpu_name: str) -> FP8DecodeLaunch:
     """The launch for decode steps of `batch_size` sequences: the table's entry of the largest
     batch size not above it, else the defaults."""
     return _at(fp8_decode_launches(gpu_name), batch_size, FP8DecodeLaunch())
+
+
+def int8_decode_launch(batch_size: int, gpu_name: str) -> FP8DecodeLaunch:
+    """The same kernel's launch over int8 rows: the table's `"int8"` entry of the largest batch
+    size not above it, else the FP8 launch (int8 tiles convert each byte to fp16 with an
+    integer conversion and carry each row's scale: their best tiles differ)."""
+    data = _fp8_decode_file(gpu_name).get("int8")
+    if not data:
+        return fp8_decode_launch(batch_size, gpu_name)
+    launches = {int(batch): FP8DecodeLaunch(**fields) for batch, fields in data.items()}
+    return _at(launches, batch_size, fp8_decode_launch(batch_size, gpu_name))
