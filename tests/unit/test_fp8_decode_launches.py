@@ -20,6 +20,7 @@ from workers.kernels.tuning import (
     fp8_decode_launches,
     fp8_decode_table,
     int8_decode_launch,
+    int8_decode_launches,
     parse_fp8_decode,
     table_path,
     with_int8_launches,
@@ -91,7 +92,7 @@ def test_table_from_sweep_winners_round_trips() -> None:
     assert table == fp8_decode_launches(H200)
     assert xqa == {16: 256, 64: 1024, 256: 4096}
     assert xqa_table({(1, 64): 0, (16, 64): 2, (64, 64): 0}, 8) == {16: 256, 64: 0}
-    text = dumps_fp8_decode(table, xqa, H200)
+    text = dumps_fp8_decode(table, xqa, H200, int8_decode_launches(H200))
     assert table_path(H200, "fp8_decode").read_text() == text
     assert parse_fp8_decode(json.loads(text)) == table
 

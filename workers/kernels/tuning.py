@@ -181,9 +181,7 @@ def dumps_fp8_decode(
 
 def with_int8_launches(gpu_name: str, int8: dict[int, FP8DecodeLaunch]) -> str:
     """The GPU's FP8 decode table text (as it is, or empty) with `int8` as its int8 launches."""
-    data = _fp8_decode_file(gpu_name)
-    launches = parse_fp8_decode(data) if data else {}
-    return dumps_fp8_decode(launches, fp8_decode_xqa(gpu_name), gpu_name, int8)
+    return dumps_fp8_decode(fp8_decode_launches(gpu_name), fp8_decode_xqa(gpu_name), gpu_name, int8)
 
 
 def fp8_decode_xqa(gpu_name: str) -> dict[int, int]:
@@ -209,8 +207,10 @@ def int8_decode_launch(batch_size: int, gpu_name: str) -> FP8DecodeLaunch:
     """The same kernel's launch over int8 rows: the table's `"int8"` entry of the largest batch
     size not above it, else the FP8 launch (int8 tiles convert each byte to fp16 with an
     integer conversion and carry each row's scale: their best tiles differ)."""
-    data = _fp8_decode_file(gpu_name).get("int8")
-    if not data:
-        return fp8_decode_launch(batch_size, gpu_name)
-    launches = {int(batch): FP8DecodeLaunch(**fields) for batch, fields in data.items()}
-    return _at(launches, batch_size, fp8_decode_launch(batch_size, gpu_name))
+    return _at(int8_decode_launches(gpu_name), batch_size, fp8_decode_launch(batch_size, gpu_name))
+
+
+def int8_decode_launches(gpu_name: str) -> dict[int, FP8DecodeLaunch]:
+    """The table's `"int8"` launches (the smallest batch size a launch is for -> its fields)."""
+    data = _fp8_decode_file(gpu_name).get("int8", {})
+    return {int(batch): FP8DecodeLaunch(**fields) for batch, fields in data.items()}
