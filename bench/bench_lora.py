@@ -3,6 +3,7 @@ rank `rank` (every projection targeted) against the same batch without adapters.
 
     python bench/bench_lora.py --device cuda --out DIR [--tokenizer-dir DIR] [--batches 16 64]
     python bench/bench_lora.py --device cuda --out DIR --products after,beside,epilogue
+    python bench/bench_lora.py --device cuda --products beside --profile   # by kernel kind
     python bench/bench_lora.py --device cpu       # a smoke run: tiny shapes, a few steps
 
 On CUDA the model has Llama-3-8B's shapes with random bf16 weights (load_format dummy) and the
@@ -34,7 +35,13 @@ sys.path.insert(0, REPO)
 
 import torch  # noqa: E402
 
-from bench.gpu_common import Floor, dummy_model_dir, embedded_model_dir, median_of  # noqa: E402
+from bench.gpu_common import (  # noqa: E402
+    Floor,
+    dummy_model_dir,
+    embedded_model_dir,
+    median_of,
+    step_timeline,
+)
 from bench.results_io import add_out_argument, write_result  # noqa: E402
 from workers.config import EngineConfig  # noqa: E402
 from workers.engine.engine import Engine  # noqa: E402
@@ -66,8 +73,12 @@ def write_adapter(out: Path, cfg: ModelConfig, rank: int, seed: int) -> Path:
     return out
 
 
-def decode_ms(engine: Engine, loras: list[LoRARequest | None], context: int, steps: int) -> float:
-    """Wall ms per decode step of `len(loras)` requests prefilled to `context` tokens."""
+def decode_ms(
+    engine: Engine, loras: list[LoRARequest | None], context: int, steps: int,
+    profile: str | None = None,
+) -> float:  # fmt: skip
+    """Wall ms per decode step of `len(loras)` requests prefilled to `context` tokens; with
+    `profile` (a label), then one more step's device time by kernel kind, printed."""
     params = SamplingParams(max_tokens=steps + 16, temperature=0.0, ignore_eos=True)
     seqs = []
     for i, lora in enumerate(loras):
@@ -84,6 +95,8 @@ def decode_ms(engine: Engine, loras: list[LoRARequest | None], context: int, ste
         engine.step()
     sync()
     taken = (time.perf_counter() - start) * 1e3 / steps
+    if profile:
+        print(f"PROFILE {profile}\n{step_timeline(engine.step)}", flush=True)
     while engine.has_work():
         for seq in seqs:
             engine.abort(seq.request_id)
@@ -107,6 +120,10 @@ def measure(
                           for _ in range(args.repeats)])  # fmt: skip
         lora = median_of([decode_ms(engine, list(mixed), args.context, args.steps)
                           for _ in range(args.repeats)])  # fmt: skip
+        if args.profile and torch.cuda.is_available():
+            name = f"batch {batch}, products {cfg.kernels.lora_products}"
+            decode_ms(engine, [None] * batch, args.context, 2, profile=f"{name}: base step")
+            decode_ms(engine, list(mixed), args.context, 2, profile=f"{name}: LoRA step")
         kv = batch * (args.context + args.steps // 2) * kv_token_bytes
         held = min(batch, args.adapters)
         row = {"batch": batch, "adapters": held, "rank": args.rank, "context": args.context,
@@ -139,6 +156,8 @@ def main() -> None:
     ap.add_argument("--products", default="after",
                     help="where the LoRA products run (KernelConfig.lora_products), one engine "
                     "after another: e.g. after,beside,epilogue")  # fmt: skip
+    ap.add_argument("--profile", action="store_true",
+                    help="each batch's base and LoRA step by kernel kind (CUDA)")  # fmt: skip
     ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "pdserve-bench")
     add_out_argument(ap)
     args = ap.parse_args()

@@ -377,11 +377,18 @@ def top_kernels(fn: Callable[[], object], limit: int = 12) -> str:
 
 # Kernel name fragment -> what it does, for `step_timeline` (first match wins).
 KERNEL_KINDS = (
-    ("_gemv_kernel", "gemm: triton gemv"),
-    ("_dot_kernel", "gemm: triton dot"),
+    ("_w13_gemv_kernel", "moe: experts' gate/up (gemv)"),
+    ("_w2_gemv_kernel", "moe: experts' down (gemv)"),
+    ("gemv_kernel", "gemm: triton gemv"),
+    ("dot_kernel", "gemm: triton dot"),
     ("_w13_kernel", "moe: experts' gate/up"),
     ("_w2_kernel", "moe: experts' down"),
     ("_route_kernel", "moe: routing"),
+    ("_router_kernel", "moe: router gemm + routing"),
+    ("_shrink_slot_kernel", "lora: shrink"),
+    ("_expand_slot_kernel", "lora: expand"),
+    ("_split_kv_decode_kernel", "attention"),
+    ("_paged_decode_kernel", "attention"),
     ("_plan_kernel", "moe: alignment"),
     ("_scatter_kernel", "moe: alignment"),
     ("rms_norm", "norm"),
