@@ -46,14 +46,16 @@ def candidates(tokens: int, top_k: int, experts: int) -> list[MoEConfig]:
             continue
         out.append(MoEConfig(bm, bn, bk, warps, stages))
     if tokens * top_k <= experts:
-        for bn, bk, warps, stages in itertools.product(
-            (4, 8, 16, 32), (128, 256, 512), (1, 2, 4), (1, 2)
+        slots = 1 << max(0, top_k - 1).bit_length()
+        for bn, bk, warps, stages, down_slots in itertools.product(
+            (4, 8, 16, 32), (128, 256, 512), (1, 2, 4), (1, 2), (False, True)
         ):
-            # gate's and up's [bn, bk] float32 accumulators: 128 registers a thread at most
-            if bn * bk > 2048 * warps:
+            # gate's and up's [bn, bk] float32 accumulators (the down kernel's [slots x bn, bk]
+            # with down_slots): 128 registers a thread at most
+            if bn * bk > 2048 * warps or (down_slots and slots * bn * bk > 4096 * warps):
                 continue
             out.append(MoEConfig(block_n=bn, block_k=bk, num_warps=warps, num_stages=stages,
-                                 gemv=True))  # fmt: skip
+                                 gemv=True, down_slots=down_slots))  # fmt: skip
     return out
 
 

@@ -1,7 +1,8 @@
 """The small-batch MoE GEMV kernels (`workers/kernels/moe_gemv.py`) in Triton's interpreter on the
 CPU, against the torch path (`moe_experts.grouped_experts`) in float64: 1, 3 and 5 tokens, every
 expert and expert-parallel ranges (a token with no local expert gets a zero row), two tokens
-sharing an expert, shapes that no block divides; and `fused_moe`'s dispatch to them. In fp16 and
+sharing an expert, shapes that no block divides, both forms of the down kernel; and
+`fused_moe`'s dispatch to them. In fp16 and
 bf16: the interpreter's bf16 products are wrong only in tl.dot, which these kernels do not use.
 The GPU test is tests/gpu/test_moe_gpu.py."""
 
@@ -18,6 +19,10 @@ CASES = [  # (tokens, top_k, experts held, first expert, MoEConfig fields)
     (3, 2, 3, 3, dict(block_n=8, block_k=16, num_warps=2)),  # rank 1 of 2
     (5, 3, 2, 2, dict(block_n=32, block_k=64, num_warps=1, num_stages=2)),  # a middle range
     (5, 2, 6, 0, dict(block_n=16, block_k=16, num_stages=2)),
+    # the down kernel with all slots in one tile: top-k 3 (padded to 4 slots), ranks, a tail
+    (1, 3, 6, 0, dict(block_n=4, block_k=16, down_slots=True)),
+    (3, 2, 3, 3, dict(block_n=8, block_k=32, num_warps=2, down_slots=True)),
+    (5, 3, 2, 2, dict(block_n=16, block_k=16, num_stages=2, down_slots=True)),
 ]
 
 

@@ -105,6 +105,44 @@ def _w2_gemv_kernel(
              mask=n_ok)  # fmt: skip
 
 
+@triton.jit
+def _w2_gemv_slots_kernel(
+    act_ptr, w_ptr, out_ptr, ids_ptr, weights_ptr, first, num_local, top_k, H, INTER,
+    stride_act, stride_we, stride_wn, stride_out,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TOPK_P2: tl.constexpr,
+    LOOP_STAGES: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """`_w2_gemv_kernel` with the token's k slots in one tile: rows (slot, output row), each
+    slot's expert and weight loaded once before the loop (no routing loads inside it), k x
+    BLOCK_N weight rows in flight a K step; the slots summed after the loop, in order."""
+    start_dependents(PDL)
+    wait_for_inputs(PDL)  # act, and the routing before it
+    token, pn = tl.program_id(0), tl.program_id(1)
+    r = tl.arange(0, TOPK_P2 * BLOCK_N)
+    slot = r // BLOCK_N
+    offs_n = pn * BLOCK_N + r % BLOCK_N
+    pair = token.to(tl.int64) * top_k + slot
+    slot_ok = slot < top_k
+    expert = tl.load(ids_ptr + pair, mask=slot_ok, other=-1).to(tl.int64) - first
+    mine = slot_ok & (expert >= 0) & (expert < num_local) & (offs_n < H)
+    expert = tl.where(mine, expert, 0)
+    weight = tl.load(weights_ptr + pair, mask=slot_ok, other=0.0)
+    w_rows = w_ptr + expert * stride_we + offs_n.to(tl.int64) * stride_wn
+    a_rows = act_ptr + pair * stride_act  # a slot's act row, once per output row (cached)
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((TOPK_P2 * BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in tl.range(0, INTER, BLOCK_K, num_stages=LOOP_STAGES):
+        ok = mine[:, None] & (offs_k + k0 < INTER)[None, :]  # another rank's expert: masked off
+        a = tl.load(a_rows[:, None] + k0 + offs_k[None, :], mask=ok, other=0.0)
+        b = tl.load(w_rows[:, None] + k0 + offs_k[None, :], mask=ok, other=0.0)
+        acc += b.to(tl.float32) * a.to(tl.float32)
+    y = tl.sum(acc, axis=1) * weight
+    y = tl.sum(tl.reshape(y, (TOPK_P2, BLOCK_N)), axis=0)
+    out_n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(out_ptr + token.to(tl.int64) * stride_out + out_n, y.to(out_ptr.dtype.element_ty),
+             mask=out_n < H)  # fmt: skip
+
+
 def gemv_moe(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
     topk_ids: torch.Tensor, first: int = 0, num_experts: int | None = None,
@@ -114,7 +152,8 @@ def gemv_moe(
     expert_{topk_ids[t, k]}(x[t]) over the experts [first, first + E_local) that w13
     [E_local, 2I, H] and w2 [E_local, H, I] hold (each row's last dimension contiguous), of the
     model's `num_experts` (default: these). `config`'s block_n, block_k, num_warps and
-    num_stages are both kernels' (default: `moe_tuning.GEMV_DEFAULT`)."""
+    num_stages are both kernels', its down_slots the down kernel's form (default:
+    `moe_tuning.GEMV_DEFAULT`)."""
     T, H = x.shape
     num_local, two_i, _ = w13.shape
     top_k, inter = topk_ids.shape[1], two_i // 2
@@ -137,8 +176,12 @@ def gemv_moe(
         x, w13, act, ids, first, num_local, top_k, H, inter,
         x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), **tiles, **launch,
     )  # fmt: skip
-    _w2_gemv_kernel[(T, triton.cdiv(H, cfg.block_n))](
-        act, w2, out, ids, weights, first, num_local, top_k, H, inter,
-        act.stride(0), w2.stride(0), w2.stride(1), out.stride(0), **tiles, **launch,
-    )  # fmt: skip
+    down_args = (act, w2, out, ids, weights, first, num_local, top_k, H, inter,
+                 act.stride(0), w2.stride(0), w2.stride(1), out.stride(0))  # fmt: skip
+    grid = (T, triton.cdiv(H, cfg.block_n))
+    if cfg.down_slots:
+        slots = triton.next_power_of_2(top_k)
+        _w2_gemv_slots_kernel[grid](*down_args, TOPK_P2=slots, **tiles, **launch)
+    else:
+        _w2_gemv_kernel[grid](*down_args, **tiles, **launch)
     return out

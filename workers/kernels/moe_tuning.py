@@ -31,6 +31,9 @@ class MoEConfig:
     # The GEMV kernels (no alignment, a program per pair or token): block_n and block_k are then
     # their output rows and reduction tile, num_stages their K loop's stages; block_m is unused.
     gemv: bool = False
+    # GEMV path: the down kernel's tile holds a token's k slots at once (k x block_n rows, the
+    # routing loaded before the loop) instead of looping over the slots.
+    down_slots: bool = False
 
 
 # Before a sweep, at batch 1-8: the H200's measured skinny GEMV cell at M = 1 for the nearest
@@ -78,11 +81,12 @@ def parse(data: dict[str, Any]) -> MoETable:
 
 
 def _fields(cfg: MoEConfig) -> dict[str, Any]:
-    """A config's JSON fields: `gemv` only where set, so the tables written before it stay as
-    they were (`parse` takes either)."""
+    """A config's JSON fields: `gemv` and `down_slots` only where set, so the tables written
+    before them stay as they were (`parse` takes either)."""
     fields = dataclasses.asdict(cfg)
-    if not cfg.gemv:
-        del fields["gemv"]
+    for flag in ("gemv", "down_slots"):
+        if not fields[flag]:
+            del fields[flag]
     return fields
 
 
