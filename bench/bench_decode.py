@@ -73,13 +73,12 @@ def fill_random(pages: torch.Tensor, head_dim: int, pages_at_once: int = 1024) -
     FP8 has no `normal_`, and one bf16 copy of a 64 GiB pool would not fit beside it. int8 rows
     get random values and one fixed scale (random bytes would make scales NaN or huge;
     quantizing random rows would take a float32 rotation of the whole pool)."""
-    d = head_dim
     scale = torch.tensor([2 / INT8_MAX], device=pages.device).view(torch.int8)  # |x| <= 2
     for start in range(0, pages.shape[0], pages_at_once):
         part = pages[start : start + pages_at_once]
         if part.dtype == torch.int8:
-            part[..., :d].random_(-INT8_MAX, INT8_MAX + 1)
-            part[..., d:] = scale
+            part[..., :head_dim].random_(-INT8_MAX, INT8_MAX + 1)
+            part[..., head_dim:] = scale
         else:
             part.copy_(torch.randn(part.shape, dtype=torch.bfloat16, device=part.device))
 

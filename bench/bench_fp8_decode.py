@@ -202,18 +202,17 @@ def kernel_run(
     from workers.kernels.fp8_decode import FP8Decode
     from workers.kernels.int8_decode import Int8Decode
 
-    shape = (batch, Q_HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5, torch.device("cuda"))
-    rows = Int8Decode(*shape, launch, splits) if int8 else None
-    pages = None if int8 else FP8Decode(*shape, launch, splits)
+    kind = Int8Decode if int8 else FP8Decode
+    kernel = kind(batch, Q_HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5, torch.device("cuda"),
+                  launch, splits)  # fmt: skip
+    forward: Callable[..., object] = kernel.forward
+    scales = () if int8 else (0.5, 2.0)  # FP8's per-layer K and V scales; int8 rows carry theirs
     device_meta: list[torch.Tensor] = []
 
     def run(q: torch.Tensor, kv: torch.Tensor, *meta: torch.Tensor) -> object:
         if not device_meta:
             device_meta.extend(m.cuda() for m in meta)
-        if rows is not None:
-            return rows.forward(q, kv, *device_meta)
-        assert pages is not None
-        return pages.forward(q, kv, *device_meta, 0.5, 2.0)
+        return forward(q, kv, *device_meta, *scales)
 
     return run
 
@@ -272,6 +271,25 @@ def layer_us(batch: int, context: int, run: Callable[..., object], int8: bool = 
     return us
 
 
+def sweep_launches(
+    batch: int, context: int, space: dict[str, tuple[int, ...]], row: dict[str, Any],
+    int8: bool = False,
+) -> tuple[tuple[FP8DecodeLaunch, int], float]:  # fmt: skip
+    """The kernel at every (tile, warps, stages, splits) of `space`, each printed: the fastest
+    launch and splits, and its µs a layer (set in `row`, rounded, as best_us with best_launch)."""
+    timed = {}
+    for values in itertools.product(*space.values()):
+        tile, num_warps, stages, splits = values
+        launch = FP8DecodeLaunch(tile=tile, num_warps=num_warps, stages=stages)
+        timed[values] = layer_us(batch, context, kernel_run(batch, launch, splits, int8), int8)
+        print(f"SWEEP{'-INT8' if int8 else ''} {batch}x{context} {launch} splits={splits}: "
+              f"{timed[values]:.2f} us", flush=True)  # fmt: skip
+    best = min(timed, key=timed.__getitem__)
+    row["best_us"] = round(timed[best], 2)
+    row["best_launch"] = ",".join(f"{k}={v}" for k, v in zip(space, best))
+    return (FP8DecodeLaunch(*best[:3]), best[3]), timed[best]
+
+
 def attention(args: argparse.Namespace, cases: list[tuple[int, int]]) -> None:
     """The attention alone: the kernel (and with --sweep its launch choices) against
     FlashInfer's FP8 decode, per layer."""
@@ -288,22 +306,12 @@ def attention(args: argparse.Namespace, cases: list[tuple[int, int]]) -> None:
         row["flashinfer_us"] = round(layer_us(batch, context, flashinfer_run(batch)), 2)
         row["xqa_us"] = round(layer_us(batch, context, xqa_run(batch)), 2)
         if args.sweep:
-            timed = {}
-            for values in itertools.product(*SWEEP.values()):
-                tile, num_warps, stages, splits = values
-                launch = FP8DecodeLaunch(tile=tile, num_warps=num_warps, stages=stages)
-                timed[values] = layer_us(batch, context, kernel_run(batch, launch, splits))
-                print(f"SWEEP {batch}x{context} {launch} splits={splits}: {timed[values]:.2f} us",
-                      flush=True)  # fmt: skip
-            best = min(timed, key=timed.__getitem__)
-            winners[batch, context] = (FP8DecodeLaunch(*best[:3]), best[3])
-            row["best_us"] = round(timed[best], 2)
-            row["best_launch"] = ",".join(f"{k}={v}" for k, v in zip(SWEEP, best))
+            winners[batch, context], best_us = sweep_launches(batch, context, SWEEP, row)
             xqa_timed = {n: layer_us(batch, context, xqa_run(batch, n)) for n in XQA_SPLITS}
             print(f"SWEEP {batch}x{context} xqa splits: {xqa_timed}", flush=True)
             splits = min(xqa_timed, key=xqa_timed.__getitem__)
             row["xqa_best_us"], row["xqa_best_splits"] = round(xqa_timed[splits], 2), splits
-            faster = xqa_timed[splits] < XQA_MARGIN * timed[best]
+            faster = xqa_timed[splits] < XQA_MARGIN * best_us
             xqa_winners[batch, context] = splits if faster else 0
         row.update(floor.columns(kv_bytes, row["kernel_us"], unit="us"))
         row["flashinfer_x_floor"] = floor.columns(kv_bytes, row["flashinfer_us"], "us")["x_floor"]
@@ -333,18 +341,7 @@ def attention_int8(args: argparse.Namespace, cases: list[tuple[int, int]]) -> No
         row: dict[str, Any] = dict(batch=batch, context=context)
         row["kernel_us"] = round(layer_us(batch, context, kernel_run(batch, int8=True), True), 2)
         if args.sweep:
-            timed = {}
-            for values in itertools.product(*SWEEP_INT8.values()):
-                tile, num_warps, stages, splits = values
-                launch = FP8DecodeLaunch(tile=tile, num_warps=num_warps, stages=stages)
-                run = kernel_run(batch, launch, splits, int8=True)
-                timed[values] = layer_us(batch, context, run, True)
-                print(f"SWEEP-INT8 {batch}x{context} {launch} splits={splits}: "
-                      f"{timed[values]:.2f} us", flush=True)  # fmt: skip
-            best = min(timed, key=timed.__getitem__)
-            winners[batch, context] = (FP8DecodeLaunch(*best[:3]), best[3])
-            row["best_us"] = round(timed[best], 2)
-            row["best_launch"] = ",".join(f"{k}={v}" for k, v in zip(SWEEP_INT8, best))
+            winners[batch, context], _ = sweep_launches(batch, context, SWEEP_INT8, row, True)
             row["best_x_floor"] = floor.columns(kv_bytes, row["best_us"], "us")["x_floor"]
         row.update(floor.columns(kv_bytes, row["kernel_us"], unit="us"))
         print("INT8-ATTENTION", row, flush=True)
