@@ -68,6 +68,7 @@ from workers.kernels.tuning import (
     FP8DecodeLaunch,
     dumps_fp8_decode,
     fp8_decode_table,
+    int8_decode_launches,
     table_path,
     with_int8_launches,
     xqa_programs,
@@ -322,7 +323,8 @@ def attention(args: argparse.Namespace, cases: list[tuple[int, int]]) -> None:
     if args.write_table:
         gpu = torch.cuda.get_device_name()
         xqa = xqa_table(xqa_winners, KV_HEADS)
-        text = dumps_fp8_decode(fp8_decode_table(winners, KV_HEADS), xqa, gpu)
+        text = dumps_fp8_decode(fp8_decode_table(winners, KV_HEADS), xqa, gpu,
+                                int8_decode_launches(gpu))  # the int8 launches kept  # fmt: skip
         table_path(gpu, "fp8_decode").write_text(text)
         print(f"launch table {table_path(gpu, 'fp8_decode')}:\n{text}", flush=True)
     model = "Llama-3-8B attention heads (32/8, d128), page 16, FP8 KV, one layer's time"
