@@ -22,6 +22,7 @@ if __package__ in (None, ""):  # run as a file: the repository's root on the pat
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+import triton  # noqa: E402
 
 from bench.gpu_common import Floor, cuda_ms  # noqa: E402
 from workers.kernels.moe_tuning import MoEConfig, MoETable, Shape, dumps, moe_table  # noqa: E402
@@ -46,7 +47,7 @@ def candidates(tokens: int, top_k: int, experts: int) -> list[MoEConfig]:
             continue
         out.append(MoEConfig(bm, bn, bk, warps, stages))
     if tokens * top_k <= experts:
-        slots = 1 << max(0, top_k - 1).bit_length()
+        slots = triton.next_power_of_2(top_k)  # the down kernel's slot rows, as gemv_moe pads
         for bn, bk, warps, stages, down_slots in itertools.product(
             (4, 8, 16, 32), (128, 256, 512), (1, 2, 4), (1, 2), (False, True)
         ):
