@@ -20,6 +20,7 @@ from workers import LLM, SamplingParams
 from workers.config import EngineConfig, KernelConfig
 from workers.engine.model_runner import ModelRunner
 from workers.kernels.weight_blocks import BLOCK_ROWS, rows_per_block
+from workers.sampling.sampler import SampleResult
 from workers.scheduler.step import StepInput
 from workers.sequence import Sequence
 
@@ -78,35 +79,53 @@ def test_bf16_flashinfer_tracks_hf_with_prefix_cache(
         assert float((ours - picked).abs().max()) < LOGPROB_SLACK
 
 
-def decode_trace(
-    runner: ModelRunner, prompts: list[list[int]], steps: int, forced: list[list[int]] | None
-) -> tuple[list[list[int]], list[list[float]], list[list[float]]]:
-    """Prefill `prompts`, then decode `steps` tokens; feed back `forced[t]` if given, else the
-    sampled tokens. Returns per step: tokens, top-1 log-probs and top-1 minus top-2 gaps."""
-    ps = runner.cfg.page_size
-    seqs, next_page = [], 1
+def new_sequences(
+    prompts: list[list[int]], steps: int, pages: list[int], page_size: int, logprobs: int = 2
+) -> list[Sequence]:
+    """One greedy sequence a prompt, with room for `steps` more tokens, on `pages` in turn."""
+    seqs = []
     for i, p in enumerate(prompts):
-        n_pages = -(-(len(p) + steps + 1) // ps)
-        seq = Sequence(str(i), list(p), len(p), greedy(logprobs=2), None)
-        seq.pages = list(range(next_page, next_page + n_pages))
-        next_page += n_pages
+        seq = Sequence(str(i), list(p), len(p), greedy(logprobs=logprobs), None)
+        n_pages = -(-(len(p) + steps + 1) // page_size)
+        seq.pages, pages = pages[:n_pages], pages[n_pages:]
+        assert len(seq.pages) == n_pages, "not enough pages"
         seqs.append(seq)
-    tokens, top1, gaps = [], [], []
-    step = StepInput(seqs, [len(p) for p in prompts])
+    return seqs
+
+
+def decode_steps(
+    runner: ModelRunner, seqs: list[Sequence], steps: int, forced: list[list[int] | None]
+) -> list[SampleResult]:
+    """Prefill `seqs`, then decode `steps` tokens: after step t (0 the prefill) feed
+    `forced[t]` where given, else the sampled tokens. Returns the decode steps' results."""
+    results = []
+    step = StepInput(seqs, [len(s.token_ids) for s in seqs])
     for t in range(steps + 1):
         result = runner.execute(step)
         assert result is not None and result.top_logprobs is not None
         for seq, n in zip(seqs, step.num_new_tokens):
             seq.num_computed_tokens += n
         if t > 0:
-            tokens.append(result.token_ids)
-            top1.append([lp[0] for lp in result.top_logprobs])
-            gaps.append([lp[0] - lp[1] for lp in result.top_logprobs])
-        feed = result.token_ids if forced is None or t == 0 else forced[t - 1]
-        for seq, token in zip(seqs, feed):
+            results.append(result)
+        given = forced[t] if t < len(forced) else None
+        for seq, token in zip(seqs, result.token_ids if given is None else given):
             seq.token_ids.append(token)
         step = StepInput(seqs, [1] * len(seqs))
-    return tokens, top1, gaps
+    return results
+
+
+def decode_trace(
+    runner: ModelRunner, prompts: list[list[int]], steps: int, forced: list[list[int]] | None
+) -> tuple[list[list[int]], list[list[float]], list[list[float]]]:
+    """Prefill `prompts`, then decode `steps` tokens; feed back `forced[t]` if given, else the
+    sampled tokens. Returns per step: tokens, top-1 log-probs and top-1 minus top-2 gaps."""
+    pages = list(range(1, runner.pool.num_pages))  # page 0 is the pool's scratch
+    seqs = new_sequences(prompts, steps, pages, runner.cfg.page_size)
+    results = decode_steps(runner, seqs, steps, [None, *(forced or [])])
+    tops = [r.top_logprobs or [] for r in results]  # decode_steps asserts they are there
+    top1 = [[lp[0] for lp in top] for top in tops]
+    gaps = [[lp[0] - lp[1] for lp in top] for top in tops]
+    return [r.token_ids for r in results], top1, gaps
 
 
 @pytest.mark.parametrize("num_seqs", [1, 5, 16])
