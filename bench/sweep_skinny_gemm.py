@@ -1,13 +1,15 @@
 """Sweep the skinny GEMM's launch configs on this GPU and write its launch table.
 
     python -m bench.sweep_skinny_gemm [--tp 1,2] [--table FILE] [--out DIR]
+    python -m bench.sweep_skinny_gemm --shapes 5120,2048;2048,4096 --rows 1,8   # other models
 
-For each Llama-3-8B weight (`bench_gemm_decode.SHAPES`, or one rank's shards at each `--tp`)
-and M in 1..64 rows, times every candidate config and F.linear as CUDA-graph replays over
-copies of the weight larger than the L2 (`bench_gemm_decode.graph_ms`), and keeps the fastest
-config per (N, K, M bucket). A cell is a win where that config beat F.linear by at least
-`WIN_MARGIN` on its own. The table goes to `--table`, by default the file the kernel loads for
-this GPU (`workers/kernels/tuning.table_path`); `--out DIR` keeps every timing as a result
+For each Llama-3-8B weight (`bench_gemm_decode.SHAPES`, or one rank's shards at each `--tp`;
+or the [N, K] weights of `--shapes`) and M in 1..64 rows (or `--rows`), times every candidate
+config and F.linear as CUDA-graph replays over copies of the weight larger than the L2
+(`bench_gemm_decode.graph_ms`), and keeps the fastest config per (N, K, M bucket). A cell is a
+win where that config beat F.linear by at least `WIN_MARGIN` on its own. The swept cells
+replace theirs in the table at `--table`, by default the file the kernel loads for this GPU
+(`workers/kernels/tuning.table_path`); `--out DIR` keeps every timing as a result
 file. A sweep times
 kernels alone: docs/notes/skinny-gemm-tuning.md tells which H200 cells were then re-chosen
 inside whole decode steps, and why.
@@ -16,6 +18,7 @@ inside whole decode steps, and why.
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import torch
@@ -23,7 +26,7 @@ import torch.nn.functional as F
 
 from bench.bench_gemm_decode import ROWS, graph_ms, shard_shapes, weights
 from bench.results_io import add_out_argument, write_result
-from workers.kernels.tuning import Cell, Config, SkinnyGemmTable, dumps, table_path
+from workers.kernels.tuning import Cell, Config, SkinnyGemmTable, dumps, parse, table_path
 
 WIN_MARGIN = 0.02  # below this the difference is within run-to-run noise
 
@@ -41,14 +44,16 @@ def candidates(m: int, n: int) -> list[Config]:
     return out
 
 
-def sweep_shape(n: int, k: int, rows: list[dict]) -> tuple[dict[Cell, Config], set[Cell]]:
+def sweep_shape(
+    n: int, k: int, row_counts: list[int], rows: list[dict]
+) -> tuple[dict[Cell, Config], set[Cell]]:
     """The fastest config per M of an [N, K] weight, and the cells where it wins."""
     from workers.kernels.skinny_gemm import skinny_linear
 
     configs: dict[Cell, Config] = {}
     wins: set[Cell] = set()
     ws = weights(n, k)
-    for m in ROWS:
+    for m in row_counts:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         cublas = graph_ms(lambda w, x=x: F.linear(x, w), ws)
         timed = []
@@ -70,23 +75,31 @@ def sweep_shape(n: int, k: int, rows: list[dict]) -> tuple[dict[Cell, Config], s
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tp", default="1", help="shards at these rank counts, e.g. 1,2")
+    ap.add_argument("--shapes", help="';'-separated N,K weights instead of Llama-3-8B's")
+    ap.add_argument("--rows", default=",".join(map(str, ROWS)), help="M values, e.g. 1,8")
     ap.add_argument("--table", type=Path, help="the table file (default: this GPU's)")
     add_out_argument(ap)
     args = ap.parse_args()
     gpu = torch.cuda.get_device_name()
-    shapes = {shape for tp in args.tp.split(",") for shape in shard_shapes(int(tp)).values()}
-    configs: dict[Cell, Config] = {}
-    wins: set[Cell] = set()
+    if args.shapes:
+        shapes = {tuple(int(v) for v in s.split(",")) for s in args.shapes.split(";")}
+    else:
+        shapes = {shape for tp in args.tp.split(",") for shape in shard_shapes(int(tp)).values()}
+    ms = [int(m) for m in args.rows.split(",")]
+    out = args.table or table_path(gpu)
+    old = parse(json.loads(out.read_text())) if out.is_file() else None
+    configs: dict[Cell, Config] = dict(old.configs) if old else {}
+    wins: set[Cell] = set(old.wins) if old else set()
     rows: list[dict] = []
     with torch.inference_mode():
         for n, k in sorted(shapes):
-            shape_configs, shape_wins = sweep_shape(n, k, rows)
+            shape_configs, shape_wins = sweep_shape(n, k, ms, rows)
             configs.update(shape_configs)
-            wins |= shape_wins
-    out = args.table or table_path(gpu)
+            wins = (wins - shape_configs.keys()) | shape_wins
     out.write_text(dumps(SkinnyGemmTable(configs, frozenset(wins)), gpu))
     print(f"wrote {out} ({len(configs)} cells, {len(wins)} wins) for {gpu}")
-    write_result(args.out, "skinny-gemm-sweep", rows, model="Llama-3-8B shapes")
+    model = f"[N, K] weights {args.shapes}" if args.shapes else "Llama-3-8B shapes"
+    write_result(args.out, "skinny-gemm-sweep", rows, model=model)
 
 
 if __name__ == "__main__":
