@@ -2,6 +2,7 @@
 
     python -m bench.sweep_skinny_gemm [--tp 1,2] [--table FILE] [--out DIR]
     python -m bench.sweep_skinny_gemm --shapes 5120,2048;2048,4096 --rows 1,8   # other models
+    python -m bench.sweep_skinny_gemm --blocked   # GEMV tiles over blocked gate/up, one row
 
 For each Llama-3-8B weight (`bench_gemm_decode.SHAPES`, or one rank's shards at each `--tp`;
 or the [N, K] weights of `--shapes`) and M in 1..64 rows (or `--rows`), times every candidate
@@ -72,14 +73,51 @@ def sweep_shape(
     return configs, wins
 
 
+def sweep_blocked(n: int = 28672, k: int = 4096) -> None:
+    """The gated GEMV over a [gate; up] weight in blocks of rows at one row (the tiles of
+    `skinny_gemm.BLOCKED_GEMV`), beside the table's row-major cell: prints each, writes nothing."""
+    from workers.kernels.skinny_gemm import launch_config, skinny_linear
+    from workers.kernels.weight_blocks import BLOCK_ROWS, block_rows
+
+    ws = weights(n, k)
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    row_major = graph_ms(lambda w: skinny_linear(x, w, gated=True), ws)
+    print(f"{n}x{k} M=1 gated, row-major {launch_config(1, ws[0], True)}: {row_major:.4f} ms")
+    blocked: list[torch.Tensor] = []
+    for w in ws:
+        param = torch.nn.Parameter(w, requires_grad=False)
+        block_rows(param, BLOCK_ROWS)
+        blocked.append(param)
+    timed = []
+    for bn in (32, 64, 128):
+        for bk in (16, 32, 64):
+            for warps in (1, 2, 4):
+                for stages in (2, 3):
+                    cfg = Config(block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
+                    try:
+                        ms = graph_ms(lambda w, c=cfg: skinny_linear(x, w, config=c, gated=True),
+                                      blocked)  # fmt: skip
+                    except Exception as e:  # noqa: BLE001 - e.g. out of registers
+                        print(f"  {cfg}: {type(e).__name__}")
+                        continue
+                    timed.append((ms, cfg))
+    for ms, cfg in sorted(timed, key=lambda t: t[0])[:8]:
+        print(f"blocked {cfg}: {ms:.4f} ms ({ms / row_major:.3f}x row-major)", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tp", default="1", help="shards at these rank counts, e.g. 1,2")
     ap.add_argument("--shapes", help="';'-separated N,K weights instead of Llama-3-8B's")
     ap.add_argument("--rows", default=",".join(map(str, ROWS)), help="M values, e.g. 1,8")
     ap.add_argument("--table", type=Path, help="the table file (default: this GPU's)")
+    ap.add_argument("--blocked", action="store_true", help="only the blocked gate/up GEMV")
     add_out_argument(ap)
     args = ap.parse_args()
+    if args.blocked:
+        with torch.inference_mode():
+            sweep_blocked()
+        return
     gpu = torch.cuda.get_device_name()
     if args.shapes:
         shapes = {tuple(int(v) for v in s.split(",")) for s in args.shapes.split(";")}

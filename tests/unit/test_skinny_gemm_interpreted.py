@@ -124,9 +124,9 @@ def test_rotary_epilogue_interpreted() -> None:
 
 
 def check_blocked() -> None:
-    """A weight in blocks of rows (`weight_blocks`): the tensor-core kernel either way round,
-    gated or not, tiles of a block and of two, gives the bits it gives for the row-major weight
-    (K split into tiles unevenly, as in `check`)."""
+    """A weight in blocks of rows (`weight_blocks`): the tensor-core kernel either way round and
+    the GEMV kernel, gated or not, tiles of a block, of two and of part of one, give the bits
+    they give for the row-major weight (K split into tiles unevenly, as in `check`)."""
     from workers.kernels.skinny_gemm import skinny_linear
     from workers.kernels.tuning import Config
     from workers.kernels.weight_blocks import block_rows
@@ -136,13 +136,16 @@ def check_blocked() -> None:
     w = (torch.randn(128, 200, generator=gen) / 200**0.5).to(dtype)
     blocked = w.clone()
     block_rows(blocked, 32)
-    for m, block_n, swap in ((16, 64, True), (33, 32, False), (2, 64, False)):
-        cfg = Config(block_n=block_n, block_k=64, num_stages=2, dot=True, swap=swap)
+    dots = [(m, Config(block_n=bn, block_k=64, num_stages=2, dot=True, swap=swap))
+            for m, bn, swap in ((16, 64, True), (33, 32, False), (2, 64, False))]  # fmt: skip
+    gemvs = [(m, Config(block_n=bn, block_k=bk, num_warps=2, num_stages=2))
+             for m, bn, bk in ((1, 32, 64), (1, 16, 32), (3, 64, 64))]  # fmt: skip
+    for m, cfg in dots + gemvs:
         x = torch.randn(m, 200, generator=gen).to(dtype)
         for gated in (False, True):
             expect = skinny_linear(x, w, config=cfg, gated=gated)
             got = skinny_linear(x, blocked, config=cfg, gated=gated)
-            assert torch.equal(got, expect), (m, block_n, swap, gated)
+            assert torch.equal(got, expect), (m, cfg, gated)
 
 
 def test_blocked_weight_interpreted() -> None:

@@ -40,6 +40,9 @@ def _bucket(m: int) -> int:
 
 
 MAX_GEMV_ROWS = 8  # its fp32 accumulator holds BLOCK_M x BLOCK_N x BLOCK_K
+# One row over a weight in blocks of rows (`weight_blocks`): the GEMV kernel, each program a
+# run of 64 of a block's rows by 32 of K a step (the table's GEMV cells read rows)
+BLOCKED_GEMV = Config(block_n=64, block_k=32, num_warps=2, num_stages=3)
 
 
 def default_config(m: int, n: int, k: int) -> Config:
@@ -168,7 +171,7 @@ def skinny_linear(
         if cfg.split_k * m * n > ws.numel() or grid[0] * grid[1] > locks.numel():
             raise ValueError(f"split-K {cfg.split_k} of a {m}x{n} output exceeds its buffers")
     kernel = dot_kernel if cfg.dot else gemv_kernel
-    extra: dict[str, object] = dict(LOOP_STAGES=cfg.num_stages)
+    extra: dict[str, object] = dict(LOOP_STAGES=cfg.num_stages, W_BLOCK=w_block)
     if cfg.dot:
         extra = dict(SWAP=cfg.swap, ROTARY_HALF=rot_half, KV_MAX=rot_kv_max, W_BLOCK=w_block)
         lora_args, lora_consts = _lora_args(lora, y)
@@ -191,13 +194,14 @@ def skinny_linear(
 def launch_config(
     m: int, weight: torch.Tensor, gated: bool = False, config: Config | None = None
 ) -> Config:
-    """`skinny_linear`'s config for `m` rows times `weight` (`config`, else the table's): the
-    tensor-core kernel where W is blocked (the GEMV reads rows), the gated product's tiles half
-    as wide, a tile of each of gate and up."""
+    """`skinny_linear`'s config for `m` rows times `weight` (`config`, else the table's): where
+    W is blocked and the table's cell is a GEMV's (whose tiles are a few rows), `BLOCKED_GEMV`
+    at one row and the tensor-core kernel above; the gated product's tensor-core tiles half as
+    wide, a tile of each of gate and up."""
     n, k = weight.shape
     cfg = config or config_for(m, n, k, weight.device)
-    if rows_per_block(weight) > 1 and not cfg.dot:
-        cfg = config_for(2, n, k, weight.device)
+    if rows_per_block(weight) > 1 and not cfg.dot and config is None:
+        cfg = BLOCKED_GEMV if m == 1 else config_for(2, n, k, weight.device)
     if gated and cfg.dot:
         cfg = dataclasses.replace(cfg, block_n=max(16, cfg.block_n // 2))
     return cfg
