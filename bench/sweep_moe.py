@@ -1,7 +1,8 @@
 """Tune the fused MoE kernel's launch table for this GPU: per expert shape and token bucket, time
 each candidate `MoEConfig` (the aligned kernels' tiles; at small token counts the GEMV kernels'
-too) on random bf16 experts and routing, and write the fastest to
-`workers/kernels/tables/moe_fused_<gpu>.json` (`moe_tuning`), which `fused_moe` then reads.
+too, then the down GEMV's own tiles beside the best gate/up ones) on random bf16 experts and
+routing, and write the fastest to `workers/kernels/tables/moe_fused_<gpu>.json`
+(`moe_tuning`), which `fused_moe` then reads.
 
     python bench/sweep_moe.py [--shapes 128,2048,768,8] [--tokens 1,2,...] [--write]
 
@@ -14,6 +15,7 @@ experts' bytes at the copy rate measured in the same run, and against the other 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import sys
 from pathlib import Path
@@ -60,9 +62,43 @@ def candidates(tokens: int, top_k: int, experts: int) -> list[MoEConfig]:
     return out
 
 
-def sweep(shape: Shape, token_counts: list[int], floor: Floor) -> dict[int, MoEConfig]:
+def down_candidates(best: MoEConfig, top_k: int) -> list[MoEConfig]:
+    """The GEMV path's `best` with the down kernel's own tiles (`MoEConfig.down`), either form:
+    its reduction is over I, not H, so its best tiles need not be gate/up's."""
+    slots = triton.next_power_of_2(top_k)
+    out = []
+    for bn, bk, warps, stages, down_slots in itertools.product(
+        (2, 4, 8, 16), (64, 128, 256, 512), (1, 2, 4), (1, 2, 3), (False, True)
+    ):
+        rows = slots * bn if down_slots else bn  # its [rows, bk] float32 accumulator
+        if rows * bk > 4096 * warps:
+            continue
+        out.append(dataclasses.replace(best, down_slots=down_slots,
+                                       down=(bn, bk, warps, stages)))  # fmt: skip
+    return out
+
+
+def time_configs(
+    configs: list[MoEConfig],
+    args: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+) -> list[tuple[float, MoEConfig]]:
+    """(ms, config) of `fused_moe(x, w13, w2, weights, ids)` (`args`) under each config that
+    compiles."""
     from workers.kernels.moe_fused import fused_moe
 
+    x, w13, w2, weights, ids = args
+    timed = []
+    for cfg in configs:
+        try:
+            ms = cuda_ms(lambda: fused_moe(x, w13, w2, weights, ids, config=cfg))  # noqa: B023
+        except Exception as e:  # noqa: BLE001 - a config that does not compile is skipped
+            print(f"  {cfg}: {type(e).__name__}", flush=True)
+            continue
+        timed.append((ms, cfg))
+    return timed
+
+
+def sweep(shape: Shape, token_counts: list[int], floor: Floor) -> dict[int, MoEConfig]:
     E, H, inter, k = shape
     gen = torch.Generator("cuda").manual_seed(0)
     w13 = torch.randn(E, 2 * inter, H, generator=gen, device="cuda").bfloat16() / H**0.5
@@ -72,15 +108,12 @@ def sweep(shape: Shape, token_counts: list[int], floor: Floor) -> dict[int, MoEC
         x = torch.randn(tokens, H, generator=gen, device="cuda").bfloat16()
         logits = torch.randn(tokens, E, generator=gen, device="cuda")
         weights, ids = torch.softmax(logits, -1).topk(k, dim=-1)
-        timed = []
-        for cfg in candidates(tokens, k, E):
-            try:
-                ms = cuda_ms(lambda: fused_moe(x, w13, w2, weights, ids, config=cfg))  # noqa: B023
-            except Exception as e:  # noqa: BLE001 - a config that does not compile is skipped
-                print(f"  {cfg}: {type(e).__name__}", flush=True)
-                continue
-            timed.append((ms, cfg))
+        args = (x, w13, w2, weights, ids)
+        timed = time_configs(candidates(tokens, k, E), args)
         ms, cfg = min(timed, key=lambda t: t[0])
+        if cfg.gemv:  # then the down kernel's own tiles, gate/up's kept
+            timed += time_configs(down_candidates(cfg, k), args)
+            ms, cfg = min(timed, key=lambda t: t[0])
         # against the routed experts' bytes at the copy rate, and the other path's best
         routed = int(ids.unique().numel()) * 3 * H * inter * w13.element_size()
         floor_ms = floor.columns(routed, ms)

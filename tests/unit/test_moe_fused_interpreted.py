@@ -103,18 +103,20 @@ def test_launch_table_keeps_gemv_configs_and_reads_tables_without_them() -> None
     import json
 
     from workers.kernels.moe_tuning import MoEConfig, dumps, moe_config, parse
-    from workers.kernels.tuning import TABLES
 
     a3b = (128, 2048, 768, 8)
     gemv = MoEConfig(block_n=8, block_k=512, num_warps=2, num_stages=1, gemv=True)
-    table = {a3b: {1: gemv, 64: MoEConfig(32, 64, 64, 4, 3)}}
+    own_down = MoEConfig(block_n=4, block_k=512, num_warps=1, num_stages=2, gemv=True,
+                         down_slots=True, down=(4, 128, 4, 1))  # fmt: skip
+    table = {a3b: {1: own_down, 2: gemv, 64: MoEConfig(32, 64, 64, 4, 3)}}
     text = dumps(table, "NVIDIA H200")
     assert parse(json.loads(text)) == table
-    assert text.count('"gemv"') == 1  # written only where set
+    # written only where set
+    assert text.count('"gemv"') == 2 and text.count('"down"') == 1
     assert moe_config(table, a3b, 2) == gemv and not moe_config(table, a3b, 50).gemv
-    # a table written before the field: read as the aligned kernels', written back unchanged
-    path = TABLES / "moe_fused_NVIDIA_H100_80GB_HBM3.json"
-    data = json.loads(path.read_text())
-    old = parse(data)
-    assert not any(c.gemv for per_bucket in old.values() for c in per_bucket.values())
-    assert dumps(old, data["gpu"]) == path.read_text()
+    # a table written before the fields: read as the aligned kernels', written back unchanged
+    before = dumps({a3b: {64: MoEConfig(32, 64, 64, 4, 3)}}, "NVIDIA H100 80GB HBM3")
+    assert '"gemv"' not in before and '"down' not in before
+    old = parse(json.loads(before))
+    assert not any(c.gemv or c.down for per_bucket in old.values() for c in per_bucket.values())
+    assert dumps(old, "NVIDIA H100 80GB HBM3") == before

@@ -23,6 +23,9 @@ CASES = [  # (tokens, top_k, experts held, first expert, MoEConfig fields)
     (1, 3, 6, 0, dict(block_n=4, block_k=16, down_slots=True)),
     (3, 2, 3, 3, dict(block_n=8, block_k=32, num_warps=2, down_slots=True)),
     (5, 3, 2, 2, dict(block_n=16, block_k=16, num_stages=2, down_slots=True)),
+    # the down kernel's own tiles (`MoEConfig.down`), either form
+    (3, 2, 6, 0, dict(block_n=16, block_k=32, down=(4, 16, 2, 2))),
+    (3, 3, 3, 3, dict(block_n=8, block_k=16, down_slots=True, down=(2, 64, 1, 1))),
 ]
 
 

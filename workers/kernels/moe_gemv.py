@@ -152,8 +152,8 @@ def gemv_moe(
     expert_{topk_ids[t, k]}(x[t]) over the experts [first, first + E_local) that w13
     [E_local, 2I, H] and w2 [E_local, H, I] hold (each row's last dimension contiguous), of the
     model's `num_experts` (default: these). `config`'s block_n, block_k, num_warps and
-    num_stages are both kernels', its down_slots the down kernel's form (default:
-    `moe_tuning.GEMV_DEFAULT`)."""
+    num_stages are gate/up's and, unless its `down` gives the down kernel's own, the down
+    kernel's; its down_slots the down kernel's form (default: `moe_tuning.GEMV_DEFAULT`)."""
     T, H = x.shape
     num_local, two_i, _ = w13.shape
     top_k, inter = topk_ids.shape[1], two_i // 2
@@ -178,7 +178,11 @@ def gemv_moe(
     )  # fmt: skip
     down_args = (act, w2, out, ids, weights, first, num_local, top_k, H, inter,
                  act.stride(0), w2.stride(0), w2.stride(1), out.stride(0))  # fmt: skip
-    grid = (T, triton.cdiv(H, cfg.block_n))
+    if cfg.down is not None:
+        block_n, block_k, warps, stages = cfg.down
+        launch |= dict(num_warps=warps, num_stages=stages)
+        tiles = dict(BLOCK_N=block_n, BLOCK_K=block_k, LOOP_STAGES=stages)
+    grid = (T, triton.cdiv(H, tiles["BLOCK_N"]))
     if cfg.down_slots:
         slots = triton.next_power_of_2(top_k)
         _w2_gemv_slots_kernel[grid](*down_args, TOPK_P2=slots, **tiles, **launch)

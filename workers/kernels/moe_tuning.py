@@ -34,6 +34,13 @@ class MoEConfig:
     # GEMV path: the down kernel's tile holds a token's k slots at once (k x block_n rows, the
     # routing loaded before the loop) instead of looping over the slots.
     down_slots: bool = False
+    # GEMV path: the down kernel's own (block_n, block_k, num_warps, num_stages), where its best
+    # tiles differ from gate/up's (a GEMV over I = 768 against one over H = 2048); None: the same.
+    down: tuple[int, int, int, int] | None = None
+
+    def __post_init__(self) -> None:  # JSON gives a list
+        if self.down is not None:
+            object.__setattr__(self, "down", tuple(self.down))
 
 
 # Before a sweep, at batch 1-8: the H200's measured skinny GEMV cell at M = 1 for the nearest
@@ -81,12 +88,14 @@ def parse(data: dict[str, Any]) -> MoETable:
 
 
 def _fields(cfg: MoEConfig) -> dict[str, Any]:
-    """A config's JSON fields: `gemv` and `down_slots` only where set, so the tables written
-    before them stay as they were (`parse` takes either)."""
+    """A config's JSON fields: `gemv`, `down_slots` and `down` only where set, so the tables
+    written before them stay as they were (`parse` takes either)."""
     fields = dataclasses.asdict(cfg)
-    for flag in ("gemv", "down_slots"):
+    for flag in ("gemv", "down_slots", "down"):
         if not fields[flag]:
             del fields[flag]
+    if "down" in fields:
+        fields["down"] = list(fields["down"])
     return fields
 
 
