@@ -36,6 +36,13 @@
 #   moe        Qwen3-30B-A3B shapes: decode at batch 1 and 64 against the routed-expert floor,
 #              prefill of 8192 tokens against the GEMM peak (bench/bench_moe.py)
 #   moe_sweep  tune the fused MoE kernel's launch table for this GPU (bench/sweep_moe.py --write)
+#   lora       multi-LoRA decode (8 adapters of rank 16) against the base step, the products
+#              after, beside and in the epilogue of the base GEMMs (bench/bench_lora.py)
+#   int8sweep  tune the int8 KV decode kernel's launches for this GPU (written to its table)
+#   int8       decode step with int8 KV against bf16 KV at 64 x 4096, each against its floor
+#   gemm_sweep tune the skinny GEMM's launch table for this GPU (bench.sweep_skinny_gemm)
+#   blocked    the GEMV tiles over gate/up stored in blocks of rows, at one row (prints only),
+#              then decode steps with kernels.blocked_weights on
 # Each part runs under its own time limit, so one hang cannot stall the rest; the script exits
 # 1 if any part failed. Needs a CUDA torch and `pip install -e ".[gpu]"` (flashinfer, nixl, ray).
 set -uo pipefail
@@ -124,6 +131,16 @@ part moe_tests 300 1 python3 -m pytest tests/gpu/test_moe_gpu.py -m gpu -q -rs \
   -p no:cacheprovider --junitxml="$OUT/moe-tests.xml"
 part moe_sweep 900 1 python3 bench/sweep_moe.py --write
 part moe 600 1 python3 bench/bench_moe.py --device cuda "${tok[@]}" --out "$OUT"
+part lora 600 1 python3 bench/bench_lora.py --device cuda "${tok[@]}" \
+  --products after,beside,epilogue --out "$OUT"
+part int8sweep 300 1 python3 -m bench.bench_fp8_decode "${tok[@]}" --attention --kv int8 \
+  --sweep --write-table --cases 64x4096,16x4096,1x4096 --out "$OUT"
+part int8 300 1 python3 -m bench.bench_fp8_decode "${tok[@]}" --cases 64x4096 --kv auto,int8 \
+  --out "$OUT"
+part gemm_sweep 1800 1 python3 -m bench.sweep_skinny_gemm --out "$OUT"
+part blocked 600 1 bash -c 'python3 -m bench.sweep_skinny_gemm --blocked &&
+  python3 -m bench.bench_decode "$@" --set kernels.blocked_weights=true' _ "${tok[@]}" \
+  --cases 1x1024,64x2048 --out "$OUT"
 python3 -m bench.report --results "$OUT" --stdout > "$OUT/results.md"
 echo "results: $OUT/results.md; to publish them, copy the result files to bench/results/ and" \
   "run python -m bench.report"
