@@ -38,9 +38,10 @@ class KernelConfig(BaseModel):
         description="store each layer's gate/up weight in blocks of 128 rows, each block "
         "transposed (workers/kernels/weight_blocks.py): the skinny GEMM then streams it in "
         "contiguous runs, 12% faster at 64 decode rows on an H200 (a 64 x 4096 FP8-KV step 8.69 "
-        "against 8.96 ms), but batch-1 steps run it on tensor cores (~5% slower) and prefill as a "
-        "batched GEMM (1-9% slower for it). On for large decode batches; needs the gate/up "
-        "rows of a rank divisible by 128",
+        "against 8.96 ms); batch-1 steps read it with a GEMV over runs of a block's rows (on "
+        "tensor cores, as before, they were ~5% slower; the GEMV is not yet measured against "
+        "the row-major one) and prefill as a batched GEMM (1-9% slower for it). On for large "
+        "decode batches; needs the gate/up rows of a rank divisible by 128",
     )
     lora_products: Literal["after", "beside", "epilogue"] = Field(
         "after",
