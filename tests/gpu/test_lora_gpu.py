@@ -77,13 +77,16 @@ def test_bf16_lora_steps_see_the_folded_gains(adapters) -> None:
     assert [g for g, lora in zip(got, loras) if lora] != [b for b, lora in zip(base, loras) if lora]
 
 
+@pytest.mark.parametrize("products", ["after", "beside"])
 def test_lora_decode_steps_replay_a_graph_with_the_eager_tokens(
-    adapters, smollm2_dir: Path
+    adapters, smollm2_dir: Path, products: str
 ) -> None:
     """The mixed batch's decode steps (9 rows, padded to 16: the padding rows base rows) replay
-    the LoRA graph with the step's slot mask, and give the eager LoRA path's greedy tokens; a
-    batch of base requests only replays the base graph."""
-    kw = dict(device="cuda", enable_lora=True, max_loras=2, max_lora_rank=8, kv_cache_memory_gb=1)
+    the LoRA graph with the step's slot mask, and give the eager LoRA path's greedy tokens, with
+    the products after their base GEMMs or beside them on a second stream (a branch of the
+    graph); a batch of base requests only replays the base graph."""
+    kw = dict(device="cuda", enable_lora=True, max_loras=2, max_lora_rank=8, kv_cache_memory_gb=1,
+              kernels={"lora_products": products})  # fmt: skip
     graphed = LLM(str(smollm2_dir), cuda_graph_batch_sizes=(16,), **kw)
     graphs = graphed.engine.runner.graphs
     assert graphs is not None and graphs.has_lora
