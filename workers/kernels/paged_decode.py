@@ -101,6 +101,20 @@ def _to_f16(x, BYTE_TRICK: tl.constexpr):
 
 
 @triton.jit
+def _v_to_f16(v, BYTE_TRICK: tl.constexpr):
+    """An int8 V tile [TILE, D] as fp16, widened in the layout it is loaded in (runs of D's
+    bytes a thread) and only then laid out as the P.V product's operand (through shared memory
+    as fp16, transposed 16 bits at a time). Widened in the operand's own layout, as the compiler
+    otherwise chooses, each thread gathers its bytes down the token axis: a shared-memory load
+    a byte, 128 a thread a 128-token tile at 4 warps (docs/notes/fp8-kv.md). The reshape into
+    groups of 4 along D keeps the compiler from moving the widening past the layout change."""
+    tile: tl.constexpr = v.shape[0]
+    dim: tl.constexpr = v.shape[1]
+    v16 = _to_f16(tl.reshape(v, (tile, dim // 4, 4)), BYTE_TRICK)
+    return tl.reshape(v16, (tile, dim))
+
+
+@triton.jit
 def _attend_int8(q1, q2, k1, k2, v, k_scale, v_scale, mask, top, denom, acc, scale_log2,
                  BYTE_TRICK: tl.constexpr):  # fmt: skip
     """Online softmax (base 2) of one tile of int8 rows: the new running max, sum and output."""
@@ -114,7 +128,7 @@ def _attend_int8(q1, q2, k1, k2, v, k_scale, v_scale, mask, top, denom, acc, sca
     v_max = tl.max(v_scale, axis=0)
     v_max = tl.where(v_max > 0.0, v_max, 1.0)
     pv = (p * (v_scale / v_max)[None, :]).to(tl.float16)
-    acc = acc * alpha[:, None] + tl.dot(pv, _to_f16(v, BYTE_TRICK)) * v_max
+    acc = acc * alpha[:, None] + tl.dot(pv, _v_to_f16(v, BYTE_TRICK)) * v_max
     return top_new, denom, acc
 
 
