@@ -19,7 +19,9 @@ inside whole decode steps, and why.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -45,6 +47,20 @@ def candidates(m: int, n: int) -> list[Config]:
     return out
 
 
+def time_configs(
+    configs: list[Config], call: Callable[[torch.Tensor, Config], object],
+    ws: list[torch.Tensor], label: str,
+) -> list[tuple[float, Config]]:  # fmt: skip
+    """(ms, config) of `call(w, config)` over the copies `ws` for each config that compiles."""
+    timed = []
+    for cfg in configs:
+        try:
+            timed.append((graph_ms(lambda w, c=cfg: call(w, c), ws), cfg))
+        except Exception as e:  # noqa: BLE001 - e.g. out of shared memory or registers
+            print(f"  {label} {cfg}: {type(e).__name__}")
+    return timed
+
+
 def sweep_shape(
     n: int, k: int, row_counts: list[int], rows: list[dict]
 ) -> tuple[dict[Cell, Config], set[Cell]]:
@@ -57,13 +73,9 @@ def sweep_shape(
     for m in row_counts:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         cublas = graph_ms(lambda w, x=x: F.linear(x, w), ws)
-        timed = []
-        for cfg in candidates(m, n):
-            try:
-                ms = graph_ms(lambda w, x=x, c=cfg: skinny_linear(x, w, config=c), ws)
-                timed.append((ms, cfg))
-            except Exception as e:  # noqa: BLE001 - e.g. out of shared memory
-                print(f"  {n}x{k} M={m} {cfg}: {type(e).__name__}")
+        timed = time_configs(
+            candidates(m, n), lambda w, c, x=x: skinny_linear(x, w, config=c), ws, f"{n}x{k} M={m}"
+        )
         best_ms, best = min(timed, key=lambda t: t[0])
         configs[(n, k, m)] = best
         if best_ms < (1 - WIN_MARGIN) * cublas:
@@ -88,19 +100,11 @@ def sweep_blocked(n: int = 28672, k: int = 4096) -> None:
         param = torch.nn.Parameter(w, requires_grad=False)
         block_rows(param, BLOCK_ROWS)
         blocked.append(param)
-    timed = []
-    for bn in (32, 64, 128):
-        for bk in (16, 32, 64):
-            for warps in (1, 2, 4):
-                for stages in (2, 3):
-                    cfg = Config(block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
-                    try:
-                        ms = graph_ms(lambda w, c=cfg: skinny_linear(x, w, config=c, gated=True),
-                                      blocked)  # fmt: skip
-                    except Exception as e:  # noqa: BLE001 - e.g. out of registers
-                        print(f"  {cfg}: {type(e).__name__}")
-                        continue
-                    timed.append((ms, cfg))
+    configs = [Config(block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
+               for bn, bk, warps, stages in itertools.product((32, 64, 128), (16, 32, 64),
+                                                              (1, 2, 4), (2, 3))]  # fmt: skip
+    timed = time_configs(configs, lambda w, c: skinny_linear(x, w, config=c, gated=True),
+                         blocked, f"{n}x{k} M=1 blocked")  # fmt: skip
     for ms, cfg in sorted(timed, key=lambda t: t[0])[:8]:
         print(f"blocked {cfg}: {ms:.4f} ms ({ms / row_major:.3f}x row-major)", flush=True)
 
@@ -123,7 +127,7 @@ def main() -> None:
         shapes = {tuple(int(v) for v in s.split(",")) for s in args.shapes.split(";")}
     else:
         shapes = {shape for tp in args.tp.split(",") for shape in shard_shapes(int(tp)).values()}
-    ms = [int(m) for m in args.rows.split(",")]
+    row_counts = [int(m) for m in args.rows.split(",")]
     out = args.table or table_path(gpu)
     old = parse(json.loads(out.read_text())) if out.is_file() else None
     configs: dict[Cell, Config] = dict(old.configs) if old else {}
@@ -131,7 +135,7 @@ def main() -> None:
     rows: list[dict] = []
     with torch.inference_mode():
         for n, k in sorted(shapes):
-            shape_configs, shape_wins = sweep_shape(n, k, ms, rows)
+            shape_configs, shape_wins = sweep_shape(n, k, row_counts, rows)
             configs.update(shape_configs)
             wins = (wins - shape_configs.keys()) | shape_wins
     out.write_text(dumps(SkinnyGemmTable(configs, frozenset(wins)), gpu))

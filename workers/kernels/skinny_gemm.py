@@ -171,9 +171,9 @@ def skinny_linear(
         if cfg.split_k * m * n > ws.numel() or grid[0] * grid[1] > locks.numel():
             raise ValueError(f"split-K {cfg.split_k} of a {m}x{n} output exceeds its buffers")
     kernel = dot_kernel if cfg.dot else gemv_kernel
-    extra: dict[str, object] = dict(LOOP_STAGES=cfg.num_stages, W_BLOCK=w_block)
+    extra: dict[str, object] = dict(LOOP_STAGES=cfg.num_stages)
     if cfg.dot:
-        extra = dict(SWAP=cfg.swap, ROTARY_HALF=rot_half, KV_MAX=rot_kv_max, W_BLOCK=w_block)
+        extra = dict(SWAP=cfg.swap, ROTARY_HALF=rot_half, KV_MAX=rot_kv_max)
         lora_args, lora_consts = _lora_args(lora, y)
         extra |= lora_consts
         rot_args += lora_args
@@ -185,7 +185,8 @@ def skinny_linear(
         GATED=gated, HAS_BIAS=bias is not None, EVEN_K=k % (cfg.split_k * cfg.block_k) == 0,
         SPLIT_K=cfg.split_k, NORM_IN=sumsq_in is not None, ADD_RESIDUAL=residual is not None,
         SUMSQ_OUT=sumsq_out is not None, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
+        BLOCK_K=cfg.block_k, W_BLOCK=w_block, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **extra,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}), **pdl.launch_options(x),
     )  # fmt: skip
     return y
