@@ -41,9 +41,10 @@ def paged_batch() -> tuple[KVPool, AttentionBatch, list[torch.Tensor]]:
     return pool, batch, csr
 
 
-def check(splits: int) -> None:
+def check(splits: int, tile: int = 16) -> None:
     """The kernel (q and its output rotated by H around it, as the backend does) against the
-    reference with `splits` splits; run with TRITON_INTERPRET=1."""
+    reference with `splits` splits and tiles of `tile` tokens (several pages, or part of
+    one); run with TRITON_INTERPRET=1."""
     from workers.kernels.int8_decode import Int8Decode
     from workers.kernels.tuning import FP8DecodeLaunch
 
@@ -54,7 +55,7 @@ def check(splits: int) -> None:
     reference = TorchAttention(pool, HQ, D**-0.5)
     reference.plan(batch)
     kernel = Int8Decode(len(LENS), HQ, HKV, D, D**-0.5, torch.device("cpu"),
-                        FP8DecodeLaunch(tile=16, stages=1), splits)  # fmt: skip
+                        FP8DecodeLaunch(tile=tile, stages=1), splits)  # fmt: skip
     for layer in (0, 1):
         # The reference reads q as the kernel does (fp16, rotated), the pool as it is: what
         # is left is the probabilities' fp16 (10 bits) against float32.
@@ -106,9 +107,10 @@ def check_store() -> None:
 
 def test_int8_kernels_interpreted_match_torch() -> None:
     """Decode with one split (the output written directly) and four (merged by the last to
-    arrive), then the write (`check_store`). In a process of its own: TRITON_INTERPRET must be
-    set before Triton is first imported."""
-    code = f"from {__name__} import check, check_store; check(1); check(4); check_store()"
+    arrive), tiles of four pages and of half a page, then the write (`check_store`). In a
+    process of its own: TRITON_INTERPRET must be set before Triton is first imported."""
+    code = f"from {__name__} import check, check_store; check(1); check(4); check(2, tile=2); "
+    code += "check_store()"
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": REPO}
     proc = subprocess.run([sys.executable, "-W", "ignore", "-c", code], env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=300)  # fmt: skip

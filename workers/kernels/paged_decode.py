@@ -43,6 +43,14 @@ def _split_tokens(indptr_ptr, last_ptr, b, split, PS: tl.constexpr, TILE: tl.con
 
 
 @triton.jit
+def _group_rows(q_ptr, q_st, q_sh, b, h, GROUP: tl.constexpr, D: tl.constexpr):
+    """KV head `h`'s query heads as 16 rows `[16, D]` (rows past the group are zeros)."""
+    rows = tl.arange(0, 16)
+    q_row = q_ptr + b * q_st + (h * GROUP + rows)[:, None] * q_sh + tl.arange(0, D)[None, :]
+    return tl.load(q_row, mask=(rows < GROUP)[:, None], other=0.0)
+
+
+@triton.jit
 def _empty_softmax(HALF: tl.constexpr):
     """An online softmax's state before its first tile: running max, sum and output."""
     top = tl.full([16], -1.0e30, dtype=tl.float32)
@@ -50,38 +58,62 @@ def _empty_softmax(HALF: tl.constexpr):
 
 
 @triton.jit
-def _int8_tile(kv_ptr, kvf_ptr, idx_ptr, p0, t, end, h, s_page, s_kv, s_slot, s_head,
-          PS: tl.constexpr, HALF: tl.constexpr):  # fmt: skip
-    """K (two rotary halves) and V of past tokens `t` as int8, and their rows' scales."""
-    mask = t < end
-    page = tl.load(idx_ptr + p0 + t // PS, mask=mask, other=0).to(tl.int64)
-    off = page * s_page + (t % PS).to(tl.int64) * s_slot + h * s_head  # bytes
-    # Every stride is a multiple of a row's D + 4 bytes (so is where a layer's view starts):
-    # rows start 4-byte aligned. Unsaid, a head stride not a multiple of 16 (132 at D = 128)
-    # leaves the compiler loading a byte at a time.
-    row = tl.multiple_of(kv_ptr + off, 4)
-    v_row = tl.multiple_of(row + s_kv, 4)
-    dh = tl.arange(0, HALF)[None, :]
-    dd = tl.arange(0, 2 * HALF)[None, :]
-    k1 = tl.load(row[:, None] + dh, mask=mask[:, None], other=0)
-    k2 = tl.load(row[:, None] + HALF + dh, mask=mask[:, None], other=0)
-    v = tl.load(v_row[:, None] + dd, mask=mask[:, None], other=0)
-    # The scale after each row's bytes, through the pool's float32 view (rows are D + 4 bytes,
-    # every stride a multiple of 4).
-    k_scale = tl.load(kvf_ptr + (off + 2 * HALF) // 4, mask=mask, other=0.0)
-    v_scale = tl.load(kvf_ptr + (off + s_kv + 2 * HALF) // 4, mask=mask, other=0.0)
-    return k1, k2, v, k_scale, v_scale, mask
+def _int8_tile(kvf_ptr, idx_ptr, p0, t0, end, h, S_PAGE: tl.constexpr, S_KV: tl.constexpr,
+               S_SLOT: tl.constexpr, S_HEAD: tl.constexpr, PS: tl.constexpr,
+               TILE: tl.constexpr, D: tl.constexpr, WIDE: tl.constexpr,
+               MASKED: tl.constexpr):  # fmt: skip
+    """K and V of past tokens `[t0, t0 + TILE)` as int8 values packed 4 a word (`[TILE, D /
+    4]`, float32 bits), their rows' scales, and which tokens are before `end` (every one unless
+    `MASKED`: the loads then carry no per-row predicates).
+
+    The kernel's cost was its instructions, not its bytes (docs/notes/fp8-kv.md): per row of a
+    tile a page-table load and 64-bit offset arithmetic, redone for each layout the row's data
+    took. Here the tile is `NP` runs of `SLOTS` consecutive slots of one page (`t0` is a
+    multiple of the tile and, when a page is shorter, of the page): a page load and its offset a
+    run; offsets in 4-byte words, 32 bits unless the pool needs more (`WIDE`); rows read as
+    words through the pool's float32 view (rows are D + 4 bytes and every stride a multiple of
+    that), so K and V share one layout and one row offset."""
+    SLOTS: tl.constexpr = TILE if PS % TILE == 0 else (PS if TILE % PS == 0 else 1)
+    NP: tl.constexpr = TILE // SLOTS
+    first = t0 + tl.arange(0, NP) * SLOTS  # each run's first token
+    slot = tl.arange(0, SLOTS)
+    mask = tl.reshape((first[:, None] + slot[None, :]) < end, (TILE,))
+    if MASKED:
+        page = tl.load(idx_ptr + p0 + first // PS, mask=first < end, other=0)
+    else:
+        page = tl.load(idx_ptr + p0 + first // PS)
+    if WIDE:
+        page = page.to(tl.int64)
+    base = page * (S_PAGE // 4) + h * (S_HEAD // 4) + (first % PS) * (S_SLOT // 4)
+    word = tl.reshape(base[:, None] + (slot * (S_SLOT // 4))[None, :], (TILE,))
+    k_row = kvf_ptr + word
+    v_row = k_row + S_KV // 4
+    dw = tl.arange(0, D // 4)[None, :]
+    if MASKED:
+        k = tl.load(k_row[:, None] + dw, mask=mask[:, None], other=0.0)
+        v = tl.load(v_row[:, None] + dw, mask=mask[:, None], other=0.0)
+        k_scale = tl.load(k_row + D // 4, mask=mask, other=0.0)  # after the row's values
+        v_scale = tl.load(v_row + D // 4, mask=mask, other=0.0)
+    else:
+        k = tl.load(k_row[:, None] + dw)
+        v = tl.load(v_row[:, None] + dw)
+        k_scale = tl.load(k_row + D // 4)
+        v_scale = tl.load(v_row + D // 4)
+    return k, v, k_scale, v_scale, mask
 
 
 @triton.jit
-def _to_f16(x, BYTE_TRICK: tl.constexpr):
-    """int8 to fp16, exact. `BYTE_TRICK` (CUDA): four bytes a register, each flipped to x + 128
-    and placed under fp16's exponent of 1024 (bits 0x64xx: 1024 + x + 128) by byte permutes,
-    then 1152 taken off two halves at a time: ~1.25 instructions a value where a conversion
-    instruction per value (I2F, a quarter of the integer rate) would bound the kernel near
-    the pool's read time."""
+def _words_to_f16(w, BYTE_TRICK: tl.constexpr):
+    """int8 values packed 4 a word (`[R, C]` float32 bits) as fp16 `[R, 4 C]`, exact.
+    `BYTE_TRICK` (CUDA): each byte flipped to x + 128 and placed under fp16's exponent of 1024
+    (bits 0x64xx: 1024 + x + 128) by byte permutes, then 1152 taken off two halves at a time:
+    ~1.25 instructions a value where a conversion instruction per value (I2F, a quarter of the
+    integer rate) would bound the kernel near the pool's read time."""
+    rows: tl.constexpr = w.shape[0]
+    cols: tl.constexpr = w.shape[1]
+    w = w.to(tl.int32, bitcast=True)
     if BYTE_TRICK:
-        return tl.inline_asm_elementwise(
+        lo, hi = tl.inline_asm_elementwise(
             asm="""{
             .reg .b32 t, c;
             xor.b32 t, $2, 0x80808080;
@@ -92,35 +124,30 @@ def _to_f16(x, BYTE_TRICK: tl.constexpr):
             sub.f16x2 $1, $1, c;
             }""",
             constraints="=r,=r,r",
-            args=[x],
-            dtype=tl.float16,
+            args=[w],
+            dtype=(tl.int32, tl.int32),
             is_pure=True,
-            pack=4,
+            pack=1,
         )
-    return x.to(tl.float16)
+        b0 = lo.to(tl.int16).to(tl.float16, bitcast=True)
+        b1 = (lo >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+        b2 = hi.to(tl.int16).to(tl.float16, bitcast=True)
+        b3 = (hi >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+    else:
+        b0 = ((w << 24) >> 24).to(tl.float16)
+        b1 = ((w << 16) >> 24).to(tl.float16)
+        b2 = ((w << 8) >> 24).to(tl.float16)
+        b3 = (w >> 24).to(tl.float16)
+    return tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)), (rows, 4 * cols))
 
 
 @triton.jit
-def _v_to_f16(v, BYTE_TRICK: tl.constexpr):
-    """An int8 V tile [TILE, D] as fp16, widened in the layout it is loaded in (runs of D's
-    bytes a thread) and only then laid out as the P.V product's operand (through shared memory
-    as fp16, transposed 16 bits at a time). Widened in the operand's own layout, as the compiler
-    otherwise chooses, each thread gathers its bytes down the token axis: a shared-memory load
-    a byte, 128 a thread a 128-token tile at 4 warps (docs/notes/fp8-kv.md). The reshape into
-    groups of 4 along D keeps the compiler from moving the widening past the layout change."""
-    tile: tl.constexpr = v.shape[0]
-    dim: tl.constexpr = v.shape[1]
-    v16 = _to_f16(tl.reshape(v, (tile, dim // 4, 4)), BYTE_TRICK)
-    return tl.reshape(v16, (tile, dim))
-
-
-@triton.jit
-def _attend_int8(q1, q2, k1, k2, v, k_scale, v_scale, mask, top, denom, acc, scale_log2,
-                 BYTE_TRICK: tl.constexpr):  # fmt: skip
+def _attend_int8(q, k, v, k_scale, v_scale, mask, top, denom, acc, scale_log2,
+                 BYTE_TRICK: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
     """Online softmax (base 2) of one tile of int8 rows: the new running max, sum and output."""
-    k1, k2 = _to_f16(k1, BYTE_TRICK), _to_f16(k2, BYTE_TRICK)
-    s = tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))
-    s = tl.where(mask[None, :], s * (k_scale * scale_log2)[None, :], float("-inf"))
+    s = tl.dot(q, tl.trans(_words_to_f16(k, BYTE_TRICK))) * (k_scale * scale_log2)[None, :]
+    if MASKED:
+        s = tl.where(mask[None, :], s, float("-inf"))
     top_new = tl.maximum(top, tl.max(s, axis=1))
     alpha = tl.exp2(top - top_new)
     p = tl.exp2(s - top_new[:, None])
@@ -128,39 +155,62 @@ def _attend_int8(q1, q2, k1, k2, v, k_scale, v_scale, mask, top, denom, acc, sca
     v_max = tl.max(v_scale, axis=0)
     v_max = tl.where(v_max > 0.0, v_max, 1.0)
     pv = (p * (v_scale / v_max)[None, :]).to(tl.float16)
-    acc = acc * alpha[:, None] + tl.dot(pv, _v_to_f16(v, BYTE_TRICK)) * v_max
+    acc = acc * alpha[:, None] + tl.dot(pv, _words_to_f16(v, BYTE_TRICK)) * v_max
     return top_new, denom, acc
 
 
 @triton.jit
+def _int8_step(q, kvf_ptr, idx_ptr, p0, t0, end, h, top, denom, acc, scale_log2,
+               S_PAGE: tl.constexpr, S_KV: tl.constexpr, S_SLOT: tl.constexpr,
+               S_HEAD: tl.constexpr, PS: tl.constexpr, TILE: tl.constexpr, D: tl.constexpr,
+               WIDE: tl.constexpr, BYTE_TRICK: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+    """One tile of int8 rows from `t0` into the online softmax."""
+    k, v, k_scale, v_scale, mask = _int8_tile(kvf_ptr, idx_ptr, p0, t0, end, h, S_PAGE, S_KV,
+                                              S_SLOT, S_HEAD, PS, TILE, D, WIDE,
+                                              MASKED)  # fmt: skip
+    return _attend_int8(q, k, v, k_scale, v_scale, mask, top, denom, acc, scale_log2,
+                        BYTE_TRICK, MASKED)  # fmt: skip
+
+
+@triton.jit
 def _paged_decode_kernel(
-    q_ptr, q_st, q_sh, kv_ptr, kvf_ptr, s_page, s_kv, s_slot, s_head, indptr_ptr, idx_ptr,
-    last_ptr, part_o_ptr, part_lse_ptr, lock_ptr, out_ptr, scale_log2, o_scale,
-    GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HALF: tl.constexpr, PS: tl.constexpr,
-    TILE: tl.constexpr, SPLITS: tl.constexpr, STAGES: tl.constexpr, ALL_MERGE: tl.constexpr,
-    INT8_ROWS: tl.constexpr, BYTE_TRICK: tl.constexpr, PDL: tl.constexpr,
+    q_ptr, q_st, q_sh, kv_ptr, kvf_ptr, indptr_ptr, idx_ptr, last_ptr, part_o_ptr,
+    part_lse_ptr, lock_ptr, out_ptr, scale_log2, o_scale, S_PAGE: tl.constexpr,
+    S_KV: tl.constexpr, S_SLOT: tl.constexpr, S_HEAD: tl.constexpr, GROUP: tl.constexpr,
+    GROUP_P2: tl.constexpr, HALF: tl.constexpr, PS: tl.constexpr, TILE: tl.constexpr,
+    SPLITS: tl.constexpr, STAGES: tl.constexpr, ALL_MERGE: tl.constexpr,
+    INT8_ROWS: tl.constexpr, WIDE: tl.constexpr, BYTE_TRICK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """`kvf_ptr`: the pool's float32 view (int8 rows' scales; unused for FP8 pages)."""
+    """`kvf_ptr`: the pool's float32 view (int8 rows are read through it; FP8 pages through
+    `kv_ptr`). The pool's strides are constants (a model's, so one build each): offsets that
+    fold into the loads' immediates."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     split = tl.program_id(2)
     num_kv_heads = tl.num_programs(1)
     p0, start, end = _split_tokens(indptr_ptr, last_ptr, b, split, PS, TILE, SPLITS)
     wait_for_inputs(PDL)  # q, and the new token's K/V in the pool
-    q1, q2 = group_queries(q_ptr, q_st, q_sh, b, h, GROUP, HALF)
-    q1, q2 = q1.to(tl.float16), q2.to(tl.float16)
+    if INT8_ROWS:
+        q = _group_rows(q_ptr, q_st, q_sh, b, h, GROUP, 2 * HALF).to(tl.float16)
+    else:
+        q1, q2 = group_queries(q_ptr, q_st, q_sh, b, h, GROUP, HALF)
+        q1, q2 = q1.to(tl.float16), q2.to(tl.float16)
     top, denom, acc = _empty_softmax(HALF)
-    for t0 in tl.range(start, end, TILE, num_stages=STAGES):
-        t = t0 + tl.arange(0, TILE)
-        if INT8_ROWS:
-            k1, k2, v, k_scale, v_scale, mask = _int8_tile(
-                kv_ptr, kvf_ptr, idx_ptr, p0, t, end, h, s_page, s_kv, s_slot, s_head, PS, HALF
-            )
-            top, denom, acc = _attend_int8(q1, q2, k1, k2, v, k_scale, v_scale, mask, top,
-                                           denom, acc, scale_log2, BYTE_TRICK)  # fmt: skip
-        else:
-            k1, k2, v, mask = tile_kv(kv_ptr, idx_ptr, p0, t, end, h, s_page, s_kv, s_slot,
-                                      s_head, PS, HALF)  # fmt: skip
+    if INT8_ROWS:
+        full_end = start + (end - start) // TILE * TILE  # whole tiles: no per-row masks
+        for t0 in tl.range(start, full_end, TILE, num_stages=STAGES):
+            top, denom, acc = _int8_step(q, kvf_ptr, idx_ptr, p0, t0, end, h, top, denom, acc,
+                                         scale_log2, S_PAGE, S_KV, S_SLOT, S_HEAD, PS, TILE,
+                                         2 * HALF, WIDE, BYTE_TRICK, False)  # fmt: skip
+        if full_end < end:
+            top, denom, acc = _int8_step(q, kvf_ptr, idx_ptr, p0, full_end, end, h, top, denom,
+                                         acc, scale_log2, S_PAGE, S_KV, S_SLOT, S_HEAD, PS,
+                                         TILE, 2 * HALF, WIDE, BYTE_TRICK, True)  # fmt: skip
+    else:
+        for t0 in tl.range(start, end, TILE, num_stages=STAGES):
+            t = t0 + tl.arange(0, TILE)
+            k1, k2, v, mask = tile_kv(kv_ptr, idx_ptr, p0, t, end, h, S_PAGE, S_KV, S_SLOT,
+                                      S_HEAD, PS, HALF)  # fmt: skip
             k1, k2, v = k1.to(tl.float16), k2.to(tl.float16), v.to(tl.float16)
             top, denom, acc = attend(q1, q2, k1, k2, v, mask, top, denom, acc, scale_log2)
     finish_split(acc, top, denom, o_scale, part_o_ptr, part_lse_ptr, lock_ptr, out_ptr, b, h,
@@ -208,12 +258,14 @@ class PagedDecode:
         parts = self.parts
         grid = (b, self.num_kv_heads, parts.splits)
         args = (
-            q, q.stride(0), q.stride(1), *pools, kv.stride(0), kv.stride(1), kv.stride(2),
-            kv.stride(3), *page_table, parts.part_o, parts.part_lse, parts.locks, out, *scales,
+            q, q.stride(0), q.stride(1), *pools, *page_table, parts.part_o, parts.part_lse,
+            parts.locks, out, *scales,
         )  # fmt: skip
         options = dict(
+            S_PAGE=kv.stride(0), S_KV=kv.stride(1), S_SLOT=kv.stride(2), S_HEAD=kv.stride(3),
             GROUP=self.group, GROUP_P2=parts.group_p2, HALF=d // 2, PS=kv.shape[2],
-            SPLITS=parts.splits, INT8_ROWS=self.int8_rows, BYTE_TRICK=self.int8_rows and q.is_cuda,
+            SPLITS=parts.splits, INT8_ROWS=self.int8_rows, WIDE=kv.numel() // 4 >= 2**31,
+            BYTE_TRICK=self.int8_rows and q.is_cuda,
             **self.launch, **pdl.launch_options(q),
         )  # fmt: skip
         parts.launch(_paged_decode_kernel, grid, args, options, q)
