@@ -60,8 +60,7 @@ def _empty_softmax(HALF: tl.constexpr):
 @triton.jit
 def _int8_tile(kvf_ptr, idx_ptr, p0, t0, end, h, S_PAGE: tl.constexpr, S_KV: tl.constexpr,
                S_SLOT: tl.constexpr, S_HEAD: tl.constexpr, PS: tl.constexpr,
-               TILE: tl.constexpr, D: tl.constexpr, WIDE: tl.constexpr,
-               MASKED: tl.constexpr):  # fmt: skip
+               TILE: tl.constexpr, D: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
     """K and V of past tokens `[t0, t0 + TILE)` as int8 values packed 4 a word (`[TILE, D /
     4]`, float32 bits), their rows' scales, and which tokens are before `end` (every one unless
     `MASKED`: the loads then carry no per-row predicates).
@@ -70,9 +69,9 @@ def _int8_tile(kvf_ptr, idx_ptr, p0, t0, end, h, S_PAGE: tl.constexpr, S_KV: tl.
     tile a page-table load and 64-bit offset arithmetic, redone for each layout the row's data
     took. Here the tile is `NP` runs of `SLOTS` consecutive slots of one page (`t0` is a
     multiple of the tile and, when a page is shorter, of the page): a page load and its offset a
-    run; offsets in 4-byte words, 32 bits unless the pool needs more (`WIDE`); rows read as
-    words through the pool's float32 view (rows are D + 4 bytes and every stride a multiple of
-    that), so K and V share one layout and one row offset."""
+    run; offsets in 4-byte words (64 bits: a page's stride spans every layer's rows); rows
+    read as words through the pool's float32 view (rows are D + 4 bytes and every stride a
+    multiple of that), so K and V share one layout and one row offset."""
     SLOTS: tl.constexpr = TILE if PS % TILE == 0 else (PS if TILE % PS == 0 else 1)
     NP: tl.constexpr = TILE // SLOTS
     first = t0 + tl.arange(0, NP) * SLOTS  # each run's first token
@@ -82,9 +81,7 @@ def _int8_tile(kvf_ptr, idx_ptr, p0, t0, end, h, S_PAGE: tl.constexpr, S_KV: tl.
         page = tl.load(idx_ptr + p0 + first // PS, mask=first < end, other=0)
     else:
         page = tl.load(idx_ptr + p0 + first // PS)
-    if WIDE:
-        page = page.to(tl.int64)
-    base = page * (S_PAGE // 4) + h * (S_HEAD // 4) + (first % PS) * (S_SLOT // 4)
+    base = page.to(tl.int64) * (S_PAGE // 4) + h * (S_HEAD // 4) + (first % PS) * (S_SLOT // 4)
     word = tl.reshape(base[:, None] + (slot * (S_SLOT // 4))[None, :], (TILE,))
     k_row = kvf_ptr + word
     v_row = k_row + S_KV // 4
@@ -163,11 +160,10 @@ def _attend_int8(q, k, v, k_scale, v_scale, mask, top, denom, acc, scale_log2,
 def _int8_step(q, kvf_ptr, idx_ptr, p0, t0, end, h, top, denom, acc, scale_log2,
                S_PAGE: tl.constexpr, S_KV: tl.constexpr, S_SLOT: tl.constexpr,
                S_HEAD: tl.constexpr, PS: tl.constexpr, TILE: tl.constexpr, D: tl.constexpr,
-               WIDE: tl.constexpr, BYTE_TRICK: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+               BYTE_TRICK: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
     """One tile of int8 rows from `t0` into the online softmax."""
     k, v, k_scale, v_scale, mask = _int8_tile(kvf_ptr, idx_ptr, p0, t0, end, h, S_PAGE, S_KV,
-                                              S_SLOT, S_HEAD, PS, TILE, D, WIDE,
-                                              MASKED)  # fmt: skip
+                                              S_SLOT, S_HEAD, PS, TILE, D, MASKED)  # fmt: skip
     return _attend_int8(q, k, v, k_scale, v_scale, mask, top, denom, acc, scale_log2,
                         BYTE_TRICK, MASKED)  # fmt: skip
 
@@ -179,7 +175,7 @@ def _paged_decode_kernel(
     S_KV: tl.constexpr, S_SLOT: tl.constexpr, S_HEAD: tl.constexpr, GROUP: tl.constexpr,
     GROUP_P2: tl.constexpr, HALF: tl.constexpr, PS: tl.constexpr, TILE: tl.constexpr,
     SPLITS: tl.constexpr, STAGES: tl.constexpr, ALL_MERGE: tl.constexpr,
-    INT8_ROWS: tl.constexpr, WIDE: tl.constexpr, BYTE_TRICK: tl.constexpr, PDL: tl.constexpr,
+    INT8_ROWS: tl.constexpr, BYTE_TRICK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """`kvf_ptr`: the pool's float32 view (int8 rows are read through it; FP8 pages through
     `kv_ptr`). The pool's strides are constants (a model's, so one build each): offsets that
@@ -201,11 +197,11 @@ def _paged_decode_kernel(
         for t0 in tl.range(start, full_end, TILE, num_stages=STAGES):
             top, denom, acc = _int8_step(q, kvf_ptr, idx_ptr, p0, t0, end, h, top, denom, acc,
                                          scale_log2, S_PAGE, S_KV, S_SLOT, S_HEAD, PS, TILE,
-                                         2 * HALF, WIDE, BYTE_TRICK, False)  # fmt: skip
+                                         2 * HALF, BYTE_TRICK, False)  # fmt: skip
         if full_end < end:
             top, denom, acc = _int8_step(q, kvf_ptr, idx_ptr, p0, full_end, end, h, top, denom,
                                          acc, scale_log2, S_PAGE, S_KV, S_SLOT, S_HEAD, PS,
-                                         TILE, 2 * HALF, WIDE, BYTE_TRICK, True)  # fmt: skip
+                                         TILE, 2 * HALF, BYTE_TRICK, True)  # fmt: skip
     else:
         for t0 in tl.range(start, end, TILE, num_stages=STAGES):
             t = t0 + tl.arange(0, TILE)
@@ -264,8 +260,7 @@ class PagedDecode:
         options = dict(
             S_PAGE=kv.stride(0), S_KV=kv.stride(1), S_SLOT=kv.stride(2), S_HEAD=kv.stride(3),
             GROUP=self.group, GROUP_P2=parts.group_p2, HALF=d // 2, PS=kv.shape[2],
-            SPLITS=parts.splits, INT8_ROWS=self.int8_rows, WIDE=kv.numel() // 4 >= 2**31,
-            BYTE_TRICK=self.int8_rows and q.is_cuda,
+            SPLITS=parts.splits, INT8_ROWS=self.int8_rows, BYTE_TRICK=self.int8_rows and q.is_cuda,
             **self.launch, **pdl.launch_options(q),
         )  # fmt: skip
         parts.launch(_paged_decode_kernel, grid, args, options, q)
