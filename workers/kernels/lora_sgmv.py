@@ -93,10 +93,9 @@ def _shrink_slot_kernel(
 
 @triton.jit
 def _expand_slot_kernel(
-    y_ptr, b_ptr, mask_ptr, part_ptr, ss_ptr, tokens, n_in, eps, n_out, stride_y, end0, end1,
-    SLOTS: tl.constexpr, T_PAD: tl.constexpr, R: tl.constexpr, R_PAD: tl.constexpr,
-    PARTS: tl.constexpr, SPLITS: tl.constexpr, NORM_IN: tl.constexpr, BLOCK_N: tl.constexpr,
-    PDL: tl.constexpr,
+    y_ptr, b_ptr, mask_ptr, part_ptr, ss_ptr, tokens, n_in, eps, n_out, splits, stride_y, end0,
+    end1, SLOTS: tl.constexpr, T_PAD: tl.constexpr, R: tl.constexpr, R_PAD: tl.constexpr,
+    PARTS: tl.constexpr, NORM_IN: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     start_dependents(PDL)
     slot, block = tl.program_id(0), tl.program_id(1)
@@ -116,7 +115,7 @@ def _expand_slot_kernel(
     s0 = tl.zeros((T_PAD, R_PAD), dtype=tl.float32)
     s1 = tl.zeros((T_PAD, R_PAD), dtype=tl.float32)
     s2 = tl.zeros((T_PAD, R_PAD), dtype=tl.float32)
-    for split in tl.static_range(SPLITS):  # unrolled: every split's loads in flight at once
+    for split in range(splits):
         part = part_ptr + (split * tokens + t[:, None]) * PARTS * R + j[None, :]
         s0 += tl.load(part, mask=rows, other=0.0)
         if PARTS > 1:
@@ -213,9 +212,8 @@ def sgmv_add_lora(
     ends = part_ends(out_parts)
     _expand_slot_kernel[(a.shape[0], triton.cdiv(y.shape[1], block_n))](
         y, b, mask, partial, partial if sumsq is None else sumsq, tokens, n_in, eps,
-        y.shape[1], y.stride(0), ends[0], ends[1], SLOTS=a.shape[0], T_PAD=_t_pad(tokens),
-        R=rank, R_PAD=max(16, triton.next_power_of_2(rank)), PARTS=parts,
-        SPLITS=partial.shape[0], NORM_IN=sumsq is not None, BLOCK_N=block_n,
-        num_warps=warps[1], **pdl.launch_options(x),
+        y.shape[1], partial.shape[0], y.stride(0), ends[0], ends[1], SLOTS=a.shape[0],
+        T_PAD=_t_pad(tokens), R=rank, R_PAD=max(16, triton.next_power_of_2(rank)), PARTS=parts,
+        NORM_IN=sumsq is not None, BLOCK_N=block_n, num_warps=warps[1], **pdl.launch_options(x),
     )  # fmt: skip
     return y

@@ -30,14 +30,14 @@ def dot_kernel(
     stride_x, stride_w, stride_y, stride_r, eps,
     cos_ptr, sin_ptr, kv_ptr, slot_pages_ptr, slot_offsets_ptr, cs_stride, kv_stride_page,
     kv_stride_kv, kv_stride_slot, kv_stride_head, num_q_heads, num_kv_heads, k_inv_scale,
-    v_inv_scale, lp_ptr, lm_ptr, lb_ptr, lora_n_b, lora_end0, lora_end1,
+    v_inv_scale, lp_ptr, lm_ptr, lb_ptr, lora_n_b, lora_splits, lora_end0, lora_end1,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr, SWAP: tl.constexpr,
     GATED: tl.constexpr, NORM_IN: tl.constexpr,
     ADD_RESIDUAL: tl.constexpr, SUMSQ_OUT: tl.constexpr, PDL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ROTARY_HALF: tl.constexpr, KV_MAX: tl.constexpr, W_BLOCK: tl.constexpr,
     LORA_SLOTS: tl.constexpr, LORA_R: tl.constexpr, LORA_R_PAD: tl.constexpr,
-    LORA_PARTS: tl.constexpr, LORA_SPLITS: tl.constexpr,
+    LORA_PARTS: tl.constexpr,
 ):  # fmt: skip
     """GATED: W holds [gate; up] (2N rows), y = silu(gate x) * (up x), no split-K.
     ROTARY_HALF > 0: W is a q/k/v weight of heads 2 * ROTARY_HALF wide, y the rotated q, and
@@ -80,13 +80,13 @@ def dot_kernel(
     if LORA_PARTS > 0:  # noqa: SIM102 - a constexpr branch; raw rows' products, as acc's
         if tl.program_id(2) == 0:  # split-K: one split's partial takes them
             acc += tiles.lora_products(
-                lp_ptr, lm_ptr, lb_ptr, offs_m, offs_n, M, lora_n_b, lora_end0, lora_end1,
-                LORA_SLOTS, LORA_R, LORA_R_PAD, LORA_PARTS, LORA_SPLITS,
+                lp_ptr, lm_ptr, lb_ptr, offs_m, offs_n, M, lora_n_b, lora_splits, lora_end0,
+                lora_end1, LORA_SLOTS, LORA_R, LORA_R_PAD, LORA_PARTS,
             )  # fmt: skip
             if GATED:  # the up rows: N below their gate rows in W and in B
                 acc_up += tiles.lora_products(
-                    lp_ptr, lm_ptr, lb_ptr, offs_m, offs_n + N, M, lora_n_b, lora_end0,
-                    lora_end1, LORA_SLOTS, LORA_R, LORA_R_PAD, LORA_PARTS, LORA_SPLITS,
+                    lp_ptr, lm_ptr, lb_ptr, offs_m, offs_n + N, M, lora_n_b, lora_splits,
+                    lora_end0, lora_end1, LORA_SLOTS, LORA_R, LORA_R_PAD, LORA_PARTS,
                 )  # fmt: skip
     y = acc * inv_rms[:, None]
     if GATED:

@@ -228,17 +228,17 @@ def _parts_fit(cfg: Config, ends: tuple[int, int], n: int) -> bool:
 def _lora_args(lora: ShrunkRows | None, y: torch.Tensor) -> tuple[tuple, dict[str, int]]:
     """The dot kernel's LoRA arguments and constexprs; placeholders (LORA_PARTS 0) without."""
     if lora is None:
-        consts = dict(LORA_SLOTS=1, LORA_R=1, LORA_R_PAD=16, LORA_PARTS=0, LORA_SPLITS=1)
-        return (y, y, y, 0, 0, 0), consts
+        consts = dict(LORA_SLOTS=1, LORA_R=1, LORA_R_PAD=16, LORA_PARTS=0)
+        return (y, y, y, 0, 0, 0, 0), consts
     slots, rank = lora.b.shape[1:]
     splits, tokens, stacked = lora.partial.shape
     if lora.mask.shape != (tokens, slots) or not lora.mask.is_contiguous():
         raise ValueError(f"the LoRA mask must be a contiguous [{tokens}, {slots}]")
     if not lora.b.is_contiguous() or tokens != y.shape[0]:
         raise ValueError("B must be contiguous and the shrunk rows those of x")
-    args = (lora.partial, lora.mask, lora.b, lora.b.shape[0], *lora.ends)
+    args = (lora.partial, lora.mask, lora.b, lora.b.shape[0], splits, *lora.ends)
     consts = dict(LORA_SLOTS=slots, LORA_R=rank, LORA_R_PAD=max(16, triton.next_power_of_2(rank)),
-                  LORA_PARTS=stacked // rank, LORA_SPLITS=splits)  # fmt: skip
+                  LORA_PARTS=stacked // rank)  # fmt: skip
     return args, consts
 
 

@@ -157,9 +157,8 @@ def program_tiles(
 
 @triton.jit
 def lora_products(
-    lp_ptr, lm_ptr, lb_ptr, offs_m, offs_n, M, n_b, end0, end1,
+    lp_ptr, lm_ptr, lb_ptr, offs_m, offs_n, M, n_b, splits, end0, end1,
     SLOTS: tl.constexpr, R: tl.constexpr, R_PAD: tl.constexpr, PARTS: tl.constexpr,
-    SPLITS: tl.constexpr,
 ):  # fmt: skip
     """[BLOCK_M, BLOCK_N] float32: each row's LoRA products for the output columns `offs_n`
     (rows of B [n_b, SLOTS, R]; R_PAD: R's power of two, 16 or more), from the shrunk rows
@@ -173,7 +172,7 @@ def lora_products(
     rows = (offs_m < M)[:, None] & (j < R)[None, :]
     at = lp_ptr + offs_m[:, None] * (PARTS * R) + part * R + j[None, :]
     s = tl.load(at, mask=rows, other=0.0)
-    for split in tl.static_range(1, SPLITS):  # unrolled: every split's load in flight at once
+    for split in range(1, splits):
         s += tl.load(at + split * M * (PARTS * R), mask=rows, other=0.0)
     acc = tl.zeros((offs_m.shape[0], offs_n.shape[0]), dtype=tl.float32)
     for slot in tl.static_range(SLOTS):
