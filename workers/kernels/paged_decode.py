@@ -58,20 +58,21 @@ def _empty_softmax(HALF: tl.constexpr):
 
 
 @triton.jit
-def _int8_tile(kvf_ptr, idx_ptr, p0, t0, end, h, S_PAGE: tl.constexpr, S_KV: tl.constexpr,
-               S_SLOT: tl.constexpr, S_HEAD: tl.constexpr, PS: tl.constexpr,
-               TILE: tl.constexpr, D: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
-    """K and V of past tokens `[t0, t0 + TILE)` as int8 values packed 4 a word (`[TILE, D /
-    4]`, float32 bits), their rows' scales, and which tokens are before `end` (every one unless
-    `MASKED`: the loads then carry no per-row predicates).
+def _int8_tile(kv_ptr, kvf_ptr, idx_ptr, p0, t0, end, h, S_PAGE: tl.constexpr,
+               S_KV: tl.constexpr, S_SLOT: tl.constexpr, S_HEAD: tl.constexpr,
+               PS: tl.constexpr, TILE: tl.constexpr, D: tl.constexpr,
+               MASKED: tl.constexpr):  # fmt: skip
+    """K and V of past tokens `[t0, t0 + TILE)` as int8 `[TILE, D]`, their rows' scales, and
+    which tokens are before `end` (every one unless `MASKED`: the loads then carry no per-row
+    predicates).
 
-    The kernel's cost was its instructions, not its bytes (docs/notes/fp8-kv.md): per row of a
-    tile a page-table load and 64-bit offset arithmetic, redone for each layout the row's data
-    took. Here the tile is `NP` runs of `SLOTS` consecutive slots of one page (`t0` is a
-    multiple of the tile and, when a page is shorter, of the page): a page load and its offset a
-    run; offsets in 4-byte words (64 bits: a page's stride spans every layer's rows); rows
-    read as words through the pool's float32 view (rows are D + 4 bytes and every stride a
-    multiple of that), so K and V share one layout and one row offset."""
+    The tile is `NP` runs of `SLOTS` consecutive slots of one page (`t0` is a multiple of the
+    tile and, when a page is shorter, of the page): one page-table load and one 64-bit offset
+    a run, per row only its slot's constant stride. Offsets a row, each with its own
+    page-table load, redone in every layout the row's data took, were half the kernel's
+    instructions (docs/notes/fp8-kv.md). Every stride is a multiple of a row's D + 4 bytes
+    (so is where a layer's view starts): rows start 4-byte aligned, and said so the loads are
+    4-byte copies (unsaid: a byte at a time)."""
     SLOTS: tl.constexpr = TILE if PS % TILE == 0 else (PS if TILE % PS == 0 else 1)
     NP: tl.constexpr = TILE // SLOTS
     first = t0 + tl.arange(0, NP) * SLOTS  # each run's first token
@@ -81,36 +82,36 @@ def _int8_tile(kvf_ptr, idx_ptr, p0, t0, end, h, S_PAGE: tl.constexpr, S_KV: tl.
         page = tl.load(idx_ptr + p0 + first // PS, mask=first < end, other=0)
     else:
         page = tl.load(idx_ptr + p0 + first // PS)
-    base = page.to(tl.int64) * (S_PAGE // 4) + h * (S_HEAD // 4) + (first % PS) * (S_SLOT // 4)
-    word = tl.reshape(base[:, None] + (slot * (S_SLOT // 4))[None, :], (TILE,))
-    k_row = kvf_ptr + word
-    v_row = k_row + S_KV // 4
-    dw = tl.arange(0, D // 4)[None, :]
+    base = page.to(tl.int64) * S_PAGE + h * S_HEAD + (first % PS) * S_SLOT
+    off = tl.reshape(base[:, None] + (slot * S_SLOT)[None, :], (TILE,))  # bytes
+    k_row = tl.multiple_of(kv_ptr + off, 4)
+    v_row = tl.multiple_of(k_row + S_KV, 4)
+    dd = tl.arange(0, D)[None, :]
+    # The scales after each row's bytes, through the pool's float32 view.
+    k_scale_at = kvf_ptr + (off + D) // 4
+    v_scale_at = k_scale_at + S_KV // 4
     if MASKED:
-        k = tl.load(k_row[:, None] + dw, mask=mask[:, None], other=0.0)
-        v = tl.load(v_row[:, None] + dw, mask=mask[:, None], other=0.0)
-        k_scale = tl.load(k_row + D // 4, mask=mask, other=0.0)  # after the row's values
-        v_scale = tl.load(v_row + D // 4, mask=mask, other=0.0)
+        k = tl.load(k_row[:, None] + dd, mask=mask[:, None], other=0)
+        v = tl.load(v_row[:, None] + dd, mask=mask[:, None], other=0)
+        k_scale = tl.load(k_scale_at, mask=mask, other=0.0)
+        v_scale = tl.load(v_scale_at, mask=mask, other=0.0)
     else:
-        k = tl.load(k_row[:, None] + dw)
-        v = tl.load(v_row[:, None] + dw)
-        k_scale = tl.load(k_row + D // 4)
-        v_scale = tl.load(v_row + D // 4)
+        k = tl.load(k_row[:, None] + dd)
+        v = tl.load(v_row[:, None] + dd)
+        k_scale = tl.load(k_scale_at)
+        v_scale = tl.load(v_scale_at)
     return k, v, k_scale, v_scale, mask
 
 
 @triton.jit
-def _words_to_f16(w, BYTE_TRICK: tl.constexpr):
-    """int8 values packed 4 a word (`[R, C]` float32 bits) as fp16 `[R, 4 C]`, exact.
-    `BYTE_TRICK` (CUDA): each byte flipped to x + 128 and placed under fp16's exponent of 1024
-    (bits 0x64xx: 1024 + x + 128) by byte permutes, then 1152 taken off two halves at a time:
-    ~1.25 instructions a value where a conversion instruction per value (I2F, a quarter of the
-    integer rate) would bound the kernel near the pool's read time."""
-    rows: tl.constexpr = w.shape[0]
-    cols: tl.constexpr = w.shape[1]
-    w = w.to(tl.int32, bitcast=True)
+def _to_f16(x, BYTE_TRICK: tl.constexpr):
+    """int8 to fp16, exact. `BYTE_TRICK` (CUDA): four bytes a register, each flipped to x + 128
+    and placed under fp16's exponent of 1024 (bits 0x64xx: 1024 + x + 128) by byte permutes,
+    then 1152 taken off two halves at a time: ~1.25 instructions a value where a conversion
+    instruction per value (I2F, a quarter of the integer rate) would bound the kernel near
+    the pool's read time."""
     if BYTE_TRICK:
-        lo, hi = tl.inline_asm_elementwise(
+        return tl.inline_asm_elementwise(
             asm="""{
             .reg .b32 t, c;
             xor.b32 t, $2, 0x80808080;
@@ -121,28 +122,33 @@ def _words_to_f16(w, BYTE_TRICK: tl.constexpr):
             sub.f16x2 $1, $1, c;
             }""",
             constraints="=r,=r,r",
-            args=[w],
-            dtype=(tl.int32, tl.int32),
+            args=[x],
+            dtype=tl.float16,
             is_pure=True,
-            pack=1,
+            pack=4,
         )
-        b0 = lo.to(tl.int16).to(tl.float16, bitcast=True)
-        b1 = (lo >> 16).to(tl.int16).to(tl.float16, bitcast=True)
-        b2 = hi.to(tl.int16).to(tl.float16, bitcast=True)
-        b3 = (hi >> 16).to(tl.int16).to(tl.float16, bitcast=True)
-    else:
-        b0 = ((w << 24) >> 24).to(tl.float16)
-        b1 = ((w << 16) >> 24).to(tl.float16)
-        b2 = ((w << 8) >> 24).to(tl.float16)
-        b3 = (w >> 24).to(tl.float16)
-    return tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)), (rows, 4 * cols))
+    return x.to(tl.float16)
+
+
+@triton.jit
+def _v_to_f16(v, BYTE_TRICK: tl.constexpr):
+    """An int8 V tile [TILE, D] as fp16, widened in the layout it is loaded in (runs of D's
+    bytes a thread) and only then laid out as the P.V product's operand (through shared memory
+    as fp16, transposed 16 bits at a time). Widened in the operand's own layout, as the compiler
+    otherwise chooses, each thread gathers its bytes down the token axis: a shared-memory load
+    a byte, 128 a thread a 128-token tile at 4 warps (docs/notes/fp8-kv.md). The reshape into
+    groups of 4 along D keeps the compiler from moving the widening past the layout change."""
+    tile: tl.constexpr = v.shape[0]
+    dim: tl.constexpr = v.shape[1]
+    v16 = _to_f16(tl.reshape(v, (tile, dim // 4, 4)), BYTE_TRICK)
+    return tl.reshape(v16, (tile, dim))
 
 
 @triton.jit
 def _attend_int8(q, k, v, k_scale, v_scale, mask, top, denom, acc, scale_log2,
                  BYTE_TRICK: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
     """Online softmax (base 2) of one tile of int8 rows: the new running max, sum and output."""
-    s = tl.dot(q, tl.trans(_words_to_f16(k, BYTE_TRICK))) * (k_scale * scale_log2)[None, :]
+    s = tl.dot(q, tl.trans(_to_f16(k, BYTE_TRICK))) * (k_scale * scale_log2)[None, :]
     if MASKED:
         s = tl.where(mask[None, :], s, float("-inf"))
     top_new = tl.maximum(top, tl.max(s, axis=1))
@@ -152,18 +158,20 @@ def _attend_int8(q, k, v, k_scale, v_scale, mask, top, denom, acc, scale_log2,
     v_max = tl.max(v_scale, axis=0)
     v_max = tl.where(v_max > 0.0, v_max, 1.0)
     pv = (p * (v_scale / v_max)[None, :]).to(tl.float16)
-    acc = acc * alpha[:, None] + tl.dot(pv, _words_to_f16(v, BYTE_TRICK)) * v_max
+    acc = acc * alpha[:, None] + tl.dot(pv, _v_to_f16(v, BYTE_TRICK)) * v_max
     return top_new, denom, acc
 
 
 @triton.jit
-def _int8_step(q, kvf_ptr, idx_ptr, p0, t0, end, h, top, denom, acc, scale_log2,
+def _int8_step(q, kv_ptr, kvf_ptr, idx_ptr, p0, t0, end, h, top, denom, acc, scale_log2,
                S_PAGE: tl.constexpr, S_KV: tl.constexpr, S_SLOT: tl.constexpr,
                S_HEAD: tl.constexpr, PS: tl.constexpr, TILE: tl.constexpr, D: tl.constexpr,
                BYTE_TRICK: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
     """One tile of int8 rows from `t0` into the online softmax."""
-    k, v, k_scale, v_scale, mask = _int8_tile(kvf_ptr, idx_ptr, p0, t0, end, h, S_PAGE, S_KV,
-                                              S_SLOT, S_HEAD, PS, TILE, D, MASKED)  # fmt: skip
+    k, v, k_scale, v_scale, mask = _int8_tile(
+        kv_ptr, kvf_ptr, idx_ptr, p0, t0, end, h, S_PAGE, S_KV, S_SLOT, S_HEAD, PS, TILE, D,
+        MASKED,
+    )  # fmt: skip
     return _attend_int8(q, k, v, k_scale, v_scale, mask, top, denom, acc, scale_log2,
                         BYTE_TRICK, MASKED)  # fmt: skip
 
@@ -177,9 +185,9 @@ def _paged_decode_kernel(
     SPLITS: tl.constexpr, STAGES: tl.constexpr, ALL_MERGE: tl.constexpr,
     INT8_ROWS: tl.constexpr, BYTE_TRICK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """`kvf_ptr`: the pool's float32 view (int8 rows are read through it; FP8 pages through
-    `kv_ptr`). The pool's strides are constants (a model's, so one build each): offsets that
-    fold into the loads' immediates."""
+    """`kvf_ptr`: the pool's float32 view (int8 rows' scales; unused for FP8 pages). The pool's
+    strides are constants (a model's, so one build each): they fold into the offsets' products
+    and the loads' immediates."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -195,13 +203,15 @@ def _paged_decode_kernel(
     if INT8_ROWS:
         full_end = start + (end - start) // TILE * TILE  # whole tiles: no per-row masks
         for t0 in tl.range(start, full_end, TILE, num_stages=STAGES):
-            top, denom, acc = _int8_step(q, kvf_ptr, idx_ptr, p0, t0, end, h, top, denom, acc,
-                                         scale_log2, S_PAGE, S_KV, S_SLOT, S_HEAD, PS, TILE,
-                                         2 * HALF, BYTE_TRICK, False)  # fmt: skip
+            top, denom, acc = _int8_step(
+                q, kv_ptr, kvf_ptr, idx_ptr, p0, t0, end, h, top, denom, acc, scale_log2,
+                S_PAGE, S_KV, S_SLOT, S_HEAD, PS, TILE, 2 * HALF, BYTE_TRICK, False,
+            )  # fmt: skip
         if full_end < end:
-            top, denom, acc = _int8_step(q, kvf_ptr, idx_ptr, p0, full_end, end, h, top, denom,
-                                         acc, scale_log2, S_PAGE, S_KV, S_SLOT, S_HEAD, PS,
-                                         TILE, 2 * HALF, BYTE_TRICK, True)  # fmt: skip
+            top, denom, acc = _int8_step(
+                q, kv_ptr, kvf_ptr, idx_ptr, p0, full_end, end, h, top, denom, acc, scale_log2,
+                S_PAGE, S_KV, S_SLOT, S_HEAD, PS, TILE, 2 * HALF, BYTE_TRICK, True,
+            )  # fmt: skip
     else:
         for t0 in tl.range(start, end, TILE, num_stages=STAGES):
             t = t0 + tl.arange(0, TILE)
