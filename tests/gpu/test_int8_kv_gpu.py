@@ -7,6 +7,7 @@ SmolLM2's real weights against HF float32: tests/gpu/test_smollm2_gpu.py (`-k in
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from pathlib import Path
 
@@ -89,6 +90,36 @@ def test_int8_decode_kernel_matches_reference(
             ) @ h  # fmt: skip
             assert torch.isfinite(out).all()
             assert rel_err(out, ref) < KERNEL_TOLERANCE, (layer, rel_err(out, ref))
+
+
+def test_int8_decode_kernel_reads_pages_past_8_gib() -> None:
+    """The same batch on pages more than 2^33 bytes into the pool (a page's stride spans every
+    layer, so a large pool's row offsets pass 32 bits, even counted in 4-byte words): the
+    attention the pages at the pool's start give."""
+    from workers.attention.paged_metadata import paged_metadata
+    from workers.kernels.int8_decode import Int8Decode
+
+    hq, hkv, d = HEADS["gqa-32/8-d128"]
+    seed, _, bf16, batch = decode_case("int8far", "gqa-32/8-d128", 16, 4)
+    near = int8_pool(bf16)
+    used = near.num_pages
+    far_start = -(-(2**33 + 2**20) // near.layout.page_bytes)  # the first far page's offset
+    far = KVPool(near.layout, far_start + used, "cuda", torch.bfloat16)
+    far.pages[far_start:] = near.pages
+    far_batch = dataclasses.replace(batch, page_table=batch.page_table + far_start,
+                                    slot_pages=batch.slot_pages + far_start)  # fmt: skip
+    h = hadamard(d, near.pages.device)
+    assert h is not None
+    q = torch.randn(4, hq, d, device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
+    outs = []
+    for pool, step in ((near, batch), (far, far_batch)):
+        meta = paged_metadata(step, 16)
+        kernel = Int8Decode(4, hq, hkv, d, d**-0.5, pool.pages.device)
+        outs.append(kernel.forward(q @ h, pool.layer(1), meta.kv_indptr.cuda(),
+                                   meta.kv_indices, meta.last_page_len.cuda()))  # fmt: skip
+    del far
+    assert torch.isfinite(outs[0]).all()
+    assert torch.equal(outs[0], outs[1])
 
 
 def assert_rows_match(got: torch.Tensor, want: torch.Tensor) -> None:
