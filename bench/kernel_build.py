@@ -4,6 +4,7 @@ the shared-memory layout each asynchronous copy lands in (the TTGIR).
 
     python -m bench.kernel_build int8_decode --tile 64 --warps 4 --stages 3 [--arch 90]
     python -m bench.kernel_build moe_gate_up --block-n 4 --block-k 512 --warps 4 --stages 1
+    python -m bench.kernel_build lora_expand --block-n 256 --warps 4
 
 What it answers, before a GPU is at hand: how many instructions a tile costs against the time
 its bytes take (an SM issues at most 4 warp instructions a cycle), whether a change moved work
@@ -167,12 +168,30 @@ def _moe(args: argparse.Namespace, kernel: str) -> Build:
     return build(fn, types, consts, args.warps, args.stages, args.arch, strides)
 
 
+def _lora(args: argparse.Namespace, kernel: str) -> Build:
+    """A LoRA kernel over 8 adapter slots of rank 16 and q/k/v's 3 parts, 16 tokens."""
+    from workers.kernels import lora_sgmv
+
+    fn = getattr(lora_sgmv, kernel)
+    common = dict(SLOTS=8, T_PAD=16, PDL=True)
+    if kernel == "_shrink_slot_kernel":
+        consts = dict(PR=48, PR_PAD=64, SPLIT=args.block_k, BLOCK_K=args.tile, **common)
+    else:
+        consts = dict(R=16, R_PAD=16, PARTS=3, NORM_IN=False, BLOCK_N=args.block_n, **common)
+    types = dict(x_ptr="*bf16", a_ptr="*bf16", b_ptr="*bf16", y_ptr="*bf16", mask_ptr="*bf16",
+                 part_ptr="*fp32", ss_ptr="*fp64", eps="fp32")  # fmt: skip
+    strides = ("n_in", "n_out", "stride_x", "stride_y")
+    return build(fn, types, consts, args.warps, args.stages, args.arch, strides)
+
+
 KERNELS: dict[str, Callable[[argparse.Namespace], Build]] = {
     "int8_decode": lambda a: _paged_decode(a, int8=True),
     "fp8_decode": lambda a: _paged_decode(a, int8=False),
     "moe_gate_up": lambda a: _moe(a, "_w13_gemv_kernel"),
     "moe_down": lambda a: _moe(a, "_w2_gemv_kernel"),
     "moe_down_slots": lambda a: _moe(a, "_w2_gemv_slots_kernel"),
+    "lora_shrink": lambda a: _lora(a, "_shrink_slot_kernel"),
+    "lora_expand": lambda a: _lora(a, "_expand_slot_kernel"),
 }
 
 
@@ -182,9 +201,12 @@ def main() -> None:
     parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90")
     parser.add_argument("--warps", type=int, default=4)
     parser.add_argument("--stages", type=int, default=3)
-    parser.add_argument("--tile", type=int, default=64, help="decode kernels: tokens a tile")
-    parser.add_argument("--block-n", type=int, default=4, help="MoE kernels: rows a program")
-    parser.add_argument("--block-k", type=int, default=512, help="MoE kernels: K a step")
+    parser.add_argument("--tile", type=int, default=64,
+                        help="decode kernels: tokens a tile; LoRA shrink: K a step")  # fmt: skip
+    parser.add_argument("--block-n", type=int, default=4,
+                        help="MoE kernels: rows a program; LoRA expand: columns")  # fmt: skip
+    parser.add_argument("--block-k", type=int, default=512,
+                        help="MoE kernels: K a step; LoRA shrink: K a program")  # fmt: skip
     parser.add_argument("--top", type=int, default=12, help="source lines and opcodes shown")
     args = parser.parse_args()
     os.environ.pop("TRITON_INTERPRET", None)
