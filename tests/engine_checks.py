@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from workers.config import EngineConfig, KVTransferConfig
 from workers.engine.engine import Engine
 from workers.protocol import GenerateRequest, RequestOutput
 
@@ -24,6 +27,26 @@ def drain_and_check_released(engine: Engine) -> None:
     assert radix is not None
     radix.check_invariants()
     assert engine.allocator.num_free + radix.num_cached_pages == engine.allocator.num_usable
+
+
+@contextlib.contextmanager
+def engine_pair(
+    prefill_cfg: EngineConfig, decode_cfg: EngineConfig | None = None
+) -> Iterator[tuple[PrefillEngine, DecodeEngine]]:
+    """A prefill and a decode engine in one process (NIXL over DRAM), the decode holding the
+    prefill's agent as a peer; both agents closed on the way out."""
+    from workers.disagg.decode import DecodeEngine
+    from workers.disagg.prefill import PrefillEngine
+
+    transfer = KVTransferConfig(lease_s=60.0)
+    prefill = PrefillEngine(prefill_cfg, transfer, "p")
+    decode = DecodeEngine(decode_cfg or prefill_cfg, transfer, "d")
+    try:
+        decode.agent.add_peer(prefill.agent.metadata())
+        yield prefill, decode
+    finally:
+        decode.agent.close()
+        prefill.agent.close()
 
 
 def prefill_then_decode(

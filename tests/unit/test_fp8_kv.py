@@ -14,11 +14,10 @@ from safetensors.torch import save_file
 
 from router.backend import RoleStats
 from router.metrics import Metrics
-from tests.engine_checks import drain_and_check_released, prefill_then_decode
+from tests.engine_checks import drain_and_check_released, engine_pair, prefill_then_decode
 from workers import LLM, SamplingParams
-from workers.config import EngineConfig, KVTransferConfig
+from workers.config import EngineConfig
 from workers.disagg.decode import DecodeEngine
-from workers.disagg.prefill import PrefillEngine
 from workers.kvcache.kv_dtype import FP8_MAX, KVScales, dequantize, quantize
 from workers.protocol import EngineStats, GenerateRequest, KVLayout
 from workers.transfer import KVLayoutMismatchError
@@ -89,10 +88,7 @@ def test_fp8_pages_cross_the_handoff_as_they_are(tiny_llama: str) -> None:
     """Prefill and decode engines in one process, NIXL over DRAM: the decode reads half the
     bytes a bf16 pool would and gives the colocated FP8 engine's tokens."""
     cfg = EngineConfig(model=tiny_llama, num_kv_pages=32, page_size=16, **FP8)
-    transfer = KVTransferConfig(lease_s=60.0)
-    prefill, decode = PrefillEngine(cfg, transfer, "p"), DecodeEngine(cfg, transfer, "d")
-    try:
-        decode.agent.add_peer(prefill.agent.metadata())
+    with engine_pair(cfg) as (prefill, decode):
         ids = list(range(500, 540))
         req = GenerateRequest(request_id="h", prompt_token_ids=ids, params=GREEDY)
         tokens = prefill_then_decode(prefill, decode, req)
@@ -105,9 +101,6 @@ def test_fp8_pages_cross_the_handoff_as_they_are(tiny_llama: str) -> None:
         # A decode pool storing bf16 refuses these pages, saying what to set.
         with pytest.raises(KVLayoutMismatchError, match="kv_cache_dtype"):
             decode.agent.check_layout(decode.agent.layout, "p", expected=bf16_layout(decode))
-    finally:
-        decode.agent.close()
-        prefill.agent.close()
 
 
 def bf16_layout(engine: DecodeEngine) -> KVLayout:

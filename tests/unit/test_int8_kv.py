@@ -9,13 +9,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tests.engine_checks import prefill_then_decode
+from tests.engine_checks import engine_pair, prefill_then_decode
 from workers import LLM, SamplingParams
 from workers.attention.base import AttentionBatch
 from workers.attention.torch_ref import TorchAttention
-from workers.config import EngineConfig, KVTransferConfig
-from workers.disagg.decode import DecodeEngine
-from workers.disagg.prefill import PrefillEngine
+from workers.config import EngineConfig
 from workers.kvcache.int8_rows import dequantize_rows, hadamard, quantize_rows
 from workers.kvcache.pool import KVPool
 from workers.protocol import GenerateRequest, KVLayout
@@ -113,10 +111,7 @@ def test_int8_pages_carry_their_scales_across_the_handoff(tiny_llama: str) -> No
     """Prefill and decode engines in one process, NIXL over DRAM: the scales ride inside the
     pages (head_dim + 4 bytes a row) and the decode gives the colocated int8 engine's tokens."""
     cfg = EngineConfig(model=tiny_llama, num_kv_pages=32, page_size=16, **INT8)
-    transfer = KVTransferConfig(lease_s=60.0)
-    prefill, decode = PrefillEngine(cfg, transfer, "p"), DecodeEngine(cfg, transfer, "d")
-    try:
-        decode.agent.add_peer(prefill.agent.metadata())
+    with engine_pair(cfg) as (prefill, decode):
         ids = list(range(500, 540))
         req = GenerateRequest(request_id="h", prompt_token_ids=ids, params=GREEDY)
         tokens = prefill_then_decode(prefill, decode, req)
@@ -129,9 +124,6 @@ def test_int8_pages_carry_their_scales_across_the_handoff(tiny_llama: str) -> No
         )
         [ref] = LLM(tiny_llama, num_kv_pages=32, page_size=16, **INT8).generate([ids], GREEDY)
         assert tokens == ref.token_ids
-    finally:
-        decode.agent.close()
-        prefill.agent.close()
 
 
 # -- SmolLM2's real weights ----------------------------------------------------------------------

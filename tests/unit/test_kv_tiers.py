@@ -9,11 +9,9 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from tests.engine_checks import drain_and_check_released, prefill_then_decode
+from tests.engine_checks import drain_and_check_released, engine_pair, prefill_then_decode
 from workers import LLM, SamplingParams
-from workers.config import EngineConfig, KVOffloadConfig, KVTransferConfig
-from workers.disagg.decode import DecodeEngine
-from workers.disagg.prefill import PrefillEngine
+from workers.config import EngineConfig, KVOffloadConfig
 from workers.protocol import EngineStats, GenerateRequest
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -175,11 +173,7 @@ def disaggregated_turns(
 ) -> tuple[EngineStats, EngineStats]:
     """Both turns through prefill and decode engines in one process (NIXL over DRAM), each
     request's tokens checked against the colocated reference: the engines' stats."""
-    transfer = KVTransferConfig(lease_s=60.0)
-    prefill = PrefillEngine(prefill_cfg, transfer, "p")
-    decode = DecodeEngine(decode_cfg, transfer, "d")
-    try:
-        decode.agent.add_peer(prefill.agent.metadata())
+    with engine_pair(prefill_cfg, decode_cfg) as (prefill, decode):
         for turn, prompts in enumerate((TURN1, TURN2)):
             for i, prompt in enumerate(prompts):
                 req = GenerateRequest(request_id=f"t{turn}-{i}", prompt_token_ids=prompt,
@@ -187,9 +181,6 @@ def disaggregated_turns(
                 assert prefill_then_decode(prefill, decode, req) == expected[turn][i]
         drain_and_check_released(decode)
         return prefill.stats(), decode.stats()
-    finally:
-        decode.agent.close()
-        prefill.agent.close()
 
 
 def test_pages_loaded_from_host_memory_cross_the_handoff(

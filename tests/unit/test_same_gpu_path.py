@@ -12,11 +12,9 @@ import torch
 from router.backend import RoleStats
 from router.metric_names import Naming
 from router.metrics import Metrics
-from tests.engine_checks import prefill_then_decode
+from tests.engine_checks import engine_pair, prefill_then_decode
 from workers import LLM, SamplingParams
 from workers.config import EngineConfig, KVTransferConfig
-from workers.disagg.decode import DecodeEngine
-from workers.disagg.prefill import PrefillEngine
 from workers.protocol import GenerateRequest, KVLayout
 from workers.transfer.descriptors import PoolRegion
 from workers.transfer.device_copy import PROCESS_ID, DeviceCopy, IpcPool, export_pool, same_gpu
@@ -99,11 +97,8 @@ def test_a_same_gpu_handoff_counts_a_device_copy_and_metrics_export_it(
     opened through IPC, here a host tensor) copies the pages itself, counts one and gives the
     same tokens; /metrics exports the count."""
     cfg = EngineConfig(model=tiny_llama, num_kv_pages=32, page_size=16)
-    transfer = KVTransferConfig(lease_s=60.0)
-    prefill, decode = PrefillEngine(cfg, transfer, "p"), DecodeEngine(cfg, transfer, "d")
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    try:
-        decode.agent.add_peer(prefill.agent.metadata())
+    with engine_pair(cfg) as (prefill, decode):
         over_nixl = prefill_then_decode(
             prefill, decode, GenerateRequest(request_id="a", prompt_token_ids=PROMPT, params=params)
         )
@@ -122,9 +117,6 @@ def test_a_same_gpu_handoff_counts_a_device_copy_and_metrics_export_it(
             [PROMPT, other], params
         )
         assert (over_nixl, copied) == (ref_a.token_ids, ref_b.token_ids)
-    finally:
-        decode.agent.close()
-        prefill.agent.close()
     text = Metrics("m").render([RoleStats("decode", stats)]).decode()
     assert 'pdserve:kv_transfer_device_copies_total{model_name="m",role="decode"} 1.0' in text
     vllm = Metrics("m", naming=Naming("vllm")).render([RoleStats("decode", stats)]).decode()

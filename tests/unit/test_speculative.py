@@ -10,10 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.engine_checks import drain_and_check_released
-from workers.config import EngineConfig, KVTransferConfig, SpeculativeConfig
-from workers.disagg.decode import DecodeEngine
-from workers.disagg.prefill import PrefillEngine
+from tests.engine_checks import drain_and_check_released, engine_pair
+from workers.config import EngineConfig, SpeculativeConfig
 from workers.engine.engine import Engine
 from workers.llm import LLM, GenerationOutput
 from workers.protocol import GenerateRequest, SamplingParams, StructuredOutputs
@@ -232,12 +230,8 @@ def test_disaggregated_the_decode_side_speculates_and_prefills_its_draft(
     draft's prompt KV itself and its output is the colocated engine's."""
     cfg = EngineConfig(model=tiny_llama, num_kv_pages=64, page_size=16,
                        speculative=draft(tiny_llama))  # fmt: skip
-    transfer = KVTransferConfig(lease_s=60.0)
-    prefill = PrefillEngine(cfg, transfer, "p")
-    decode = DecodeEngine(cfg, transfer, "d")
-    try:
+    with engine_pair(cfg) as (prefill, decode):
         assert prefill.spec is None and decode.spec is not None
-        decode.agent.add_peer(prefill.agent.metadata())
         ids = prefill.tokenizer.encode(PROMPTS[0])
         req = GenerateRequest(request_id="h", prompt_token_ids=ids, params=MIXED[0])
         prefill.add_request(req)
@@ -251,6 +245,3 @@ def test_disaggregated_the_decode_side_speculates_and_prefills_its_draft(
             chunks += decode.poll() + decode.step()
         assert sum((c.token_ids for c in chunks), []) == tiny_reference[0].token_ids
         assert chunks[-1].num_accepted_tokens > 0 and decode.stats().num_recomputed == 0
-    finally:
-        decode.agent.close()
-        prefill.agent.close()

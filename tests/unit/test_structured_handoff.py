@@ -11,7 +11,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from workers.config import EngineConfig, KVTransferConfig
+from tests.engine_checks import engine_pair
+from workers.config import EngineConfig
 from workers.disagg.decode import DecodeEngine
 from workers.disagg.prefill import PrefillEngine
 from workers.llm import LLM
@@ -28,14 +29,8 @@ DEADLINE_S = 60.0
 
 @pytest.fixture(scope="module")
 def engines() -> Iterator[tuple[PrefillEngine, DecodeEngine]]:
-    cfg = EngineConfig(num_kv_pages=32, page_size=16)
-    transfer = KVTransferConfig(lease_s=60.0)
-    prefill = PrefillEngine(cfg, transfer, "p")
-    decode = DecodeEngine(cfg, transfer, "d")
-    decode.agent.add_peer(prefill.agent.metadata())
-    yield prefill, decode
-    decode.agent.close()
-    prefill.agent.close()
+    with engine_pair(EngineConfig(num_kv_pages=32, page_size=16)) as pair:
+        yield pair
 
 
 def test_a_constrained_request_is_valid_across_the_handoff(
