@@ -154,16 +154,20 @@ def _paged_decode(args: argparse.Namespace, int8: bool) -> Build:
 
 
 def _moe(args: argparse.Namespace, kernel: str) -> Build:
-    """A GEMV kernel of the MoE experts at Qwen3-30B-A3B's shapes (top-8)."""
-    from workers.kernels import moe_gemv
+    """A kernel of the MoE experts (GEMV or tiles) at Qwen3-30B-A3B's shapes (top-8)."""
+    from workers.kernels import moe_fused, moe_gemv
 
-    fn = getattr(moe_gemv, kernel)
-    consts: dict[str, Any] = dict(BLOCK_N=args.block_n, BLOCK_K=args.block_k,
-                                  LOOP_STAGES=args.stages, PDL=True)  # fmt: skip
+    fn = getattr(moe_gemv if "gemv" in kernel else moe_fused, kernel)
+    consts: dict[str, Any] = dict(BLOCK_N=args.block_n, BLOCK_K=args.block_k, PDL=True)
+    if "gemv" in kernel:
+        consts["LOOP_STAGES"] = args.stages
+    else:
+        consts["BLOCK_M"] = args.block_m
     if kernel == "_w2_gemv_slots_kernel":
         consts["TOPK_P2"] = 8
     types = dict(x_ptr="*bf16", w_ptr="*bf16", act_ptr="*bf16", out_ptr="*bf16",
-                 ids_ptr="*i32", weights_ptr="*fp32")  # fmt: skip
+                 ids_ptr="*i32", weights_ptr="*fp32", pairs_ptr="*i32",
+                 tile_expert_ptr="*i32")  # fmt: skip
     strides = ("H", "INTER", "stride_x", "stride_we", "stride_wn", "stride_act", "stride_out")
     return build(fn, types, consts, args.warps, args.stages, args.arch, strides)
 
@@ -190,6 +194,8 @@ KERNELS: dict[str, Callable[[argparse.Namespace], Build]] = {
     "moe_gate_up": lambda a: _moe(a, "_w13_gemv_kernel"),
     "moe_down": lambda a: _moe(a, "_w2_gemv_kernel"),
     "moe_down_slots": lambda a: _moe(a, "_w2_gemv_slots_kernel"),
+    "moe_gate_up_tiles": lambda a: _moe(a, "_w13_kernel"),
+    "moe_down_tiles": lambda a: _moe(a, "_w2_kernel"),
     "lora_shrink": lambda a: _lora(a, "_shrink_slot_kernel"),
     "lora_expand": lambda a: _lora(a, "_expand_slot_kernel"),
 }
@@ -205,6 +211,7 @@ def main() -> None:
                         help="decode kernels: tokens a tile; LoRA shrink: K a step")  # fmt: skip
     parser.add_argument("--block-n", type=int, default=4,
                         help="MoE kernels: rows a program; LoRA expand: columns")  # fmt: skip
+    parser.add_argument("--block-m", type=int, default=128, help="MoE tile kernels: rows")
     parser.add_argument("--block-k", type=int, default=512,
                         help="MoE kernels: K a step; LoRA shrink: K a program")  # fmt: skip
     parser.add_argument("--top", type=int, default=12, help="source lines and opcodes shown")
