@@ -39,6 +39,7 @@ from bench.gpu_common import (  # noqa: E402
     Floor,
     dummy_model_dir,
     embedded_model_dir,
+    engine_options,
     median_of,
     step_timeline,
 )
@@ -159,6 +160,11 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true",
                     help="each batch's base and LoRA step by kernel kind (CUDA)")  # fmt: skip
     ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "pdserve-bench")
+    ap.add_argument(
+        "--set", dest="assignments", action="append", default=[], metavar="PATH=VALUE",
+        help="an EngineConfig field, as `pdserve serve --set` (kernels.pdl=false: --profile's "
+        "kernel times without PDL's overlap)",
+    )  # fmt: skip
     add_out_argument(ap)
     args = ap.parse_args()
     cuda = args.device == "cuda"
@@ -176,14 +182,15 @@ def main() -> None:
         floor = Floor.measure()
     rows = []
     for products in args.products.split(","):  # one engine at a time: each holds the model
-        rows += measure(args, EngineConfig(
+        fields = dict(
             model=str(model_dir), load_format="dummy", device=args.device,
             dtype="bfloat16" if cuda else "float32", enable_lora=True, max_loras=args.adapters,
             max_lora_rank=args.rank, max_num_seqs=max(args.batches),
             enable_prefix_caching=False, max_num_batched_tokens=max(2048, args.context),
             num_kv_pages=max(args.batches) * -(-(args.context + args.steps + 32) // 16) + 1,
             cuda_graph_batch_sizes=tuple(args.batches), kernels={"lora_products": products},
-        ), loras, floor)  # fmt: skip
+        )  # fmt: skip
+        rows += measure(args, EngineConfig(**engine_options(args, **fields)), loras, floor)
     model = f"{shape} shapes, random {'bf16' if cuda else 'float32'} weights"
     write_result(args.out, "lora-decode", rows, model=model, title=TITLE,
                  measured=None if floor is None else floor.measured())  # fmt: skip
