@@ -38,6 +38,8 @@
 #   moe_sweep  tune the fused MoE kernel's launch table for this GPU (bench/sweep_moe.py --write)
 #   lora       multi-LoRA decode (8 adapters of rank 16) against the base step, the products
 #              after, beside and in the epilogue of the base GEMMs (bench/bench_lora.py)
+#   lora_profile  the LoRA step's kernels by kind, without PDL (each kernel's own time)
+#   int8attn   the int8 KV decode kernel alone at 64 x 4096 against the read of its rows
 #   int8sweep  tune the int8 KV decode kernel's launches for this GPU (written to its table)
 #   int8       decode step with int8 KV against bf16 KV at 64 x 4096, each against its floor
 #   gemm_sweep tune the skinny GEMM's launch table for this GPU (bench.sweep_skinny_gemm)
@@ -133,10 +135,14 @@ part moe_sweep 900 1 python3 bench/sweep_moe.py --write
 part moe 600 1 python3 bench/bench_moe.py --device cuda "${tok[@]}" --out "$OUT"
 part lora 600 1 python3 bench/bench_lora.py --device cuda "${tok[@]}" \
   --products after,beside,epilogue --out "$OUT"
+part int8attn 120 1 python3 -m bench.bench_fp8_decode "${tok[@]}" --attention --kv int8 \
+  --cases 64x4096
 part int8sweep 300 1 python3 -m bench.bench_fp8_decode "${tok[@]}" --attention --kv int8 \
   --sweep --write-table --cases 64x4096,16x4096,1x4096 --out "$OUT"
 part int8 300 1 python3 -m bench.bench_fp8_decode "${tok[@]}" --cases 64x4096 --kv auto,int8 \
   --out "$OUT"
+part lora_profile 300 1 python3 bench/bench_lora.py --device cuda "${tok[@]}" --products after \
+  --repeats 1 --profile --set kernels.pdl=false
 part gemm_sweep 1800 1 python3 -m bench.sweep_skinny_gemm --out "$OUT"
 part blocked 600 1 bash -c 'python3 -m bench.sweep_skinny_gemm --blocked &&
   python3 -m bench.bench_decode "$@" --set kernels.blocked_weights=true' _ "${tok[@]}" \
