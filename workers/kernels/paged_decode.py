@@ -24,6 +24,7 @@ from workers.kernels.split_kv_common import (
     attend,
     finish_split,
     group_queries,
+    group_rows,
     num_splits,
     sequence_pages,
     tile_kv,
@@ -43,18 +44,18 @@ def _split_tokens(indptr_ptr, last_ptr, b, split, PS: tl.constexpr, TILE: tl.con
 
 
 @triton.jit
-def _group_rows(q_ptr, q_st, q_sh, b, h, GROUP: tl.constexpr, D: tl.constexpr):
-    """KV head `h`'s query heads as 16 rows `[16, D]` (rows past the group are zeros)."""
-    rows = tl.arange(0, 16)
-    q_row = q_ptr + b * q_st + (h * GROUP + rows)[:, None] * q_sh + tl.arange(0, D)[None, :]
-    return tl.load(q_row, mask=(rows < GROUP)[:, None], other=0.0)
-
-
-@triton.jit
 def _empty_softmax(HALF: tl.constexpr):
     """An online softmax's state before its first tile: running max, sum and output."""
     top = tl.full([16], -1.0e30, dtype=tl.float32)
     return top, tl.zeros([16], dtype=tl.float32), tl.zeros([16, 2 * HALF], dtype=tl.float32)
+
+
+@triton.jit
+def _load(ptr, mask, MASKED: tl.constexpr):
+    """`ptr`'s values, zeros where `mask` is off; unless `MASKED`, every one (no predicates)."""
+    if MASKED:
+        return tl.load(ptr, mask=mask, other=0)
+    return tl.load(ptr)
 
 
 @triton.jit
@@ -78,10 +79,7 @@ def _int8_tile(kv_ptr, kvf_ptr, idx_ptr, p0, t0, end, h, S_PAGE: tl.constexpr,
     first = t0 + tl.arange(0, NP) * SLOTS  # each run's first token
     slot = tl.arange(0, SLOTS)
     mask = tl.reshape((first[:, None] + slot[None, :]) < end, (TILE,))
-    if MASKED:
-        page = tl.load(idx_ptr + p0 + first // PS, mask=first < end, other=0)
-    else:
-        page = tl.load(idx_ptr + p0 + first // PS)
+    page = _load(idx_ptr + p0 + first // PS, first < end, MASKED)
     base = page.to(tl.int64) * S_PAGE + h * S_HEAD + (first % PS) * S_SLOT
     off = tl.reshape(base[:, None] + (slot * S_SLOT)[None, :], (TILE,))  # bytes
     k_row = tl.multiple_of(kv_ptr + off, 4)
@@ -90,17 +88,9 @@ def _int8_tile(kv_ptr, kvf_ptr, idx_ptr, p0, t0, end, h, S_PAGE: tl.constexpr,
     # The scales after each row's bytes, through the pool's float32 view.
     k_scale_at = kvf_ptr + (off + D) // 4
     v_scale_at = k_scale_at + S_KV // 4
-    if MASKED:
-        k = tl.load(k_row[:, None] + dd, mask=mask[:, None], other=0)
-        v = tl.load(v_row[:, None] + dd, mask=mask[:, None], other=0)
-        k_scale = tl.load(k_scale_at, mask=mask, other=0.0)
-        v_scale = tl.load(v_scale_at, mask=mask, other=0.0)
-    else:
-        k = tl.load(k_row[:, None] + dd)
-        v = tl.load(v_row[:, None] + dd)
-        k_scale = tl.load(k_scale_at)
-        v_scale = tl.load(v_scale_at)
-    return k, v, k_scale, v_scale, mask
+    k = _load(k_row[:, None] + dd, mask[:, None], MASKED)
+    v = _load(v_row[:, None] + dd, mask[:, None], MASKED)
+    return k, v, _load(k_scale_at, mask, MASKED), _load(v_scale_at, mask, MASKED), mask
 
 
 @triton.jit
@@ -195,7 +185,7 @@ def _paged_decode_kernel(
     p0, start, end = _split_tokens(indptr_ptr, last_ptr, b, split, PS, TILE, SPLITS)
     wait_for_inputs(PDL)  # q, and the new token's K/V in the pool
     if INT8_ROWS:
-        q = _group_rows(q_ptr, q_st, q_sh, b, h, GROUP, 2 * HALF).to(tl.float16)
+        q = group_rows(q_ptr, q_st, q_sh, b, h, GROUP, 2 * HALF).to(tl.float16)
     else:
         q1, q2 = group_queries(q_ptr, q_st, q_sh, b, h, GROUP, HALF)
         q1, q2 = q1.to(tl.float16), q2.to(tl.float16)

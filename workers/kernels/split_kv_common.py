@@ -55,15 +55,20 @@ def sequence_pages(indptr_ptr, last_ptr, b, PS: tl.constexpr):
 
 
 @triton.jit
-def group_queries(q_ptr, q_st, q_sh, b, h, GROUP: tl.constexpr, HALF: tl.constexpr):
+def group_rows(q_ptr, q_st, q_sh, b, h, GROUP: tl.constexpr, WIDTH: tl.constexpr, start=0):
     """KV head `h`'s query heads as 16 rows (the tensor-core minimum; rows past the group are
-    zeros), in two halves `[16, HALF]` as stored."""
+    zeros): `[16, WIDTH]`, columns from `start`."""
     rows = tl.arange(0, 16)
-    dh = tl.arange(0, HALF)
-    q_row = q_ptr + b * q_st + (h * GROUP + rows)[:, None] * q_sh + dh[None, :]
-    x1 = tl.load(q_row, mask=(rows < GROUP)[:, None], other=0.0)
-    x2 = tl.load(q_row + HALF, mask=(rows < GROUP)[:, None], other=0.0)
-    return x1, x2
+    cols = start + tl.arange(0, WIDTH)
+    q_row = q_ptr + b * q_st + (h * GROUP + rows)[:, None] * q_sh + cols[None, :]
+    return tl.load(q_row, mask=(rows < GROUP)[:, None], other=0.0)
+
+
+@triton.jit
+def group_queries(q_ptr, q_st, q_sh, b, h, GROUP: tl.constexpr, HALF: tl.constexpr):
+    """`group_rows` in two halves `[16, HALF]` as stored."""
+    x1 = group_rows(q_ptr, q_st, q_sh, b, h, GROUP, HALF)
+    return x1, group_rows(q_ptr, q_st, q_sh, b, h, GROUP, HALF, HALF)
 
 
 @triton.jit
