@@ -231,6 +231,20 @@ def cuda_ms(fn: Callable[[], object], warmup: int = 3, iters: int = 20) -> float
     return statistics.median(times)
 
 
+def time_configs(
+    configs: list[Any], ms_of: Callable[[Any], float], label: str = ""
+) -> list[tuple[float, Any]]:
+    """(ms_of(config), config) for each of `configs` that runs; one that does not compile (out
+    of shared memory, registers) is printed and skipped, as a tuning sweep wants."""
+    timed = []
+    for cfg in configs:
+        try:
+            timed.append((ms_of(cfg), cfg))
+        except Exception as e:  # noqa: BLE001 - a config that does not compile is skipped
+            print(f"  {label} {cfg}: {type(e).__name__}", flush=True)
+    return timed
+
+
 def replay_ms(replay: Callable[[], object], warmup: int = 3, iters: int = 20) -> float:
     """Device milliseconds per call of `replay` (a CUDA graph's), the calls queued back to back
     behind a spin kernel, so the device never waits for the host: a decode step's graph takes

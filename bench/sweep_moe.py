@@ -26,7 +26,7 @@ if __package__ in (None, ""):  # run as a file: the repository's root on the pat
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from bench.gpu_common import Floor, cuda_ms  # noqa: E402
+from bench.gpu_common import Floor, cuda_ms, time_configs  # noqa: E402
 from workers.kernels.moe_tuning import MoEConfig, MoETable, Shape, dumps, moe_table  # noqa: E402
 from workers.kernels.tuning import table_path  # noqa: E402
 
@@ -78,27 +78,9 @@ def down_candidates(best: MoEConfig, top_k: int) -> list[MoEConfig]:
     return out
 
 
-def time_configs(
-    configs: list[MoEConfig],
-    args: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-) -> list[tuple[float, MoEConfig]]:
-    """(ms, config) of `fused_moe(x, w13, w2, weights, ids)` (`args`) under each config that
-    compiles."""
+def sweep(shape: Shape, token_counts: list[int], floor: Floor) -> dict[int, MoEConfig]:
     from workers.kernels.moe_fused import fused_moe
 
-    x, w13, w2, weights, ids = args
-    timed = []
-    for cfg in configs:
-        try:
-            ms = cuda_ms(lambda: fused_moe(x, w13, w2, weights, ids, config=cfg))  # noqa: B023
-        except Exception as e:  # noqa: BLE001 - a config that does not compile is skipped
-            print(f"  {cfg}: {type(e).__name__}", flush=True)
-            continue
-        timed.append((ms, cfg))
-    return timed
-
-
-def sweep(shape: Shape, token_counts: list[int], floor: Floor) -> dict[int, MoEConfig]:
     E, H, inter, k = shape
     gen = torch.Generator("cuda").manual_seed(0)
     w13 = torch.randn(E, 2 * inter, H, generator=gen, device="cuda").bfloat16() / H**0.5
@@ -108,11 +90,14 @@ def sweep(shape: Shape, token_counts: list[int], floor: Floor) -> dict[int, MoEC
         x = torch.randn(tokens, H, generator=gen, device="cuda").bfloat16()
         logits = torch.randn(tokens, E, generator=gen, device="cuda")
         weights, ids = torch.softmax(logits, -1).topk(k, dim=-1)
-        args = (x, w13, w2, weights, ids)
-        timed = time_configs(candidates(tokens, k, E), args)
+
+        def ms_of(cfg: MoEConfig) -> float:
+            return cuda_ms(lambda: fused_moe(x, w13, w2, weights, ids, config=cfg))  # noqa: B023
+
+        timed = time_configs(candidates(tokens, k, E), ms_of)
         ms, cfg = min(timed, key=lambda t: t[0])
         if cfg.gemv:  # then the down kernel's own tiles, gate/up's kept
-            timed += time_configs(down_candidates(cfg, k), args)
+            timed += time_configs(down_candidates(cfg, k), ms_of)
             ms, cfg = min(timed, key=lambda t: t[0])
         # against the routed experts' bytes at the copy rate, and the other path's best
         routed = int(ids.unique().numel()) * 3 * H * inter * w13.element_size()

@@ -21,13 +21,13 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from bench.bench_gemm_decode import ROWS, graph_ms, shard_shapes, weights
+from bench.gpu_common import time_configs
 from bench.results_io import add_out_argument, write_result
 from workers.kernels.tuning import Cell, Config, SkinnyGemmTable, dumps, parse, table_path
 
@@ -47,20 +47,6 @@ def candidates(m: int, n: int) -> list[Config]:
     return out
 
 
-def time_configs(
-    configs: list[Config], call: Callable[[torch.Tensor, Config], object],
-    ws: list[torch.Tensor], label: str,
-) -> list[tuple[float, Config]]:  # fmt: skip
-    """(ms, config) of `call(w, config)` over the copies `ws` for each config that compiles."""
-    timed = []
-    for cfg in configs:
-        try:
-            timed.append((graph_ms(lambda w, c=cfg: call(w, c), ws), cfg))
-        except Exception as e:  # noqa: BLE001 - e.g. out of shared memory or registers
-            print(f"  {label} {cfg}: {type(e).__name__}")
-    return timed
-
-
 def sweep_shape(
     n: int, k: int, row_counts: list[int], rows: list[dict]
 ) -> tuple[dict[Cell, Config], set[Cell]]:
@@ -74,7 +60,9 @@ def sweep_shape(
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         cublas = graph_ms(lambda w, x=x: F.linear(x, w), ws)
         timed = time_configs(
-            candidates(m, n), lambda w, c, x=x: skinny_linear(x, w, config=c), ws, f"{n}x{k} M={m}"
+            candidates(m, n),
+            lambda c, x=x: graph_ms(lambda w: skinny_linear(x, w, config=c), ws),
+            f"{n}x{k} M={m}",
         )
         best_ms, best = min(timed, key=lambda t: t[0])
         configs[(n, k, m)] = best
@@ -103,8 +91,11 @@ def sweep_blocked(n: int = 28672, k: int = 4096) -> None:
     configs = [Config(block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
                for bn, bk, warps, stages in itertools.product((32, 64, 128), (16, 32, 64),
                                                               (1, 2, 4), (2, 3))]  # fmt: skip
-    timed = time_configs(configs, lambda w, c: skinny_linear(x, w, config=c, gated=True),
-                         blocked, f"{n}x{k} M=1 blocked")  # fmt: skip
+    timed = time_configs(
+        configs,
+        lambda c: graph_ms(lambda w: skinny_linear(x, w, config=c, gated=True), blocked),
+        f"{n}x{k} M=1 blocked",
+    )
     for ms, cfg in sorted(timed, key=lambda t: t[0])[:8]:
         print(f"blocked {cfg}: {ms:.4f} ms ({ms / row_major:.3f}x row-major)", flush=True)
 
