@@ -137,14 +137,18 @@ def _longest_loop(sass: list[str]) -> tuple[int, collections.Counter, collection
 
 
 def _paged_decode(args: argparse.Namespace, int8: bool) -> Build:
-    """The 8-bit paged decode kernel at Llama-3-8B's heads (32 / 8, head_dim 128, page 16)."""
+    """The 8-bit paged decode kernel at the heads `bench_fp8_decode --attention` times
+    (Llama-3-8B's: 32 / 8, head_dim 128, page 16)."""
+    from bench.bench_fp8_decode import HEAD_DIM, KV_HEADS, PAGE, Q_HEADS, row_bytes
     from workers.kernels import paged_decode
 
-    row = 128 + (4 if int8 else 0)
-    strides = dict(S_HEAD=row, S_SLOT=8 * row, S_KV=16 * 8 * row, S_PAGE=2 * 16 * 8 * row)
-    consts = dict(GROUP=4, GROUP_P2=4, HALF=64, PS=16, TILE=args.tile, SPLITS=2,
-                  STAGES=args.stages, ALL_MERGE=False, INT8_ROWS=int8, BYTE_TRICK=int8,
-                  PDL=True, **strides)  # fmt: skip
+    row = row_bytes(int8)
+    strides = dict(S_HEAD=row, S_SLOT=KV_HEADS * row, S_KV=PAGE * KV_HEADS * row,
+                   S_PAGE=2 * PAGE * KV_HEADS * row)  # a pool of one layer  # fmt: skip
+    group = Q_HEADS // KV_HEADS
+    consts = dict(GROUP=group, GROUP_P2=group, HALF=HEAD_DIM // 2, PS=PAGE, TILE=args.tile,
+                  SPLITS=2, STAGES=args.stages, ALL_MERGE=False, INT8_ROWS=int8,
+                  BYTE_TRICK=int8, PDL=True, **strides)  # fmt: skip
     types = dict(q_ptr="*bf16", kv_ptr="*i8" if int8 else "*fp8e4nv", kvf_ptr="*fp32",
                  indptr_ptr="*i32", idx_ptr="*i32", last_ptr="*i32", part_o_ptr="*fp32",
                  part_lse_ptr="*fp32", lock_ptr="*i32", out_ptr="*bf16", scale_log2="fp32",
