@@ -99,7 +99,11 @@ def main() -> None:
     ap = bench_parser(__doc__, tokenizer_dir=embedded_model_dir())
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     add_repeats_argument(ap)
-    ap.add_argument("--profile", action="store_true", help="each decode graph's kernels by kind")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="each decode graph's and the prefill's kernels by kind",
+    )
     ap.add_argument("--trace", help="with --profile: a folder for Chrome traces of the replays")
     args = ap.parse_args()
     dev, cuda = args.device, args.device == "cuda"
@@ -149,6 +153,9 @@ def main() -> None:
                of_gemm_peak=round(tflops / peak, 3) if peak else None)  # fmt: skip
     rows.append(row)
     print("PREFILL", row, flush=True)
+    if args.profile and cuda:
+        trace = args.trace and f"{args.trace}/moe_prefill_{prompt}.json"
+        print(step_timeline(lambda: runner.execute(step), trace), flush=True)
     measured = dict(gemm_peak_tflops=round(peak), **floor.measured()) if floor and peak else None
     model = f"{shape} shapes, random {'bf16' if cuda else 'float32'} weights, page {PAGE_SIZE}"
     title = "MoE decode against the routed-expert floor, prefill against the GEMM peak"
