@@ -88,6 +88,21 @@ def test_silu_and_mul_matches_torch(dtype: torch.dtype, rows: int, width: int) -
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,width", [(16, 4096), (9, 576)])
+def test_add_square_sums_adds_and_redoes_sums(dtype: torch.dtype, rows: int, width: int) -> None:
+    from workers.kernels import fused
+    from workers.kernels.skinny_tiles import SUMSQ_SLOTS
+
+    y = torch.randn(rows, width, device="cuda").to(dtype) * 3
+    x = torch.randn(rows, width, device="cuda").to(dtype) * 0.1
+    sumsq = torch.rand(rows, SUMSQ_SLOTS, device="cuda", dtype=torch.float64)
+    want = y + x  # torch's add: one rounding
+    assert fused.add_square_sums(y, x, sumsq) is y and torch.equal(y, want)
+    torch.testing.assert_close(sumsq[:, 0], want.double().square().sum(1), rtol=1e-12, atol=0)
+    assert not sumsq[:, 1:].any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,width", [(1, 4096), (300, 576)])
 def test_add_rms_norm_matches_add_then_norm(dtype: torch.dtype, rows: int, width: int) -> None:
     from workers.kernels import fused

@@ -3,7 +3,8 @@ against the masked dense products (`lora_ops.add_lora`'s torch path) in float64:
 projection of three uneven parts and a single one, tokens of every slot and base tokens, input
 and output sizes that no block divides; and each of them on a raw stream with the float64 sums
 of its rows' squares (a folded norm: the products of the RMS-normalised rows). In fp16 (the
-interpreter's bf16 products are wrong)."""
+interpreter's bf16 products are wrong). Also `fused.add_square_sums`, which adds the products
+made beside a GEMM that wrote the next norm's sums of squares, and redoes those sums."""
 
 from __future__ import annotations
 
@@ -62,3 +63,42 @@ def check() -> None:
 
 def test_sgmv_equals_the_masked_products() -> None:
     interpreted("check", __name__)
+
+
+def square_sums_case(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A GEMM's output y `[5, 96]` (96: no power of 2), products x to add, and sums of squares
+    as the GEMM left them (spread over the slots)."""
+    from workers.kernels.skinny_tiles import SUMSQ_SLOTS
+
+    gen = torch.Generator().manual_seed(1)
+    y = (torch.randn(5, 96, generator=gen) * 3).to(dtype)
+    x = (torch.randn(5, 96, generator=gen) * 0.1).to(dtype)
+    return y, x, torch.rand(5, SUMSQ_SLOTS, generator=gen, dtype=torch.float64)
+
+
+def check_square_sums() -> None:
+    """The kernel (run with TRITON_INTERPRET=1) against the torch arithmetic: y + x rounded
+    once, the new rows' sums of squares in float64 in the first slot, the others zero."""
+    from workers.kernels import fused
+
+    y, x, sumsq = square_sums_case(torch.float16)
+    want = (y.float() + x.float()).to(y.dtype)
+    kernel = fused._add_square_sums_kernel  # itself: `applies` is False on the CPU
+    kernel[(5,)](y, x, sumsq, y.stride(0), x.stride(0), 96, SLOTS=sumsq.shape[1], BLOCK=128,
+              PDL=False)  # fmt: skip
+    assert torch.equal(y, want)
+    assert torch.allclose(sumsq[:, 0], want.double().square().sum(1), rtol=1e-12)
+    assert not sumsq[:, 1:].any()
+
+
+def test_add_square_sums_kernel() -> None:
+    interpreted("check_square_sums", __name__)
+
+
+def test_add_square_sums_on_the_cpu() -> None:
+    from workers.kernels import fused
+
+    y, x, sumsq = square_sums_case(torch.bfloat16)
+    want = y + x
+    assert fused.add_square_sums(y, x, sumsq) is y and torch.equal(y, want)
+    assert torch.equal(sumsq[:, 0], want.double().square().sum(1)) and not sumsq[:, 1:].any()

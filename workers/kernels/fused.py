@@ -8,7 +8,10 @@ here is one kernel and rounds where the torch code rounds, so results match it t
   (HF's `LlamaRMSNorm`); strided `[T, H, D]` rows (Qwen3's q/k heads) read in place;
 - `add_rms_norm`: `residual + x` rounded to the input dtype (what torch's add gives), then
   `rms_norm` of that sum; returns both, so a decoder layer needs no separate add kernel;
-- `silu_and_mul`: `silu(gate)` rounded to the input dtype, times `up`, as torch computes it.
+- `silu_and_mul`: `silu(gate)` rounded to the input dtype, times `up`, as torch computes it;
+- `add_square_sums`: `y += x` in place, and the next norm's sums of squares of the new rows
+  redone (the skinny GEMM's `SUMSQ_SLOTS` float64 sums), for products added after a GEMM that
+  wrote them.
 Each launches with programmatic dependent launch where the GPU has it (`workers/kernels/pdl.py`).
 Rotary's kernels are in `rope.py`. Callers (`workers/model/layers.py`, `llama.py`) use these
 only when `applies(x)`, so float32 and CPU runs keep the exact torch arithmetic that the
@@ -23,6 +26,7 @@ import triton.language as tl
 
 from workers.kernels import pdl
 from workers.kernels.pdl import start_dependents, wait_for_inputs
+from workers.kernels.skinny_tiles import SUMSQ_SLOTS
 
 
 def applies(x: torch.Tensor) -> bool:
@@ -160,3 +164,42 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
             x, out, x.stride(0), n, BLOCK=block, **pdl.launch_options(x)
         )
     return out
+
+
+@triton.jit
+def _add_square_sums_kernel(
+    y_ptr, x_ptr, ss_ptr, y_stride, x_stride, n, SLOTS: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+):  # fmt: skip
+    start_dependents(PDL)
+    wait_for_inputs(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n
+    y = tl.load(y_ptr + row * y_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    total = (y + x).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + row * y_stride + cols, total, mask=mask)
+    t = total.to(tl.float64)  # as the GEMM epilogue sums them: the stored values, in float64
+    slots = tl.arange(0, SLOTS)
+    tl.store(ss_ptr + row * SLOTS + slots, tl.where(slots == 0, tl.sum(t * t, axis=0), 0.0))
+
+
+def add_square_sums(y: torch.Tensor, x: torch.Tensor, sumsq: torch.Tensor) -> torch.Tensor:
+    """`y += x` (`[T, n]`, rounded to y's dtype), and `sumsq` (`[T, SUMSQ_SLOTS]` float64, what a
+    GEMM's epilogue added for y's rows) replaced by the new rows' sums of squares, in one
+    kernel where `applies(y)`."""
+    assert y.shape == x.shape and y.stride(-1) == 1 and x.stride(-1) == 1
+    assert sumsq.shape == (y.shape[0], SUMSQ_SLOTS) and sumsq.dtype == torch.float64
+    if not applies(y):
+        y.add_(x)
+        sumsq.zero_()[:, 0] = y.double().square().sum(dim=1)
+        return y
+    rows, n = y.shape
+    if rows:
+        _add_square_sums_kernel[(rows,)](
+            y, x, sumsq, y.stride(0), x.stride(0), n, SLOTS=SUMSQ_SLOTS,
+            BLOCK=triton.next_power_of_2(n), num_warps=4 if n <= 2048 else 8,
+            **pdl.launch_options(y),
+        )  # fmt: skip
+    return y

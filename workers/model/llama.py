@@ -90,8 +90,9 @@ class Attention(nn.Module):
             else:
                 qkv = lora.rms_linear("qkv", residual, w, bias, norm, sum_in, shrunk=shrunk)
             out = self.attend(qkv, cos_sin, attn)
-        into = lora.into_residual("o", out, residual, self.o_proj.weight) if lora else None
-        return residual_linear(out, self.o_proj.weight, residual, sum_out, into)
+        if lora:
+            return lora.residual_linear("o", out, residual, self.o_proj.weight, sum_out)
+        return residual_linear(out, self.o_proj.weight, residual, sum_out)
 
     def attend(
         self, qkv: torch.Tensor, cos_sin: tuple[torch.Tensor, ...], attn: AttentionBackend
@@ -144,14 +145,14 @@ class MLP(nn.Module):
     ) -> torch.Tensor:  # fmt: skip
         """`residual + MLP(norm(residual))`, as `Attention.forward_folded`."""
         w = self.gate_up_proj.weight
-        lora, into = self.lora if self.lora is not None and self.lora.active else None, None
+        lora = self.lora if self.lora is not None and self.lora.active else None
         if lora is None:
             act = rms_linear(residual, w, None, norm, sum_in, gated=True)
-        else:  # LoRA adds to gate and up before the activation, and down's to the stream
-            shrunk = lora.shrunk("gate_up", residual, w, True) if sum_in is not None else None
-            act = lora.rms_linear("gate_up", residual, w, None, norm, sum_in, True, shrunk)
-            into = lora.into_residual("down", act, residual, self.down_proj.weight)
-        return residual_linear(act, self.down_proj.weight, residual, sum_out, into)
+            return residual_linear(act, self.down_proj.weight, residual, sum_out)
+        # LoRA adds to gate and up before the activation, and down's to the stream
+        shrunk = lora.shrunk("gate_up", residual, w, True) if sum_in is not None else None
+        act = lora.rms_linear("gate_up", residual, w, None, norm, sum_in, True, shrunk)
+        return lora.residual_linear("down", act, residual, self.down_proj.weight, sum_out)
 
 
 class DecoderLayer(nn.Module):

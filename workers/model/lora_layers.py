@@ -6,12 +6,13 @@ for its size with the hooks, eagerly or in its size's LoRA CUDA graph, captured 
 that each replay refills (`workers/engine/cuda_graph.py`). On the folded path (norm gains in
 the weights, `LlamaForCausalLM.fold_norm_gains`) q/k/v and gate/up shrink the raw stream and
 scale by the row's 1/rms as their GEMM does (`rms_linear`), and o's and down's products go into
-the residual stream before the GEMM that adds its own. The stacks are filled by
-`workers/lora/slots.py`.
+the residual stream before the GEMM that adds its own, or beside it and after it
+(`residual_linear`). The stacks are filled by `workers/lora/slots.py`.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from workers.kernels.lora_ops import add_lora, add_lora_beside
-from workers.model.layers import RMSNorm, linear, rms_linear, silu_and_mul
+from workers.model.layers import RMSNorm, linear, residual_linear, rms_linear, silu_and_mul
 
 if TYPE_CHECKING:
     from workers.kernels.lora_sgmv import ShrunkRows
@@ -76,16 +77,19 @@ class LayerLoRA:
 
     def linear(
         self, name: str, x: torch.Tensor, base: Callable[[], torch.Tensor],
-        sumsq: torch.Tensor | None = None, eps: float = 0.0,
+        sumsq: torch.Tensor | None = None, eps: float = 0.0, sums_out: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
         """`base()` (the base product of x's rows) plus `name`'s products of them: beside it
-        on a second stream where the context says so (`add_lora_beside`), else after it."""
+        on a second stream where the context says so (`add_lora_beside`; `sums_out`: the sums
+        of squares `base()` wrote, redone), else after it."""
         step, stack = self.context.step, self.stacks.get(name)
-        beside = self.context.products == "beside"
-        if step is not None and stack is not None and beside and x.is_cuda:
+        if step is not None and stack is not None and self._beside(x):
             return add_lora_beside(base, x, stack.a, stack.b, step.mask, stack.out_parts, sumsq,
-                                   eps)  # fmt: skip
+                                   eps, sums_out)  # fmt: skip
         return self.add(name, x, base(), sumsq, eps)
+
+    def _beside(self, x: torch.Tensor) -> bool:
+        return self.context.products == "beside" and x.is_cuda
 
     def shrunk(
         self, name: str, x: torch.Tensor, weight: torch.Tensor, gated: bool = False
@@ -102,16 +106,20 @@ class LayerLoRA:
             return None
         return lora_sgmv.shrunk_rows(x, stack.a, stack.b, step.mask, stack.out_parts)
 
-    def into_residual(
-        self, name: str, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor
-    ) -> ShrunkRows | None:
-        """`name`'s products of x's rows for the GEMM that adds x W^T to `residual`
-        (`residual_linear`): shrunk for its epilogue where it takes them, else added into
-        `residual` now."""
-        shrunk = self.shrunk(name, x, weight)
-        if shrunk is None:
-            self.add(name, x, residual)
-        return shrunk
+    def residual_linear(
+        self, name: str, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+        sum_out: torch.Tensor | None,
+    ) -> torch.Tensor:  # fmt: skip
+        """`residual_linear(x, weight, residual, sum_out)` plus `name`'s products of x's rows:
+        in the GEMM's epilogue where it takes them; beside it on a second stream, added after
+        it with `sum_out` redone (their launches then off the path between the attention or
+        the activation and the GEMM); else into `residual` before it."""
+        if (shrunk := self.shrunk(name, x, weight)) is not None:
+            return residual_linear(x, weight, residual, sum_out, shrunk)
+        if self._beside(x):
+            base = functools.partial(residual_linear, x, weight, residual, sum_out)
+            return self.linear(name, x, base, sums_out=sum_out)
+        return residual_linear(x, weight, self.add(name, x, residual), sum_out)
 
     def rms_linear(
         self, name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
