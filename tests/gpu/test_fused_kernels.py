@@ -85,6 +85,9 @@ def test_silu_and_mul_matches_torch(dtype: torch.dtype, rows: int, width: int) -
     x = torch.randn(rows, width * 2, device="cuda").to(dtype) * 4
     gate, up = x.chunk(2, dim=-1)
     close(fused.silu_and_mul(x), F.silu(gate) * up)
+    added = torch.randn_like(x) * 0.5
+    gate, up = (x + added).chunk(2, dim=-1)
+    close(fused.silu_and_mul(x, added), F.silu(gate) * up)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

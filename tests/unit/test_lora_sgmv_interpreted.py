@@ -3,8 +3,10 @@ against the masked dense products (`lora_ops.add_lora`'s torch path) in float64:
 projection of three uneven parts and a single one, tokens of every slot and base tokens, input
 and output sizes that no block divides; and each of them on a raw stream with the float64 sums
 of its rows' squares (a folded norm: the products of the RMS-normalised rows). In fp16 (the
-interpreter's bf16 products are wrong). Also `fused.add_square_sums`, which adds the products
-made beside a GEMM that wrote the next norm's sums of squares, and redoes those sums."""
+interpreter's bf16 products are wrong). Also the kernels that add products made beside a GEMM
+(`kernels.lora_products="beside"`): `fused.add_square_sums` (into a GEMM's output whose next
+norm's sums of squares it redoes) and `fused.silu_and_mul` given them (gate/up's activation of
+the sum)."""
 
 from __future__ import annotations
 
@@ -102,3 +104,30 @@ def test_add_square_sums_on_the_cpu() -> None:
     want = y + x
     assert fused.add_square_sums(y, x, sumsq) is y and torch.equal(y, want)
     assert torch.equal(sumsq[:, 0], want.double().square().sum(1)) and not sumsq[:, 1:].any()
+
+
+def check_silu_added() -> None:
+    """`silu_and_mul(x, added)`'s kernel (TRITON_INTERPRET=1) against torch's add, then the
+    activation as `fused.silu_and_mul` rounds it, and against the activation of x alone."""
+    from workers.kernels import fused
+
+    gen = torch.Generator().manual_seed(2)
+    x = (torch.randn(3, 2 * 700, generator=gen) * 3).to(torch.float16)  # 700: two blocks
+    added = (torch.randn(3, 2 * 700, generator=gen) * 0.5).to(torch.float16)
+    want, alone = (torch.empty(3, 700, dtype=torch.float16) for _ in range(2))
+    kernel = fused._silu_and_mul_kernel  # itself: `applies` is False on the CPU
+    for out, extra in ((want, added), (alone, None)):
+        second = x if extra is None else extra
+        kernel[(3, 2)](x, second, out, x.stride(0), 700, ADDED=extra is not None, BLOCK=512,
+                       PDL=False)  # fmt: skip
+    gate, up = (x + added).float().chunk(2, dim=-1)
+    ref = (torch.nn.functional.silu(gate).half().float() * up).half()
+    # sigmoid's float32 may differ by an ulp from torch's, moving an fp16 rounding: one ulp
+    one_ulp = dict(rtol=float(torch.finfo(torch.float16).eps), atol=1e-3)
+    torch.testing.assert_close(want, ref, **one_ulp)
+    assert (want - alone).abs().max() > 0.1  # the products were added
+    torch.testing.assert_close(fused.silu_and_mul(x, added), ref, **one_ulp)  # torch, off CUDA
+
+
+def test_silu_and_mul_of_the_sum() -> None:
+    interpreted("check_silu_added", __name__)

@@ -47,8 +47,9 @@ class KernelConfig(BaseModel):
         "after",
         description="LoRA on CUDA, where a projection's adapter products run: after: the SGMV "
         "shrink and expand after its base GEMM, on one stream; beside: on a second stream "
-        "beside the base GEMM, which reads the same rows, added after both (o's and down's on "
-        "the folded path with the next norm's sums of squares redone); epilogue: the shrink before the base GEMM "
+        "beside the base GEMM, which reads the same rows, added after both (in gate/up's "
+        "activation; o's and down's on the folded path with the next norm's sums of squares "
+        "redone); epilogue: the shrink before the base GEMM "
         "and the expand in its epilogue, no launch after (decode steps on the folded path whose "
         "GEMMs run the skinny GEMM's tensor-core kernel, 9-64 tokens; elsewhere after)",
     )

@@ -8,7 +8,8 @@ here is one kernel and rounds where the torch code rounds, so results match it t
   (HF's `LlamaRMSNorm`); strided `[T, H, D]` rows (Qwen3's q/k heads) read in place;
 - `add_rms_norm`: `residual + x` rounded to the input dtype (what torch's add gives), then
   `rms_norm` of that sum; returns both, so a decoder layer needs no separate add kernel;
-- `silu_and_mul`: `silu(gate)` rounded to the input dtype, times `up`, as torch computes it;
+- `silu_and_mul`: `silu(gate)` rounded to the input dtype, times `up`, as torch computes it
+  (optionally of the input plus a second tensor, added first);
 - `add_square_sums`: `y += x` in place, and the next norm's sums of squares of the new rows
   redone (the skinny GEMM's `SUMSQ_SLOTS` float64 sums), for products added after a GEMM that
   wrote them.
@@ -140,29 +141,48 @@ def add_rms_norm(
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _half(ptr, add_ptr, offs, mask, ADDED: tl.constexpr):
+    """x's values at `offs` in float32; ADDED: plus `add_ptr`'s, rounded to x's dtype first."""
+    x = tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if ADDED:
+        x = (x + tl.load(add_ptr + offs, mask=mask, other=0.0).to(tl.float32))
+        x = x.to(ptr.dtype.element_ty).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _silu_and_mul_kernel(
+    x_ptr, add_ptr, out_ptr, x_stride, n, ADDED: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+):  # fmt: skip
     start_dependents(PDL)
     wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n
-    gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * x_stride + n + cols, mask=mask, other=0.0).to(tl.float32)
+    gate = _half(x_ptr, add_ptr, row * x_stride + cols, mask, ADDED)
+    up = _half(x_ptr, add_ptr, row * x_stride + n + cols, mask, ADDED)
     act = (gate * tl.sigmoid(gate)).to(out_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + row * n + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """`x` `[T, 2n]` holding [gate | up] -> `silu(gate) * up` `[T, n]`."""
+def silu_and_mul(x: torch.Tensor, added: torch.Tensor | None = None) -> torch.Tensor:
+    """`x` `[T, 2n]` holding [gate | up] -> `silu(gate) * up` `[T, n]`; `added` (x's shape and
+    strides, e.g. LoRA products made beside the GEMM that wrote x): of `x + added`, rounded as
+    torch's add rounds it, in the same launch."""
     rows, width = x.shape
     n = width // 2
-    assert x.stride(-1) == 1
+    assert x.stride(-1) == 1 and (added is None or added.stride() == x.stride())
+    if not applies(x):
+        gate, up = (x if added is None else x + added).chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     block = 1024
     if rows:
         _silu_and_mul_kernel[(rows, triton.cdiv(n, block))](
-            x, out, x.stride(0), n, BLOCK=block, **pdl.launch_options(x)
-        )
+            x, x if added is None else added, out, x.stride(0), n, ADDED=added is not None,
+            BLOCK=block, **pdl.launch_options(x),
+        )  # fmt: skip
     return out
 
 

@@ -27,7 +27,6 @@ from workers.model.layers import (
     residual_linear,
     rms_linear,
     rms_linear_rotary,
-    silu_and_mul,
     silu_and_mul_linear,
     skinny_takes_all,
 )
@@ -135,7 +134,7 @@ class MLP(nn.Module):
         """This rank's partial sum: the next norm sums it over the group."""
         if self.lora is not None and self.lora.active:
             lora = self.lora
-            act = silu_and_mul(lora.linear("gate_up", x, lambda: self.gate_up_proj(x)))
+            act = lora.linear("gate_up", x, lambda: self.gate_up_proj(x), gated=True)
             return lora.linear("down", act, lambda: self.down_proj(act, reduce=False))
         return self.down_proj(silu_and_mul_linear(x, self.gate_up_proj.weight), reduce=False)
 

@@ -78,15 +78,18 @@ class LayerLoRA:
     def linear(
         self, name: str, x: torch.Tensor, base: Callable[[], torch.Tensor],
         sumsq: torch.Tensor | None = None, eps: float = 0.0, sums_out: torch.Tensor | None = None,
+        gated: bool = False,
     ) -> torch.Tensor:  # fmt: skip
-        """`base()` (the base product of x's rows) plus `name`'s products of them: beside it
-        on a second stream where the context says so (`add_lora_beside`; `sums_out`: the sums
-        of squares `base()` wrote, redone), else after it."""
+        """`base()` (the base product of x's rows) plus `name`'s products of them (`gated`: the
+        activation of that, `silu_and_mul`): beside it on a second stream where the context
+        says so (`add_lora_beside`, which adds them in the activation's launch or, with
+        `sums_out`, the sums of squares `base()` wrote, redoing those), else after it."""
         step, stack = self.context.step, self.stacks.get(name)
         if step is not None and stack is not None and self._beside(x):
             return add_lora_beside(base, x, stack.a, stack.b, step.mask, stack.out_parts, sumsq,
-                                   eps, sums_out)  # fmt: skip
-        return self.add(name, x, base(), sumsq, eps)
+                                   eps, sums_out, gated)  # fmt: skip
+        y = self.add(name, x, base(), sumsq, eps)
+        return silu_and_mul(y) if gated else y
 
     def _beside(self, x: torch.Tensor) -> bool:
         return self.context.products == "beside" and x.is_cuda
@@ -134,8 +137,6 @@ class LayerLoRA:
             return rms_linear(x, weight, bias, norm, sumsq, gated, shrunk)
         if sumsq is None:
             h = norm(x)
-            y = self.linear(name, h, lambda: linear(h, weight, bias))
-        else:
-            y = self.linear(name, x, lambda: rms_linear(x, weight, bias, norm, sumsq), sumsq,
-                            norm.eps)  # fmt: skip
-        return silu_and_mul(y) if gated else y
+            return self.linear(name, h, lambda: linear(h, weight, bias), gated=gated)
+        base = functools.partial(rms_linear, x, weight, bias, norm, sumsq)
+        return self.linear(name, x, base, sumsq, norm.eps, gated=gated)
