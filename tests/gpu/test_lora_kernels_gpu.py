@@ -73,6 +73,40 @@ def test_products_beside_the_base_gemm_in_a_graph(tokens: int) -> None:
         assert torch.equal(got[::5], base()[::5])  # base tokens: the GEMM alone
 
 
+@pytest.mark.parametrize("finish", ["sums", "gated"])
+def test_products_beside_then_the_sums_or_the_activation(finish: str) -> None:
+    """`add_lora_beside` finishing in one launch: with `sums_out`, after a residual GEMM that
+    summed its rows' squares (o and down on the folded path), the sums redone for the rows
+    with the products added; with `gated`, the activation of the sum (gate/up)."""
+    from workers.kernels.fused import silu_and_mul
+    from workers.model.layers import residual_linear
+
+    dtype, slots, rank, tokens, n_in, dev = torch.bfloat16, 4, 16, 16, 2048, "cuda"
+    parts = [3072] if finish == "sums" else [1536, 1536]
+    gen = torch.Generator(device=dev).manual_seed(3)
+    rand = lambda *shape: torch.randn(*shape, generator=gen, device=dev)  # noqa: E731
+    x, residual = rand(tokens, n_in).to(dtype), rand(tokens, sum(parts)).to(dtype)
+    w = (rand(sum(parts), n_in) / n_in**0.5).to(dtype)
+    a = (rand(slots, len(parts) * rank, n_in) / n_in**0.5).to(dtype)
+    b = (rand(sum(parts), slots, rank) / rank**0.5).to(dtype)
+    mask = torch.zeros(tokens, slots, dtype=dtype, device=dev)
+    mask[torch.arange(tokens, device=dev), torch.arange(tokens, device=dev) % slots] = 1.0
+    products = add_lora(x, torch.zeros(tokens, sum(parts), dtype=dtype, device=dev), a, b,
+                        mask, parts)  # fmt: skip
+    sums = torch.zeros(tokens, SUMSQ_SLOTS, dtype=torch.float64, device=dev)
+    if finish == "sums":
+        base = lambda: residual_linear(x, w, residual, sums)  # noqa: E731
+        got = add_lora_beside(base, x, a, b, mask, parts, sums_out=sums)
+        want = residual_linear(x, w, residual, torch.zeros_like(sums)) + products
+        torch.testing.assert_close(sums[:, 0], got.double().square().sum(1), rtol=1e-12, atol=0)
+        assert not sums[:, 1:].any()
+    else:
+        got = add_lora_beside(lambda: x @ w.t(), x, a, b, mask, parts, gated=True)
+        want = silu_and_mul(x @ w.t() + products)
+    scale = float(want.abs().max())
+    assert float((got - want).abs().max()) <= 4 * float(torch.finfo(dtype).eps) * scale
+
+
 LLAMA_PROJECTIONS = [  # (input size, output parts, gated): q/k/v, gate/up, down
     (4096, [4096, 1024, 1024], False),
     (4096, [14336, 14336], True),
