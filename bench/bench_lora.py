@@ -37,6 +37,7 @@ import torch  # noqa: E402
 
 from bench.gpu_common import (  # noqa: E402
     Floor,
+    add_set_argument,
     dummy_model_dir,
     embedded_model_dir,
     engine_options,
@@ -160,11 +161,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true",
                     help="each batch's base and LoRA step by kernel kind (CUDA)")  # fmt: skip
     ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "pdserve-bench")
-    ap.add_argument(
-        "--set", dest="assignments", action="append", default=[], metavar="PATH=VALUE",
-        help="an EngineConfig field, as `pdserve serve --set` (kernels.pdl=false: --profile's "
-        "kernel times without PDL's overlap)",
-    )  # fmt: skip
+    add_set_argument(ap)
     add_out_argument(ap)
     args = ap.parse_args()
     cuda = args.device == "cuda"

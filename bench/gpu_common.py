@@ -142,11 +142,17 @@ def bench_parser(
     ap.add_argument("--shape", default=shape, choices=sorted(SHAPES))
     ap.add_argument("--work", type=Path, default=Path("/tmp/pdserve-bench"))
     add_out_argument(ap)
+    add_set_argument(ap)
+    return ap
+
+
+def add_set_argument(ap: argparse.ArgumentParser) -> None:
+    """`--set PATH=VALUE` (repeatable): EngineConfig overrides, read by `engine_options`."""
     ap.add_argument(
         "--set", dest="assignments", action="append", default=[], metavar="PATH=VALUE",
-        help="an EngineConfig field, as `pdserve serve --set` (e.g. kernels.pdl=false)",
+        help="an EngineConfig field, as `pdserve serve --set` (e.g. kernels.pdl=false: "
+        "--profile's kernel times without PDL's overlap)",
     )  # fmt: skip
-    return ap
 
 
 def add_repeats_argument(ap: argparse.ArgumentParser) -> None:
