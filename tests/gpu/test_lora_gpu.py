@@ -107,15 +107,17 @@ def test_lora_decode_steps_replay_a_graph_with_the_eager_tokens(
     assert got == want
 
 
-def test_products_in_the_gemm_epilogue_give_the_after_path_tokens(
+def test_products_beside_or_in_the_gemm_epilogue_give_the_after_path_tokens(
     tokenizer_dir: Path, tmp_path: Path
 ) -> None:
     """`kernels.lora_products="epilogue"` (the expand inside the folded path's skinny GEMMs,
-    q/k/v rotated there too) against "after" (the SGMV launches after each GEMM), Llama-3-8B's
-    shapes (those of the GPU's skinny GEMM table) with random bf16 weights and CUDA graphs, a
-    batch of 16 mixing two adapters of rank 16 and base rows: each request's first tokens
-    equal unless the "after" run's top two were within bf16 noise, top-1 log-probs close; the
-    adapters change the log-probs."""
+    q/k/v rotated there too) and "beside" (the SGMV launches on a second stream, q/k/v's
+    products added by the rotary kernel) against "after" (the SGMV launches after each GEMM),
+    Llama-3-8B's shapes (those of the GPU's skinny GEMM table) with random bf16 weights and
+    CUDA graphs, a batch of 16 mixing two adapters of rank 16 and base rows: each request's
+    first tokens equal unless the "after" run's top two were within bf16 noise, top-1
+    log-probs close; the adapters change the log-probs. Without the folded path (no skinny
+    GEMM table for the GPU) "epilogue" runs as "after" and is not compared."""
     from bench.bench_lora import write_adapter
     from bench.gpu_common import dummy_model_dir
     from workers.model.files import load_model_config
@@ -132,23 +134,25 @@ def test_products_in_the_gemm_epilogue_give_the_after_path_tokens(
     which = [None, *loras] * 5 + [None]
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=2)
     runs, base = {}, None
-    for products in ("after", "epilogue"):
+    for products in ("after", "beside", "epilogue"):
         llm = LLM(str(model), kernels={"lora_products": products}, **kw)
-        if not llm.engine.runner.model.norms_folded:
-            pytest.skip("no skinny GEMM table for this GPU: no folded path, no epilogue")
+        if products == "epilogue" and not llm.engine.runner.model.norms_folded:
+            break
         runs[products] = llm.generate(prompts, params, lora_request=which)
         if products == "after":
             base = llm.generate(prompts, params)
         del llm
     assert base is not None
+    for products in set(runs) - {"after"}:
+        for want, got, lora in zip(runs["after"], runs[products], which):
+            for w, g in zip(want.logprobs, got.logprobs):
+                gap = w.logprob - min(w.top.values())
+                assert g.token_id == w.token_id or gap < 0.1, (products, lora, w, g)
+                assert abs(g.top.get(w.token_id, -99.0) - w.logprob) < 0.1, (products, lora, w, g)
+                if g.token_id != w.token_id:
+                    break  # the sequences part: later tokens see other prefixes
     changed = 0
-    for want, got, b, lora in zip(runs["after"], runs["epilogue"], base, which):
-        for w, g in zip(want.logprobs, got.logprobs):
-            gap = w.logprob - min(w.top.values())
-            assert g.token_id == w.token_id or gap < 0.1, (lora, w, g)
-            assert abs(g.top.get(w.token_id, -99.0) - w.logprob) < 0.1, (lora, w, g)
-            if g.token_id != w.token_id:
-                break  # the sequences part: later tokens see other prefixes
+    for want, b, lora in zip(runs["after"], base, which):
         moved = [abs(w.logprob - x.logprob) for w, x in zip(want.logprobs, b.logprobs)]
         changed += lora is not None and max(moved) > 1e-3
     assert changed > 0, "the adapters change nothing"

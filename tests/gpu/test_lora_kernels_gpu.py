@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.tolerance import reduction_atol
-from workers.kernels.lora_ops import add_lora, add_lora_beside
+from workers.kernels.lora_ops import add_lora, add_lora_beside, lora_beside
 from workers.kernels.lora_sgmv import MAX_TOKENS, sgmv_add_lora
 from workers.kernels.skinny_tiles import SUMSQ_SLOTS
 
@@ -75,11 +75,12 @@ def test_products_beside_the_base_gemm_in_a_graph(tokens: int) -> None:
 
 @pytest.mark.parametrize("finish", ["sums", "gated"])
 def test_products_beside_then_the_sums_or_the_activation(finish: str) -> None:
-    """`add_lora_beside` finishing in one launch: with `sums_out`, after a residual GEMM that
-    summed its rows' squares (o and down on the folded path), the sums redone for the rows
-    with the products added; with `gated`, the activation of the sum (gate/up)."""
-    from workers.kernels.fused import silu_and_mul
-    from workers.model.layers import residual_linear
+    """The products beside a GEMM, finished in one launch: `add_lora_beside` with `sums_out`,
+    after a residual GEMM that summed its rows' squares (o and down on the folded path), the
+    sums redone for the rows with the products added; `lora_beside`'s two given to the
+    activation (gate/up's `silu_and_mul(y, added)`)."""
+    from workers.kernels import fused
+    from workers.model.layers import residual_linear, silu_and_mul
 
     dtype, slots, rank, tokens, n_in, dev = torch.bfloat16, 4, 16, 16, 2048, "cuda"
     parts = [3072] if finish == "sums" else [1536, 1536]
@@ -101,8 +102,8 @@ def test_products_beside_then_the_sums_or_the_activation(finish: str) -> None:
         torch.testing.assert_close(sums[:, 0], got.double().square().sum(1), rtol=1e-12, atol=0)
         assert not sums[:, 1:].any()
     else:
-        got = add_lora_beside(lambda: x @ w.t(), x, a, b, mask, parts, gated=True)
-        want = silu_and_mul(x @ w.t() + products)
+        got = silu_and_mul(*lora_beside(lambda: x @ w.t(), x, a, b, mask, parts))
+        want = fused.silu_and_mul(x @ w.t() + products)
     scale = float(want.abs().max())
     assert float((got - want).abs().max()) <= 4 * float(torch.finfo(dtype).eps) * scale
 

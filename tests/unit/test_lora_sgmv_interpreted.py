@@ -5,8 +5,8 @@ and output sizes that no block divides; and each of them on a raw stream with th
 of its rows' squares (a folded norm: the products of the RMS-normalised rows). In fp16 (the
 interpreter's bf16 products are wrong). Also the kernels that add products made beside a GEMM
 (`kernels.lora_products="beside"`): `fused.add_square_sums` (into a GEMM's output whose next
-norm's sums of squares it redoes) and `fused.silu_and_mul` given them (gate/up's activation of
-the sum)."""
+norm's sums of squares it redoes), `fused.silu_and_mul` given them (gate/up's activation of
+the sum) and `rope.rotary_store` given them (q/k/v's, added before the norms and rotary)."""
 
 from __future__ import annotations
 
@@ -110,6 +110,7 @@ def check_silu_added() -> None:
     """`silu_and_mul(x, added)`'s kernel (TRITON_INTERPRET=1) against torch's add, then the
     activation as `fused.silu_and_mul` rounds it, and against the activation of x alone."""
     from workers.kernels import fused
+    from workers.model.layers import silu_and_mul
 
     gen = torch.Generator().manual_seed(2)
     x = (torch.randn(3, 2 * 700, generator=gen) * 3).to(torch.float16)  # 700: two blocks
@@ -126,8 +127,110 @@ def check_silu_added() -> None:
     one_ulp = dict(rtol=float(torch.finfo(torch.float16).eps), atol=1e-3)
     torch.testing.assert_close(want, ref, **one_ulp)
     assert (want - alone).abs().max() > 0.1  # the products were added
-    torch.testing.assert_close(fused.silu_and_mul(x, added), ref, **one_ulp)  # torch, off CUDA
+    torch.testing.assert_close(silu_and_mul(x, added), ref, **one_ulp)  # torch, off CUDA
 
 
 def test_silu_and_mul_of_the_sum() -> None:
     interpreted("check_silu_added", __name__)
+
+
+def check_rotary_store_added() -> None:
+    """`rope.rotary_store(added=...)` (TRITON_INTERPRET=1), with and without Qwen3's q/k norms,
+    against the same kernel given q, k and v with the products added by torch first: the same
+    q and pool bytes; and far from the products left out."""
+    from tests.unit.test_qk_norm_interpreted import DTYPE, EPS, cos_sin, qkv_rows
+    from workers.kernels import rope
+    from workers.kernels.norms import QKNorm
+
+    gen = torch.Generator().manual_seed(3)
+    tokens, hq, hkv, d = 5, 9, 3, 64
+    q, k, v, wq, wk = qkv_rows(tokens, hq, hkv, d, gen)
+    added = (torch.randn(tokens, hq + 2 * hkv, d, generator=gen) * 0.5).to(DTYPE)
+    aq, ak, av = added.split([hq, hkv, hkv], dim=1)
+    cos, sin = cos_sin(torch.arange(tokens) * 5 + 2, d)
+    pages, slots = torch.tensor([1, 2, 2, 4, 3]), torch.tensor([0, 1, 3, 2, 0])
+    for norm in (None, QKNorm(wq, wk, EPS)):
+        pools = [torch.zeros(5, 2, 4, hkv, d, dtype=DTYPE) for _ in range(3)]
+        got = rope.rotary_store(q, k, v, cos, sin, pools[0], pages, slots, qk_norm=norm,
+                                added=added)  # fmt: skip
+        want = rope.rotary_store(q + aq, k + ak, v + av, cos, sin, pools[1], pages, slots,
+                                 qk_norm=norm)  # fmt: skip
+        alone = rope.rotary_store(q, k, v, cos, sin, pools[2], pages, slots, qk_norm=norm)
+        assert torch.equal(got, want) and torch.equal(pools[0], pools[1])
+        assert (got - alone).abs().max() > 0.1
+        for kv in (0, 1):  # k and v both take their products
+            assert (pools[0][pages, kv, slots] - pools[2][pages, kv, slots]).abs().max() > 0.1
+
+
+def test_rotary_store_adds_the_products() -> None:
+    interpreted("check_rotary_store_added", __name__)
+
+
+def check_attend_added() -> None:
+    """`Attention.attend_added` (TRITON_INTERPRET=1) on a Qwen3 layer: the q/k/v rows and
+    LoRA's products given to `RotaryStore.write` with the layer's q/k norms, then the backend's
+    `attend_rotated` of the K/V it wrote, against `attend` of the rows with the products added
+    by torch (the torch backend, which norms and rotates in torch): close, and far from
+    `attend` of the rows alone."""
+    from tests.unit.test_qk_norm_interpreted import DTYPE, EPS, cos_sin, rel_err
+    from workers.attention.base import AttentionBatch
+    from workers.attention.torch_ref import TorchAttention
+    from workers.kernels import rope
+    from workers.kvcache.pool import KVPool
+    from workers.model.config import ModelConfig
+    from workers.model.llama_attention import Attention
+    from workers.parallel.group import SINGLE
+    from workers.protocol import KVLayout
+
+    hq, hkv, d, tokens = 4, 2, 32, 3
+    cfg = ModelConfig(
+        architecture="Qwen3ForCausalLM", vocab_size=16, hidden_size=64, intermediate_size=32,
+        num_layers=1, num_heads=hq, num_kv_heads=hkv, head_dim=d, rms_norm_eps=EPS,
+        rope_theta=10000.0, max_position_embeddings=64, tie_word_embeddings=False, qk_norm=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    attention = Attention(cfg, 0, SINGLE)
+    for p in attention.parameters():
+        p.data.normal_(1.0, 0.3)
+    attention.to(DTYPE)
+    batch = AttentionBatch(q_lens=[tokens], kv_lens=[tokens], page_table=torch.tensor([[1]]),
+                           slot_pages=torch.tensor([1, 1, 1]),
+                           slot_offsets=torch.tensor([0, 1, 2]))  # fmt: skip
+
+    class Written(TorchAttention):
+        """The torch backend with `rotary_store`'s pair: it attends K/V already written."""
+
+        def rotary_store(
+            self, layer_id: int, cos: torch.Tensor, sin: torch.Tensor
+        ) -> rope.RotaryStore:
+            return rope.RotaryStore(cos, sin, self.pool.layer(layer_id), batch.slot_pages,
+                                    batch.slot_offsets, 1.0, 1.0, hq)  # fmt: skip
+
+        def attend_rotated(self, layer_id: int, q: torch.Tensor) -> torch.Tensor:
+            kv = self.pool.layer(layer_id)[batch.slot_pages, :, batch.slot_offsets]
+            return self.forward(layer_id, q.float(), kv[:, 0].float(), kv[:, 1].float())
+
+    def backend(kind: type[TorchAttention]) -> TorchAttention:
+        layout = KVLayout(num_layers=1, page_size=4, num_kv_heads=hkv, head_dim=d,
+                          dtype="float16")  # fmt: skip
+        attn = kind(KVPool(layout, 4, "cpu", DTYPE), hq, d**-0.5)
+        attn.plan(batch)
+        return attn
+
+    gen = torch.Generator().manual_seed(4)
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * d, generator=gen).to(DTYPE)
+    added = torch.randn(tokens, (hq + 2 * hkv) * d, generator=gen).to(DTYPE)
+    cs = cos_sin(torch.arange(tokens) + 3, d)
+    written = backend(Written)
+    store = written.rotary_store(0, *cs)
+    assert store is not None
+    got = attention.attend_added(store, qkv, added, written)
+    want = attention.attend(qkv + added, cs, backend(TorchAttention))
+    alone = attention.attend(qkv, cs, backend(TorchAttention))
+    assert got.shape == want.shape == (tokens, hq * d)
+    assert rel_err(got, want) < 1e-2, rel_err(got, want)
+    assert rel_err(got, alone) > 0.1
+
+
+def test_attention_hands_the_products_to_the_rotary_kernel() -> None:
+    interpreted("check_attend_added", __name__)

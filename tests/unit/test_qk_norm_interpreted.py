@@ -299,7 +299,7 @@ def test_attend_hands_the_qk_norms_to_forward_rotary(qk_norm: bool) -> None:
     applies them) and does not apply them itself; a backend without `forward_rotary` gets q
     and k normed and rotated: both give the same output."""
     from workers.model.config import ModelConfig
-    from workers.model.llama import Attention
+    from workers.model.llama_attention import Attention
     from workers.parallel.group import SINGLE
 
     hq, hkv, d, hidden = 4, 2, 32, 64

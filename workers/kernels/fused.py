@@ -169,13 +169,10 @@ def _silu_and_mul_kernel(
 def silu_and_mul(x: torch.Tensor, added: torch.Tensor | None = None) -> torch.Tensor:
     """`x` `[T, 2n]` holding [gate | up] -> `silu(gate) * up` `[T, n]`; `added` (x's shape and
     strides, e.g. LoRA products made beside the GEMM that wrote x): of `x + added`, rounded as
-    torch's add rounds it, in the same launch."""
+    torch's add rounds it, in the same launch. CUDA, 16 bits (`layers.silu_and_mul` chooses)."""
     rows, width = x.shape
     n = width // 2
-    assert x.stride(-1) == 1 and (added is None or added.stride() == x.stride())
-    if not applies(x):
-        gate, up = (x if added is None else x + added).chunk(2, dim=-1)
-        return torch.nn.functional.silu(gate) * up
+    assert applies(x) and x.stride(-1) == 1 and (added is None or added.stride() == x.stride())
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     block = 1024
     if rows:

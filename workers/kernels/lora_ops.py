@@ -40,17 +40,15 @@ def add_lora(
     return masked_add_lora(x, y, a, b, mask, out_parts, sumsq, eps)
 
 
-def add_lora_beside(
+def lora_beside(
     base: Callable[[], torch.Tensor], x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     mask: torch.Tensor, out_parts: list[int], sumsq: torch.Tensor | None = None,
-    eps: float = 0.0, sums_out: torch.Tensor | None = None, gated: bool = False,
-) -> torch.Tensor:  # fmt: skip
-    """`add_lora(x, base(), ...)` on CUDA with the products on a second stream, beside `base()`
-    (the base GEMM of the same rows): they wait for x only, not for the GEMM, and their sum
-    is added to its output once both have run (one more launch). In a CUDA graph being
-    captured the two streams are two branches of it. In that launch, `sums_out`: the sums of
-    squares of the output's rows that `base()` wrote (`residual_linear`) redone for the rows
-    with the products added; `gated`: the activation of the sum (`[gate | up]`) returned."""
+    eps: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """`base()` (the base GEMM of x's rows) and, apart, the LoRA products of the same rows
+    (`add_lora` into zeros), run on CUDA on a second stream beside `base()`: they wait for x
+    only, not for the GEMM; both are done on the current stream when this returns. In a CUDA
+    graph being captured the two streams are two branches of it."""
     main = torch.cuda.current_stream(x.device)
     side = _side_stream(x.device)
     # Allocated by the main stream, which frees it after its add, once the side has joined.
@@ -60,11 +58,24 @@ def add_lora_beside(
         add_lora(x, products.zero_(), a, b, mask, out_parts, sumsq, eps)
     y = base()
     main.wait_stream(side)
+    return y, products
+
+
+def add_lora_beside(
+    base: Callable[[], torch.Tensor], x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+    mask: torch.Tensor, out_parts: list[int], sumsq: torch.Tensor | None = None,
+    eps: float = 0.0, sums_out: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """`add_lora(x, base(), ...)` with the products beside `base()` (`lora_beside`), their sum
+    added to its output once both have run (one more launch). In that launch, `sums_out`: the
+    sums of squares of the output's rows that `base()` wrote (`residual_linear`) redone for
+    the rows with the products added."""
+    y, products = lora_beside(base, x, a, b, mask, out_parts, sumsq, eps)
+    if sums_out is None:
+        return y.add_(products)
     from workers.kernels import fused  # Triton: imported on first CUDA use
 
-    if gated:
-        return fused.silu_and_mul(y, products)
-    return y.add_(products) if sums_out is None else fused.add_square_sums(y, products, sums_out)
+    return fused.add_square_sums(y, products, sums_out)
 
 
 @functools.cache

@@ -3,7 +3,7 @@
 
 `rms_norm` is HF's RMSNorm, one Triton launch on CUDA in 16 bits (`fused.rms_norm`) and the
 torch form elsewhere. `QKNorm` carries a layer's q and k norm weights to `forward_rotary`,
-whose kernels apply them before the rotary embedding (`rope.head_rms_norm`, rounded as
+whose kernels apply them before the rotary embedding (`rope_rows.head_rms_norm`, rounded as
 `fused.rms_norm` rounds); `QKNorm.apply` is the unfused form, for the paths without one.
 """
 

@@ -3,10 +3,11 @@ where torch's form takes several, rounding where the torch code rounds (`fused.p
 - `rotary`: `x * cos + rotate_half(x) * sin` in float32, one rounding at the end;
 - `rotary_store`: `rotary` of q and k, with the rotated k and the untouched v written straight
   into their KV pool slots (what `AttentionBackend.store_kv` does), in one kernel;
-  (`rope_int8.py`: the same into an int8 pool, with `rotate_q` and `halves` from here);
+  (`rope_int8.py`: the same into an int8 pool; both from the row pieces of `rope_rows.py`);
   with `qk_norm` (Qwen3) it first applies the per-head RMSNorms of q and k (`head_rms_norm`,
   rounded as `fused.rms_norm` rounds), so they need no norm kernels, nor copies of the strided
-  q and k, of their own (also in `rope_int8.py` and `split_kv_decode.py`);
+  q and k, of their own (also in `rope_int8.py` and `split_kv_decode.py`); with `added` (LoRA's
+  q/k/v products made beside the GEMM) it adds them to the rows it loads, before all that;
 - `store_rotated`: the same as the epilogue of the q/k/v GEMM (`skinny_dot`, from 16 rows), so
   neither the q/k/v tensor nor a kernel of its own is needed (`RotaryStore` says where to);
 - `cos_sin`: the per-token cos and sin from the positions, in float32 like HF, rounded to the
@@ -27,6 +28,7 @@ import triton.language as tl
 from workers.kernels import pdl
 from workers.kernels.norms import QKNorm, qk_norm_args
 from workers.kernels.pdl import start_dependents, wait_for_inputs
+from workers.kernels.rope_rows import halves, head_rms_norm, plus_added, rotate_q
 
 
 @triton.jit
@@ -87,14 +89,17 @@ def _rotary_store_kernel(
     q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, kv_ptr, slot_pages_ptr, slot_offsets_ptr,
     q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h, cs_stride,
     kv_stride_page, kv_stride_kv, kv_stride_slot, kv_stride_head, num_q_heads, num_kv_heads,
-    k_inv_scale, v_inv_scale, qn_ptr, kn_ptr, eps, HALF: tl.constexpr, Q_BLOCK: tl.constexpr,
-    KV_BLOCK: tl.constexpr, KV_MAX: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr,
+    k_inv_scale, v_inv_scale, qn_ptr, kn_ptr, eps, added_ptr, added_stride_t,
+    HALF: tl.constexpr, Q_BLOCK: tl.constexpr, KV_BLOCK: tl.constexpr, KV_MAX: tl.constexpr,
+    QK_NORM: tl.constexpr, ADDED: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     start_dependents(PDL)
     wait_for_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
+    added = added_ptr + token * added_stride_t  # the token's [Hq + 2 Hkv, D] heads to add
     cos, sin = rotate_q(q_ptr, cos_ptr, sin_ptr, q_out_ptr, token, q_stride_t, q_stride_h,
-                         cs_stride, num_q_heads, qn_ptr, eps, HALF, Q_BLOCK, QK_NORM)  # fmt: skip
+                         cs_stride, num_q_heads, qn_ptr, eps, HALF, Q_BLOCK, QK_NORM, added,
+                         ADDED)  # fmt: skip
     # k (normed: QK_NORM, rotated) and v (as is): into slot (page, offset) of the layer's pool view.
     page = tl.load(slot_pages_ptr + token).to(tl.int64)
     slot = tl.load(slot_offsets_ptr + token).to(tl.int64)
@@ -103,6 +108,8 @@ def _rotary_store_kernel(
     dims = tl.arange(0, HALF)[None, :]
     k_dst = kv_ptr + page * kv_stride_page + slot * kv_stride_slot + kh * kv_stride_head + dims
     y1, y2 = halves(k_ptr + token * k_stride_t + kh * k_stride_h, km, HALF)
+    y1, y2 = plus_added(y1, y2, added + (num_q_heads + kh) * 2 * HALF, km, HALF,
+                        k_ptr.dtype.element_ty, ADDED)  # fmt: skip
     if QK_NORM:
         y1, y2 = head_rms_norm(y1, y2, kn_ptr, eps, HALF, k_ptr.dtype.element_ty)
     ty = kv_ptr.dtype.element_ty
@@ -111,70 +118,11 @@ def _rotary_store_kernel(
     k2 = _kv_value((y2 * cos + y1 * sin) * k_inv_scale, KV_MAX)
     tl.store(k_dst + HALF, k2.to(ty), mask=km)
     v1, v2 = halves(v_ptr + token * v_stride_t + kh * v_stride_h, km, HALF)
+    v1, v2 = plus_added(v1, v2, added + (num_q_heads + num_kv_heads + kh) * 2 * HALF, km, HALF,
+                        v_ptr.dtype.element_ty, ADDED)  # fmt: skip
     v_dst = k_dst + kv_stride_kv
     tl.store(v_dst, _kv_value(v1 * v_inv_scale, KV_MAX).to(ty), mask=km)
     tl.store(v_dst + HALF, _kv_value(v2 * v_inv_scale, KV_MAX).to(ty), mask=km)
-
-
-@triton.jit
-def head_rms_norm(x1, x2, w_ptr, eps, HALF: tl.constexpr, dtype: tl.constexpr):
-    """The per-head RMSNorm (Qwen3's q/k norms) of rows `[x1 | x2]` (float32 halves `[R, HALF]`
-    or `[HALF]`) with weight `w_ptr` `[2 * HALF]`, rounded where `fused.rms_norm` rounds (to
-    `dtype` after the 1/rms scale, again after the weight): the float32 halves of that `dtype`
-    result, what a rotary kernel loads from a normed tensor. The row's sum of squares is both
-    halves' (rows of zeros, masked heads, give zeros)."""
-    sumsq = tl.sum(x1 * x1, axis=-1, keep_dims=True) + tl.sum(x2 * x2, axis=-1, keep_dims=True)
-    inv = tl.rsqrt(sumsq / (2 * HALF) + eps)
-    dims = tl.arange(0, HALF)
-    w1 = tl.load(w_ptr + dims).to(tl.float32)
-    w2 = tl.load(w_ptr + HALF + dims).to(tl.float32)
-    y1 = ((x1 * inv).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
-    y2 = ((x2 * inv).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
-    return y1, y2
-
-
-@triton.jit
-def rotary_q_rows(q_ptr, cos_ptr, sin_ptr, token, q_stride_t, q_stride_h, cs_stride,
-                  num_q_heads, qn_ptr, eps, HALF: tl.constexpr, Q_BLOCK: tl.constexpr,
-                  QK_NORM: tl.constexpr):  # fmt: skip
-    """`token`'s q heads after the rotary embedding (float32 halves `[Q_BLOCK, HALF]`; with
-    QK_NORM after q's norm (weight `qn_ptr`) first), their mask, its cos and sin (`[1, HALF]`
-    float32: a row's first half is its second), and where its rows go in a packed `[T, Hq, D]`
-    q (pointer offsets)."""
-    dims = tl.arange(0, HALF)[None, :]
-    cos = tl.load(cos_ptr + token * cs_stride + dims).to(tl.float32)
-    sin = tl.load(sin_ptr + token * cs_stride + dims).to(tl.float32)
-    qh = tl.arange(0, Q_BLOCK)[:, None]
-    qm = qh < num_q_heads
-    x1, x2 = halves(q_ptr + token * q_stride_t + qh * q_stride_h, qm, HALF)
-    if QK_NORM:
-        x1, x2 = head_rms_norm(x1, x2, qn_ptr, eps, HALF, q_ptr.dtype.element_ty)
-    dst = token * num_q_heads * 2 * HALF + qh * 2 * HALF + dims
-    return x1 * cos - x2 * sin, x2 * cos + x1 * sin, qm, cos, sin, dst
-
-
-@triton.jit
-def rotate_q(q_ptr, cos_ptr, sin_ptr, q_out_ptr, token, q_stride_t, q_stride_h, cs_stride,
-             num_q_heads, qn_ptr, eps, HALF: tl.constexpr, Q_BLOCK: tl.constexpr,
-             QK_NORM: tl.constexpr):  # fmt: skip
-    """`token`'s cos and sin (`[1, HALF]` float32: a row's first half is its second), and its
-    q heads (normed first with QK_NORM) rotated into the new packed `[T, Hq, D]` `q_out`."""
-    y1, y2, qm, cos, sin, dst = rotary_q_rows(
-        q_ptr, cos_ptr, sin_ptr, token, q_stride_t, q_stride_h, cs_stride, num_q_heads, qn_ptr,
-        eps, HALF, Q_BLOCK, QK_NORM,
-    )  # fmt: skip
-    ty = q_out_ptr.dtype.element_ty
-    tl.store(q_out_ptr + dst, y1.to(ty), mask=qm)
-    tl.store(q_out_ptr + dst + HALF, y2.to(ty), mask=qm)
-    return cos, sin
-
-
-@triton.jit
-def halves(src, mask, HALF: tl.constexpr):
-    """The two halves (`[R, HALF]`, float32) of the rows at `src` (`[R, 1]` pointers)."""
-    dims = tl.arange(0, HALF)[None, :]
-    x1 = tl.load(src + dims, mask=mask, other=0.0).to(tl.float32)
-    return x1, tl.load(src + HALF + dims, mask=mask, other=0.0).to(tl.float32)
 
 
 @dataclass(frozen=True)
@@ -199,6 +147,16 @@ class RotaryStore:
     @property
     def head_dim(self) -> int:
         return self.kv.shape[-1]
+
+    def write(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_norm: QKNorm | None,
+        added: torch.Tensor | None,
+    ) -> torch.Tensor:  # fmt: skip
+        """`rotary_store` of q, k and v (and `added`) here: what the epilogue would have done
+        with them, by the kernel of its own (for a GEMM that does not rotate: LoRA's)."""
+        return rotary_store(q, k, v, self.cos, self.sin, self.kv, self.slot_pages,
+                            self.slot_offsets, self.k_scale, self.v_scale, qk_norm,
+                            added)  # fmt: skip
 
 
 @triton.jit
@@ -265,27 +223,35 @@ def rotary_store(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     qk_norm: QKNorm | None = None,
+    added: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rotate q `[T, Hq, D]` and k `[T, Hkv, D]` (`cos`/`sin` `[T, 1, D]`); write k and v
     `[T, Hkv, D]` into `kv` `[pages, 2, page_size, Hkv, D]` at (`slot_pages[t]`,
     `slot_offsets[t]`), an FP8 `kv` as `kv_dtype.quantize` stores them (divided by the scale,
     saturated); return the rotated q as a new packed tensor. `qk_norm`: q's and k's per-head
-    RMSNorms, applied before the rotation (`head_rms_norm`)."""
+    RMSNorms, applied before the rotation (`head_rms_norm`). `added` `[T, Hq + 2 Hkv, D]`
+    (contiguous rows; a LoRA's q/k/v products): added to q, k and v first, as an add into
+    their tensor would round it, so that no launch of its own adds them."""
     tokens, num_q_heads, dim = q.shape
     num_kv_heads = k.shape[1]
     assert k.shape == v.shape == (tokens, num_kv_heads, dim) and kv.shape[-2:] == k.shape[1:]
     assert q.stride(-1) == k.stride(-1) == v.stride(-1) == kv.stride(-1) == cos.stride(-1) == 1
     assert cos.stride() == sin.stride() and slot_pages.shape == slot_offsets.shape == (tokens,)
+    if added is not None:
+        assert added.shape == (tokens, num_q_heads + 2 * num_kv_heads, dim)
+        assert added.stride()[1:] == (dim, 1) and added.dtype == q.dtype
     out = torch.empty((tokens, num_q_heads, dim), dtype=q.dtype, device=q.device)
     if tokens:
         _rotary_store_kernel[(tokens,)](
             q, k, v, cos, sin, out, kv, slot_pages, slot_offsets, q.stride(0), q.stride(1),
             k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), kv.stride(0),
             kv.stride(1), kv.stride(2), kv.stride(3), num_q_heads, num_kv_heads, 1.0 / k_scale,
-            1.0 / v_scale, *qk_norm_args(qk_norm, q), HALF=dim // 2,
+            1.0 / v_scale, *qk_norm_args(qk_norm, q), q if added is None else added,
+            0 if added is None else added.stride(0), HALF=dim // 2,
             Q_BLOCK=triton.next_power_of_2(num_q_heads),
             KV_BLOCK=triton.next_power_of_2(num_kv_heads), KV_MAX=kv_max(kv),
-            QK_NORM=qk_norm is not None, num_warps=4, **pdl.launch_options(q),
+            QK_NORM=qk_norm is not None, ADDED=added is not None, num_warps=4,
+            **pdl.launch_options(q),
         )  # fmt: skip
     return out
 

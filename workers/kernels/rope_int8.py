@@ -3,7 +3,7 @@
 to int8 at its own scale, as `kvcache/int8_rows.quantize_rows` stores it. For a decode step read
 by `int8_decode` it also gives q rotated by that matrix (in float32, as the kernel reads it),
 which otherwise takes two more launches a layer (a cast and a product). With `qk_norm` (Qwen3)
-q's and k's per-head RMSNorms come first, in the same launch (`rope.head_rms_norm`)."""
+q's and k's per-head RMSNorms come first, in the same launch (`rope_rows.head_rms_norm`)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import triton.language as tl
 from workers.kernels import pdl
 from workers.kernels.norms import QKNorm, qk_norm_args
 from workers.kernels.pdl import start_dependents, wait_for_inputs
-from workers.kernels.rope import halves, head_rms_norm, rotary_q_rows, rotate_q
+from workers.kernels.rope_rows import halves, head_rms_norm, rotary_q_rows, rotate_q
 
 # 1.5 x 2^23: (x + _ROUND) - _ROUND is x rounded half to even (torch.round) for |x| < 2^22
 _ROUND = tl.constexpr(12582912.0)
@@ -50,7 +50,7 @@ def _int8_rows(y1, y2, a, dst, dst_scale, mask, HALF: tl.constexpr):
 def _rotate_q_by_h(q_ptr, cos_ptr, sin_ptr, a, q_out_ptr, token, q_stride_t, q_stride_h,
                    cs_stride, num_q_heads, qn_ptr, eps, HALF: tl.constexpr, Q_BLOCK: tl.constexpr,
                    QK_NORM: tl.constexpr):  # fmt: skip
-    """`rope.rotate_q`'s rows (rounded to q's dtype, as it stores them) times H, stored in
+    """`rope_rows.rotate_q`'s rows (rounded to q's dtype, as it stores them) times H, stored in
     float32 into `q_out`; returns the token's cos and sin."""
     y1, y2, qm, cos, sin, dst = rotary_q_rows(
         q_ptr, cos_ptr, sin_ptr, token, q_stride_t, q_stride_h, cs_stride, num_q_heads, qn_ptr,
@@ -118,7 +118,7 @@ def rotary_store_int8(
     `half_hadamard` (that of D / 2, float32), and rounded at their own scales; returns q after
     its rotary embedding, or with `rotate_q_by_h` that (rounded to q's dtype) times H, in
     float32: `int8_decode`'s input. `qk_norm`: q's and k's per-head RMSNorms, applied before
-    the rotary embedding (`rope.head_rms_norm`)."""
+    the rotary embedding (`rope_rows.head_rms_norm`)."""
     tokens, num_q_heads, dim = q.shape
     num_kv_heads = k.shape[1]
     assert k.shape == v.shape == (tokens, num_kv_heads, dim)

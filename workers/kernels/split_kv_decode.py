@@ -9,7 +9,7 @@ stream idle. Here one launch does all of it, and starts reading before its input
   writes, so under programmatic dependent launch (`workers/kernels/pdl.py`) they stream while the
   q/k/v GEMM ends. Then it waits for that GEMM's output;
 - it rotates its query heads (the KV head's GQA group, as tensor-core rows) and the new token's
-  k, with `qk_norm` (Qwen3) after their per-head RMSNorms (`rope.head_rms_norm`: the model
+  k, with `qk_norm` (Qwen3) after their per-head RMSNorms (`rope_rows.head_rms_norm`: the model
   launches no norm kernels for them); split 0 writes the new k and v into their pool slot and
   counts the new token in its softmax (online, base 2), so no other program reads that slot;
 - each split hands in its output and log-sum-exp, and the splits merge them in the same
@@ -31,7 +31,7 @@ import triton.language as tl
 from workers.kernels import pdl
 from workers.kernels.norms import QKNorm, qk_norm_args
 from workers.kernels.pdl import wait_for_inputs
-from workers.kernels.rope import head_rms_norm
+from workers.kernels.rope_rows import head_rms_norm
 from workers.kernels.split_kv_common import (
     LOG2E,
     SplitParts,

@@ -59,13 +59,14 @@ def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return silu_and_mul(linear(x, weight))
 
 
-def silu_and_mul(y: torch.Tensor) -> torch.Tensor:
-    """`silu(gate) * up` of `y` = [gate | up] `[T, 2n]`: one Triton launch on CUDA in 16 bits."""
+def silu_and_mul(y: torch.Tensor, added: torch.Tensor | None = None) -> torch.Tensor:
+    """`silu(gate) * up` of `y` = [gate | up] `[T, 2n]`, or of `y + added` (LoRA's products
+    made beside the GEMM that wrote y): one Triton launch on CUDA in 16 bits."""
     if y.is_cuda and y.dtype in HALF_DTYPES and y.dim() == 2:
         from workers.kernels import fused  # Triton: imported on first CUDA use
 
-        return fused.silu_and_mul(y)
-    gate, up = y.chunk(2, dim=-1)
+        return fused.silu_and_mul(y, added)
+    gate, up = (y if added is None else y + added).chunk(2, dim=-1)
     return F.silu(gate) * up
 
 

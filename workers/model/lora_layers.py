@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from workers.kernels.lora_ops import add_lora, add_lora_beside
+from workers.kernels.lora_ops import add_lora, add_lora_beside, lora_beside
 from workers.model.layers import RMSNorm, linear, residual_linear, rms_linear, silu_and_mul
 
 if TYPE_CHECKING:
@@ -82,17 +82,34 @@ class LayerLoRA:
     ) -> torch.Tensor:  # fmt: skip
         """`base()` (the base product of x's rows) plus `name`'s products of them (`gated`: the
         activation of that, `silu_and_mul`): beside it on a second stream where the context
-        says so (`add_lora_beside`, which adds them in the activation's launch or, with
-        `sums_out`, the sums of squares `base()` wrote, redoing those), else after it."""
+        says so (added in the activation's launch, or by `add_lora_beside`, which with
+        `sums_out` redoes the sums of squares `base()` wrote), else after it."""
         step, stack = self.context.step, self.stacks.get(name)
         if step is not None and stack is not None and self._beside(x):
+            if gated:
+                return silu_and_mul(*self.apart(name, x, base, sumsq, eps))
             return add_lora_beside(base, x, stack.a, stack.b, step.mask, stack.out_parts, sumsq,
-                                   eps, sums_out, gated)  # fmt: skip
+                                   eps, sums_out)  # fmt: skip
         y = self.add(name, x, base(), sumsq, eps)
         return silu_and_mul(y) if gated else y
 
     def _beside(self, x: torch.Tensor) -> bool:
         return self.context.products == "beside" and x.is_cuda
+
+    def runs_beside(self, name: str, x: torch.Tensor) -> bool:
+        """Whether `name`'s products of x's rows run beside its base GEMM in this step, so
+        that `apart` gives them for a later kernel to add (q/k/v's: the rotary kernel)."""
+        return self.active and name in self.stacks and self._beside(x)
+
+    def apart(
+        self, name: str, x: torch.Tensor, base: Callable[[], torch.Tensor],
+        sumsq: torch.Tensor | None = None, eps: float = 0.0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """`base()` and, not yet added, `name`'s products of x's rows (`lora_beside`), where
+        `runs_beside`."""
+        step, stack = self.context.step, self.stacks[name]
+        assert step is not None
+        return lora_beside(base, x, stack.a, stack.b, step.mask, stack.out_parts, sumsq, eps)
 
     def shrunk(
         self, name: str, x: torch.Tensor, weight: torch.Tensor, gated: bool = False
@@ -135,8 +152,26 @@ class LayerLoRA:
         of squares, else of `norm(x)`, run once for both."""
         if shrunk is not None:
             return rms_linear(x, weight, bias, norm, sumsq, gated, shrunk)
-        if sumsq is None:
-            h = norm(x)
-            return self.linear(name, h, lambda: linear(h, weight, bias), gated=gated)
-        base = functools.partial(rms_linear, x, weight, bias, norm, sumsq)
-        return self.linear(name, x, base, sumsq, norm.eps, gated=gated)
+        rows, base, sumsq, eps = _normed_rows(x, weight, bias, norm, sumsq)
+        return self.linear(name, rows, base, sumsq, eps, gated=gated)
+
+    def rms_linear_apart(
+        self, name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+        norm: RMSNorm, sumsq: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """`rms_linear`'s base product and, apart (`apart`), `name`'s products of the same
+        normed rows, where `runs_beside`."""
+        return self.apart(name, *_normed_rows(x, weight, bias, norm, sumsq))
+
+
+def _normed_rows(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm: RMSNorm,
+    sumsq: torch.Tensor | None,
+) -> tuple[torch.Tensor, Callable[[], torch.Tensor], torch.Tensor | None, float]:  # fmt: skip
+    """What LoRA multiplies for `rms_linear(x, weight, bias, norm, sumsq)`, and how: the rows
+    (x, scaled by 1/rms where `sumsq` holds its sums of squares, else `norm(x)`, run once for
+    both products), the base product of them, and the sums and eps that scale them."""
+    if sumsq is None:
+        h = norm(x)
+        return h, lambda: linear(h, weight, bias), None, 0.0
+    return x, functools.partial(rms_linear, x, weight, bias, norm, sumsq), sumsq, norm.eps
