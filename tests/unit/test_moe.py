@@ -1,6 +1,7 @@
 """Mixture-of-experts models: the engine's greedy tokens equal HF transformers' on tiny random
-Qwen3-MoE and Mixtral checkpoints (float32), sparse and dense layers mixed; the loader takes
-both families' expert names and refuses a checkpoint missing an expert."""
+Qwen3-MoE, Qwen2-MoE (a gated shared expert beside the routed ones) and Mixtral checkpoints
+(float32), sparse and dense layers mixed; the loader takes the families' expert names and
+refuses a checkpoint missing an expert."""
 
 from __future__ import annotations
 
@@ -38,6 +39,10 @@ CASES = {
         dict(QWEN3_MOE, decoder_sparse_step=2, num_experts=4),
     ),
     "mixtral": ("MixtralForCausalLM", MIXTRAL),
+    "qwen2-moe-shared-expert": (  # layer 0 dense; q/k/v biases, no q/k norms
+        "Qwen2MoeForCausalLM",
+        dict(QWEN3_MOE, shared_expert_intermediate_size=48, mlp_only_layers=[0]),
+    ),
 }
 
 
@@ -77,7 +82,7 @@ def test_greedy_tokens_equal_hf(tmp_path: Path, smollm2_dir: Path, case: str) ->
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
 
 
-def test_config_reads_both_families() -> None:
+def test_config_reads_each_family() -> None:
     base = dict(vocab_size=8, hidden_size=8, num_hidden_layers=4, num_attention_heads=2,
                 max_position_embeddings=64)  # fmt: skip
     mix = ModelConfig.from_hf(dict(base, architectures=["MixtralForCausalLM"],
@@ -90,6 +95,36 @@ def test_config_reads_both_families() -> None:
     ))  # fmt: skip
     assert qwen.qk_norm and not qwen.norm_topk_prob and qwen.sliding_window is None
     assert [qwen.is_sparse_layer(i) for i in range(4)] == [False, True, False, False]
+    assert qwen.shared_expert_intermediate_size == 0
+    # Qwen2MoeConfig's defaults for what the config.json leaves out
+    qwen2 = ModelConfig.from_hf(dict(base, architectures=["Qwen2MoeForCausalLM"],
+                                     intermediate_size=16))  # fmt: skip
+    assert (qwen2.num_experts, qwen2.num_experts_per_tok, qwen2.moe_intermediate_size) == (
+        60, 4, 1408)  # fmt: skip
+    assert qwen2.shared_expert_intermediate_size == 5632 and qwen2.attention_bias
+    assert not qwen2.qk_norm and qwen2.sliding_window is None
+    no_bias = ModelConfig.from_hf(dict(base, architectures=["Qwen2MoeForCausalLM"],
+                                       intermediate_size=16, qkv_bias=False))  # fmt: skip
+    assert not no_bias.attention_bias
+
+
+def test_shared_expert_block_equals_hf(tmp_path: Path, smollm2_dir: Path) -> None:
+    """Qwen2-MoE's sparse block (routed experts plus the shared expert times the sigmoid of its
+    gate) on random rows against HF transformers' block with the same weights (float32); the
+    shared expert's share of the output is not small (so the equality tests it)."""
+    from transformers import AutoModelForCausalLM
+
+    path = moe_checkpoint(tmp_path, smollm2_dir, "qwen2-moe-shared-expert")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    block = LLM(str(path), **SMALL).engine.runner.model.decoder_layers[1].mlp
+    assert block.shared_expert is not None and block.shared_expert_gate is not None
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        want = hf.model.layers[1].mlp(x[None])[0]
+        got = block(x)
+        routed = block.experts(x, *block.gate(x))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert float((got - routed).norm()) > 0.1 * float(got.norm())
 
 
 def test_missing_expert_weight_is_refused(tmp_path: Path, smollm2_dir: Path) -> None:

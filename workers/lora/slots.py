@@ -17,8 +17,9 @@ from typing import cast
 import torch
 
 from workers.lora.adapter import LoRAAdapter, LoRAAdapterError
-from workers.model.llama import MLP, LlamaForCausalLM
+from workers.model.llama import LlamaForCausalLM
 from workers.model.lora_layers import LayerLoRA, LoRAContext, ProjectionStack
+from workers.model.mlp import MLP
 
 # our projection -> (its PEFT modules with their shard ids in the base loader, row-parallel?)
 PROJECTIONS: dict[str, tuple[tuple[tuple[str, int | str | None], ...], bool]] = {

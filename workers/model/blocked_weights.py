@@ -5,7 +5,8 @@ read contiguous memory."""
 from __future__ import annotations
 
 from workers.kernels.weight_blocks import BLOCK_ROWS, block_rows
-from workers.model.llama import MLP, LlamaForCausalLM
+from workers.model.llama import LlamaForCausalLM
+from workers.model.mlp import MLP
 
 
 def block_gate_up_weights(model: LlamaForCausalLM) -> None:

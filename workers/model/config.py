@@ -14,6 +14,7 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
 }
@@ -52,6 +53,7 @@ class ModelConfig(BaseModel):
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
+    shared_expert_intermediate_size: int = 0  # a gated dense MLP beside the experts (Qwen2-MoE)
     decoder_sparse_step: int = 1  # every step-th layer is sparse (those not in mlp_only_layers)
     mlp_only_layers: tuple[int, ...] = ()
     # How this process places experts (EngineConfig.expert_parallel), not the checkpoint's
@@ -105,7 +107,8 @@ class ModelConfig(BaseModel):
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         num_heads = hf["num_attention_heads"]
         # Qwen's config classes default to no sliding window; Mistral's has no switch
-        windowed = hf.get("use_sliding_window", family not in ("qwen2", "qwen3", "qwen3_moe"))
+        qwen = family in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
+        windowed = hf.get("use_sliding_window", not qwen)
         return cls(
             architecture=arch,
             vocab_size=hf["vocab_size"],
@@ -120,12 +123,21 @@ class ModelConfig(BaseModel):
             rope_scaling={**rope, "rope_type": rope_type} if rope_type != "default" else None,
             max_position_embeddings=hf["max_position_embeddings"],
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=family == "qwen2" or bool(hf.get("attention_bias", False)),
+            attention_bias=_attention_bias(family, hf),
             qk_norm=family in ("qwen3", "qwen3_moe"),
             sliding_window=hf.get("sliding_window") if windowed else None,
             eos_token_ids=eos_ids,
             **_moe_fields(family, hf),
         )
+
+
+def _attention_bias(family: str, hf: dict[str, Any]) -> bool:
+    """Whether q/k/v have biases: Qwen2's always, Qwen2-MoE's unless `qkv_bias` says not."""
+    if family == "qwen2":
+        return True
+    if family == "qwen2_moe":
+        return bool(hf.get("qkv_bias", True))
+    return bool(hf.get("attention_bias", False))
 
 
 def _moe_fields(family: str, hf: dict[str, Any]) -> dict[str, Any]:
@@ -139,13 +151,16 @@ def _moe_fields(family: str, hf: dict[str, Any]) -> dict[str, Any]:
             moe_intermediate_size=hf["intermediate_size"],
             norm_topk_prob=True,
         )
-    if family == "qwen3_moe":
+    if family in ("qwen2_moe", "qwen3_moe"):
+        qwen2 = family == "qwen2_moe"
+        shared = hf.get("shared_expert_intermediate_size", 5632) if qwen2 else 0
         return dict(
-            num_experts=experts or 128,
-            num_experts_per_tok=hf.get("num_experts_per_tok", 8),
-            moe_intermediate_size=hf.get("moe_intermediate_size", 768),
+            num_experts=experts or (60 if qwen2 else 128),
+            num_experts_per_tok=hf.get("num_experts_per_tok", 4 if qwen2 else 8),
+            moe_intermediate_size=hf.get("moe_intermediate_size", 1408 if qwen2 else 768),
             norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
             decoder_sparse_step=hf.get("decoder_sparse_step", 1) or 1,
             mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
+            shared_expert_intermediate_size=shared,
         )
     return {}

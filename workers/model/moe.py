@@ -5,11 +5,14 @@ probability; the token's output is the sum of those experts' SwiGLU MLPs weighte
 probabilities, renormalised over the k chosen where the family says so (`norm_topk_prob`:
 Qwen3-MoE's flag, always for Mixtral). Experts: `moe_experts.StackedExperts`.
 
-Families this block is meant to take next, without a second MoE module:
-- a shared expert (Qwen2-MoE, DeepSeek): a dense `MLP` beside the experts, its output (Qwen2-MoE:
-  times sigmoid of its own gate) added to the routed sum before the block returns;
-- grouped routing (DeepSeek-V3): `Router.forward` is the only place that turns logits into
-  (weights, ids); a sigmoid score, a bias for selection only and a top-groups mask go there.
+A shared expert (Qwen2-MoE's `shared_expert_intermediate_size`): a dense `MLP` beside the
+experts, split over the ranks as a dense MLP is, its output times the sigmoid of its own gate
+(`shared_expert_gate`, one logit a token, replicated) added to the routed sum. DeepSeek's shared
+experts are the same without the gate.
+
+Families this block is meant to take next, without a second MoE module: grouped routing
+(DeepSeek-V3): `Router.forward` is the only place that turns logits into (weights, ids); a
+sigmoid score, a bias for selection only and a top-groups mask go there.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from torch import nn
 from workers.kernels.norms import HALF_DTYPES
 from workers.model.config import ModelConfig
 from workers.model.layers import replicated_loader
+from workers.model.mlp import MLP
 from workers.model.moe_experts import StackedExperts
 from workers.parallel.group import TPGroup
 
@@ -67,6 +71,13 @@ class SparseMoeBlock(nn.Module):
         self.experts = StackedExperts(
             cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, tp, cfg.expert_parallel
         )
+        self.shared_expert: MLP | None = None
+        self.shared_expert_gate: nn.Linear | None = None
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = MLP(cfg, tp, cfg.shared_expert_intermediate_size)
+            gate = nn.Linear(cfg.hidden_size, 1, bias=False).requires_grad_(False)
+            gate.weight.weight_loader = replicated_loader  # type: ignore[attr-defined]
+            self.shared_expert_gate = gate  # one logit a token: every rank computes it
         # (token, expert) pairs routed to each expert by eager forwards (`routed_token_counts`)
         counts = torch.zeros(cfg.num_experts, dtype=torch.long)
         self.register_buffer("routed_tokens", counts, persistent=False)
@@ -79,7 +90,11 @@ class SparseMoeBlock(nn.Module):
             # A decode graph's replays are not counted: its padding rows would count too
             flat = ids.flatten()
             self.routed_tokens.index_add_(0, flat, torch.ones_like(flat))
-        return self.experts(x, weights, ids)
+        out = self.experts(x, weights, ids)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            gate = torch.sigmoid(self.shared_expert_gate(x))  # [T, 1], as HF
+            out = out + gate * self.shared_expert(x)
+        return out
 
 
 def routed_token_counts(model: nn.Module) -> dict[str, list[int]]:
