@@ -1,6 +1,7 @@
 """MoE on a GPU: the fused Triton kernel against a float64 reference at Qwen3-30B-A3B's expert
-shape and small ones, inside a CUDA graph, and the engine on a tiny random Qwen3-MoE in bf16
-(fused experts, CUDA graphs) against HF transformers' float32 view of its tokens."""
+shape and small ones, inside a CUDA graph, and the engine on a tiny random Qwen3-MoE and
+Qwen2-MoE (a gated shared expert) in bf16 (fused experts, CUDA graphs) against HF transformers'
+float32 view of its tokens."""
 
 from __future__ import annotations
 
@@ -105,12 +106,16 @@ def test_fused_router_equals_mm_then_route_top_k_when_replayed() -> None:
     assert differing <= 2, f"{differing} of {4 * FUSED_MAX_TOKENS} rows picked other experts"
 
 
-@pytest.fixture(scope="module")
-def tiny_moe(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Path:
+@pytest.fixture(scope="module", params=["Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"])
+def tiny_moe(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path
+) -> Path:
+    shared = dict(shared_expert_intermediate_size=96) if "Qwen2" in request.param else {}
     return make_random_checkpoint(
-        tmp_path_factory.mktemp("moe-gpu"), tokenizer_dir, "Qwen3MoeForCausalLM",
+        tmp_path_factory.mktemp("moe-gpu"), tokenizer_dir, request.param,
         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, head_dim=64,
         hidden_size=128, num_attention_heads=4, num_key_value_heads=2,  # FlashInfer: head_dim 64+
+        **shared,
     )  # fmt: skip
 
 
