@@ -29,8 +29,9 @@ from bench.results_io import add_out_argument, write_result
 from workers.config import DEFAULT_MODEL, EngineConfig
 from workers.engine.async_engine import AsyncEngine
 from workers.engine.engine import Engine
+from workers.engine_stats import EngineStats
 from workers.model.files import load_model_config, resolve_model
-from workers.protocol import EngineStats, GenerateRequest, SamplingParams
+from workers.protocol import GenerateRequest, SamplingParams
 
 # (conversations, turns, document, question, answer tokens, pool pages, turns a second)
 CPU_SIZES = dict(conversations=8, turns=3, doc_len=256, question_len=32, answer_len=16,

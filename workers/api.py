@@ -9,13 +9,11 @@ LoRA registry's keys in it. The router imports nothing else from
 
 from __future__ import annotations
 
+from workers.engine_stats import ITERATION_TOKENS_BUCKETS, EngineDeadError, EngineStats
 from workers.kvcache.kv_events import KVEventBatch, lora_cache_ids, page_hashes
 from workers.lora.registered import read_registered, registry_prefix
 from workers.protocol import (
-    ITERATION_TOKENS_BUCKETS,
     MAX_LOGPROBS,
-    EngineDeadError,
-    EngineStats,
     FinishReason,
     GenerateRequest,
     KVHandle,

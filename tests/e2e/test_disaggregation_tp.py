@@ -16,13 +16,8 @@ import ray
 
 from tests.waiting import wait_until
 from workers import LLM
-from workers.protocol import (
-    EngineStats,
-    GenerateRequest,
-    KVHandle,
-    RequestOutput,
-    SamplingParams,
-)
+from workers.engine_stats import EngineStats
+from workers.protocol import GenerateRequest, KVHandle, RequestOutput, SamplingParams
 from workers.serve.decode import DecodeWorker
 from workers.serve.prefill import PrefillWorker
 

@@ -10,7 +10,7 @@ import pytest
 
 from router.metrics import Metrics, RequestStats
 from router.metrics_board import MetricsBoard
-from workers.protocol import EngineStats
+from workers.engine_stats import EngineStats
 from workers.serve import stats_board
 
 pytestmark = pytest.mark.e2e

@@ -14,13 +14,8 @@ from router.failover import is_replica_failure
 from workers.config import EngineConfig, FaultConfig, KVTransferConfig
 from workers.disagg.decode import DecodeEngine
 from workers.engine.async_engine import AsyncEngine
-from workers.protocol import (
-    EngineDeadError,
-    GenerateRequest,
-    RequestOutput,
-    SamplingParams,
-    StructuredOutputs,
-)
+from workers.engine_stats import EngineDeadError
+from workers.protocol import GenerateRequest, RequestOutput, SamplingParams, StructuredOutputs
 
 AFTER = 6  # the step the fault strikes first
 

@@ -18,8 +18,9 @@ from tests.engine_checks import drain_and_check_released, engine_pair, prefill_t
 from workers import LLM, SamplingParams
 from workers.config import EngineConfig
 from workers.disagg.decode import DecodeEngine
+from workers.engine_stats import EngineStats
 from workers.kvcache.kv_dtype import FP8_MAX, KVScales, dequantize, quantize
-from workers.protocol import EngineStats, GenerateRequest, KVLayout
+from workers.protocol import GenerateRequest, KVLayout
 from workers.transfer import KVLayoutMismatchError
 from workers.transfer.head_slices import head_sources
 

@@ -194,7 +194,7 @@ def test_kv_event_metrics_per_role_and_pool(monkeypatch: pytest.MonkeyPatch) -> 
     from router.backend import RoleStats
     from router.metrics import Metrics
     from router.routing import kv_feed
-    from workers.protocol import EngineStats
+    from workers.engine_stats import EngineStats
 
     monkeypatch.setattr(
         kv_feed, "index_pages", lambda: {"prefill": [120, 30, 5], "decode": [7, 0, 0]}
@@ -267,7 +267,7 @@ def test_evicted_pages_are_reported_in_the_tier_that_keeps_them() -> None:
 def test_kv_tier_metrics_per_role_and_tier() -> None:
     from router.backend import RoleStats
     from router.metrics import Metrics
-    from workers.protocol import EngineStats
+    from workers.engine_stats import EngineStats
 
     metrics = Metrics("m")
     zero = {k: 0 for k, field in EngineStats.model_fields.items() if field.is_required()}

@@ -12,7 +12,8 @@ from pydantic import ValidationError
 from tests.engine_checks import drain_and_check_released, engine_pair, prefill_then_decode
 from workers import LLM, SamplingParams
 from workers.config import EngineConfig, KVOffloadConfig
-from workers.protocol import EngineStats, GenerateRequest
+from workers.engine_stats import EngineStats
+from workers.protocol import GenerateRequest
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 DOCS = [[100 + 37 * d + i for i in range(40)] for d in range(6)]  # 10 pages of 4 tokens each

@@ -22,7 +22,7 @@ WORKER_ROOMS = (
     "__init__", "api", "serve", "disagg", "llm", "engine", "spec", "scheduler", "transfer", "lora",
     "model",
     "attention", "kvcache", "sequence", "detokenizer", "sampling", "parallel", "kernels",
-    "config", "protocol", "ray_kv", "env",
+    "config", "protocol", "engine_stats", "ray_kv", "env",
 )  # fmt: skip
 ROUTER_DOOR = "workers.api"
 ENV_MODULE = "workers.env"

@@ -12,7 +12,8 @@ from cluster.autoscaling_policy import Targets, load_ratios, pool_signals
 from router.routing.policy import DecodeLoadPolicy
 from tests.waiting import wait_until
 from workers import SamplingParams
-from workers.protocol import EngineStats, GenerateRequest
+from workers.engine_stats import EngineStats
+from workers.protocol import GenerateRequest
 from workers.serve.decode import DecodeWorker
 from workers.serve.load_meter import KV_USAGE
 from workers.serve.prefill import PrefillWorker

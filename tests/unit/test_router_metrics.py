@@ -15,7 +15,7 @@ from router.errors import APIError
 from router.metric_names import Naming
 from router.metrics import ERROR_KINDS, Metrics, RequestStats, error_kind
 from tests.waiting import wait_until
-from workers.protocol import EngineStats
+from workers.engine_stats import EngineStats
 from workers.serve import stats_board
 
 

@@ -20,8 +20,9 @@ from tests.tolerance import dot_scale, reduction_atol
 from tests.waiting import wait_until
 from workers import LLM, SamplingParams
 from workers.engine.tp_runner import TPDriverRunner
+from workers.engine_stats import EngineDeadError
 from workers.parallel.ranks import TPRankError
-from workers.protocol import EngineDeadError, GenerateRequest
+from workers.protocol import GenerateRequest
 
 PROMPTS = [
     "The capital of France is",

@@ -27,7 +27,8 @@ from typing import Any
 
 from workers.disagg.handoff import HandoffEngine
 from workers.engine.engine import RequestRejectedError
-from workers.protocol import EngineStats, GenerateRequest, KVHandle, RequestOutput
+from workers.engine_stats import EngineStats
+from workers.protocol import GenerateRequest, KVHandle, RequestOutput
 from workers.sequence import SeqStatus, Sequence
 from workers.transfer import KVLayoutMismatchError, TransferError, TransferHandle, XferState
 from workers.transfer.handle import combine

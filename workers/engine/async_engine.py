@@ -19,7 +19,8 @@ from collections.abc import AsyncGenerator, Callable
 from typing import Any, TypeVar
 
 from workers.engine.engine import Engine
-from workers.protocol import EngineDeadError, EngineStats, GenerateRequest, RequestOutput
+from workers.engine_stats import EngineDeadError, EngineStats
+from workers.protocol import GenerateRequest, RequestOutput
 
 logger = logging.getLogger(__name__)
 

@@ -28,13 +28,14 @@ from workers.engine.speculation import build_speculator
 from workers.engine.step_tokens import StepCount, StepTokens
 from workers.engine.tier_ranks import build_tiers
 from workers.engine.tp_runner import create_runner, remove_lora
+from workers.engine_stats import EngineDeadError, EngineStats
 from workers.kvcache.allocator import PageAllocator
 from workers.kvcache.manager import KVManager
 from workers.lora.manager import lora_stats, request_adapter
 from workers.model.files import load_tokenizer
 from workers.model.moe import routed_token_counts
 from workers.parallel.group import SINGLE, TPGroup
-from workers.protocol import EngineDeadError, EngineStats, GenerateRequest, RequestOutput
+from workers.protocol import GenerateRequest, RequestOutput
 from workers.sampling.sampler import SampleResult
 from workers.scheduler.scheduler import Scheduler
 from workers.scheduler.step import LaunchedStep, StepInput

@@ -13,7 +13,7 @@ from bisect import bisect_left
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from workers.protocol import ITERATION_TOKENS_BUCKETS
+from workers.engine_stats import ITERATION_TOKENS_BUCKETS
 from workers.sequence import Sequence
 
 

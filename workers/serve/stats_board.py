@@ -24,7 +24,7 @@ from typing import Generic, TypeVar
 
 from pydantic import BaseModel
 
-from workers.protocol import EngineStats
+from workers.engine_stats import EngineStats
 from workers.ray_kv import ray_internal_kv
 
 logger = logging.getLogger(__name__)

@@ -12,7 +12,8 @@ from typing import Any, ClassVar
 from workers.config import EngineConfig, KVTransferConfig
 from workers.disagg.handoff import HandoffEngine
 from workers.engine.async_engine import AsyncEngine
-from workers.protocol import EngineStats, GenerateRequest, RequestOutput
+from workers.engine_stats import EngineStats
+from workers.protocol import GenerateRequest, RequestOutput
 from workers.serve.kv_publisher import KVEventPublisher
 from workers.serve.load_meter import LoadMeter
 from workers.serve.lora_sync import LoRASync
