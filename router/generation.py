@@ -37,7 +37,7 @@ from router.protocol import (
 )
 from router.tokenizer import Prompts, RawPrompt
 from router.tools.choice import ToolPlan
-from workers.api import GenerateRequest, LoRARequest, RequestOutput, TokenLogprob
+from workers.api import GenerateRequest, LoRARequest, RequestOutput, TokenLogprob, truncated_prompt
 
 
 @dataclass
@@ -130,6 +130,8 @@ def build_job(req: SamplingFields, prompt_ids: list[list[int]], prompts: Prompts
     adapter it runs with (`model`: its name then)."""
     chat = isinstance(req, ChatCompletionRequest)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    if req.truncate_prompt_tokens is not None:
+        prompt_ids = [_truncated(ids, req.truncate_prompt_tokens, prompts) for ids in prompt_ids]
     requested = req.max_tokens
     if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
         requested = req.max_completion_tokens
@@ -148,7 +150,8 @@ def build_job(req: SamplingFields, prompt_ids: list[list[int]], prompts: Prompts
     opts = req.stream_options
     echo = None
     if isinstance(req, CompletionRequest) and req.echo:
-        echo = _prompt_texts(req.prompt, prompt_ids, prompts)
+        sent = req.prompt if req.truncate_prompt_tokens is None else prompt_ids
+        echo = _prompt_texts(sent, prompt_ids, prompts)
     elif isinstance(req, ChatCompletionRequest) and req.echo:
         echo = [chat_echo(req)]
     return Job(id=rid, chat=chat, model=model, prompt_ids=prompt_ids, requests=requests,
@@ -157,6 +160,17 @@ def build_job(req: SamplingFields, prompt_ids: list[list[int]], prompts: Prompts
                include_usage=bool(opts and opts.include_usage),
                continuous_usage=bool(opts and opts.include_usage and opts.continuous_usage_stats),
                tools=tools, token_ids_as_text=bool(req.return_tokens_as_token_ids))
+
+
+def _truncated(ids: list[int], keep: int, prompts: Prompts) -> list[int]:
+    """The prompt's last `keep` tokens (`truncate_prompt_tokens`), or 400."""
+    if keep == 0:
+        raise BadRequestError("truncate_prompt_tokens must be -1 or at least 1",
+                              param="truncate_prompt_tokens")  # fmt: skip
+    try:
+        return truncated_prompt(ids, keep, prompts.max_model_len)
+    except ValueError as e:
+        raise BadRequestError(str(e), param="truncate_prompt_tokens") from e
 
 
 def _prompt_texts(prompt: RawPrompt, prompt_ids: list[list[int]], prompts: Prompts) -> list[str]:

@@ -32,7 +32,6 @@ UNSUPPORTED_EXTRAS: dict[str, tuple[Any, ...]] = {
     "use_beam_search": (None, False),
     "length_penalty": (None, 1, 1.0),
     "bad_words": (None, []),
-    "truncate_prompt_tokens": (None,),
     "logits_processors": (None, []),
     "tools": (None, []),
     "functions": (None, []),

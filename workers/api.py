@@ -22,6 +22,7 @@ from workers.protocol import (
     SamplingParams,
     StructuredOutputs,
     TokenLogprob,
+    truncated_prompt,
 )
 from workers.ray_kv import ray_internal_kv
 from workers.sampling.grammar import check_structured_outputs
@@ -63,4 +64,5 @@ __all__ = [
     "read_registered",
     "read_role",
     "registry_prefix",
+    "truncated_prompt",
 ]

@@ -17,6 +17,7 @@ from workers.protocol import (
     LoRARequest,
     SamplingParams,
     TokenLogprob,
+    truncated_prompt,
 )
 
 Prompt = str | list[int]
@@ -76,7 +77,8 @@ class LLM:
         outputs: dict[str, GenerationOutput] = {}
         order = []
         for prompt, p, lora in zip(batch, plist, loras):
-            ids = self._encode(prompt)
+            ids = truncated_prompt(self._encode(prompt), p.truncate_prompt_tokens,
+                                   self.engine.max_model_len)  # fmt: skip
             rid = f"offline-{next(self._ids)}"
             req = GenerateRequest(request_id=rid, prompt_token_ids=ids, params=p, lora=lora)
             self.engine.add_request(req)

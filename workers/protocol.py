@@ -89,6 +89,16 @@ class SamplingParams(BaseModel):
         None, description="only these tokens may be sampled"
     )
     structured_outputs: StructuredOutputs | None = None
+    truncate_prompt_tokens: int | None = Field(
+        None, ge=-1, description="only the prompt's last k tokens are used; -1: the context's"
+    )
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _keeps_a_token(cls, v: int | None) -> int | None:
+        if v == 0:
+            raise ValueError("truncate_prompt_tokens must be -1 or at least 1")
+        return v
 
     @field_validator("logit_bias", mode="before")
     @classmethod
@@ -126,6 +136,19 @@ class SamplingParams(BaseModel):
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def truncated_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """The prompt's last `keep` tokens (vLLM's `truncate_prompt_tokens`; -1: as many as the
+    context holds; None: all of them)."""
+    if keep is None:
+        return ids
+    if keep > max_model_len:
+        raise ValueError(
+            f"truncate_prompt_tokens value ({keep}) is greater than max_model_len "
+            f"({max_model_len}). Please select a smaller truncation size."
+        )
+    return ids[-(max_model_len if keep == -1 else keep) :]
 
 
 class LoRARequest(BaseModel):

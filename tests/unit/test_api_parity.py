@@ -86,6 +86,21 @@ def test_tokens_per_step_are_prompts_and_generated_tokens_as_vllm_counts_them() 
     assert 'vllm:kv_cache_usage_perc{engine="colocated",model_name="m"} 0.0' in text
 
 
+def test_offline_truncate_prompt_tokens_runs_the_prompts_last_tokens() -> None:
+    """`SamplingParams(truncate_prompt_tokens=k)` offline, as vLLM's: the request's prompt is
+    the last k tokens, and its tokens are those of sending them; more than the context is a
+    ValueError naming the limit."""
+    llm = LLM(num_kv_pages=64)
+    ids = list(range(200, 240))
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    cut, sent = llm.generate([ids, ids[-6:]], [params.model_copy(
+        update={"truncate_prompt_tokens": 6}), params])  # fmt: skip
+    assert cut.prompt_token_ids == ids[-6:] and cut.token_ids == sent.token_ids
+    too_many = params.model_copy(update={"truncate_prompt_tokens": llm.engine.max_model_len + 1})
+    with pytest.raises(ValueError, match="greater than max_model_len"):
+        llm.generate([ids], too_many)
+
+
 def test_kv_usage_counts_only_pages_requests_hold() -> None:
     held = stats(1, 30, 0, 5).model_copy(update={"kv_pages_evictable": 20})
     text = Metrics("m").render([RoleStats("decode", held)]).decode()

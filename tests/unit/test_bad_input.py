@@ -62,7 +62,9 @@ def test_empty_prompt_is_rejected() -> None:
 
 @pytest.mark.parametrize("field,value", [("max_tokens", 0), ("temperature", -0.5),
                                          ("top_p", 0.0), ("logprobs", 21), ("top_k", -2),
-                                         ("stop_token_ids", (-1,))])
+                                         ("stop_token_ids", (-1,)),
+                                         ("truncate_prompt_tokens", 0),
+                                         ("truncate_prompt_tokens", -2)])
 def test_bad_sampling_params_name_the_field(field: str, value: object) -> None:
     with pytest.raises(ValidationError, match=field):
         SamplingParams(**{field: value})

@@ -356,6 +356,38 @@ async def test_too_long_prompt_says_maximum_context_length(app, engine) -> None:
     assert "too large" in str(e.value)
 
 
+async def test_truncate_prompt_tokens_runs_the_prompts_last_tokens(app, engine) -> None:
+    """vLLM's `truncate_prompt_tokens`: a prompt longer than the context runs on its last k
+    tokens (usage counts k; echo gives their text; the answer is the one those tokens get as
+    the prompt), in chat too; -1 keeps what the context holds; more than the context, or 0,
+    is 400 naming the field."""
+    limit = engine.engine.max_model_len
+    long_prompt = "hello " * (limit + 10)
+    kept = engine.engine.tokenizer.encode(long_prompt)[-5:]
+    greedy = {"model": MODEL, "max_tokens": 2, "temperature": 0}
+    async with http(app) as c:
+        cut = await c.post("/v1/completions", json={**greedy, "prompt": long_prompt, "echo": True,
+                                                    "truncate_prompt_tokens": 5})  # fmt: skip
+        sent = await c.post("/v1/completions", json={**greedy, "prompt": kept})
+        chat = await c.post("/v1/chat/completions", json={**greedy, "messages": FRANCE,
+                                                          "truncate_prompt_tokens": 3})  # fmt: skip
+        whole = await c.post("/v1/completions", json={**greedy, "prompt": PROMPT,
+                                                      "truncate_prompt_tokens": -1})  # fmt: skip
+        plain = await c.post("/v1/completions", json={**greedy, "prompt": PROMPT})
+        bad = [await c.post("/v1/completions", json={**greedy, "prompt": PROMPT,
+                                                     "truncate_prompt_tokens": k})
+               for k in (limit + 1, 0)]  # fmt: skip
+    assert cut.status_code == sent.status_code == chat.status_code == 200, cut.text
+    assert cut.json()["usage"]["prompt_tokens"] == 5
+    text = engine.engine.tokenizer.decode(kept)
+    assert cut.json()["choices"][0]["text"] == text + sent.json()["choices"][0]["text"]
+    assert chat.json()["usage"]["prompt_tokens"] == 3
+    assert whole.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
+    for r in bad:
+        assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
+    assert "greater than max_model_len" in bad[0].text
+
+
 async def test_unknown_model_is_404_and_the_server_keeps_serving(app) -> None:
     oc = client(app)
     with pytest.raises(openai.NotFoundError) as e:
