@@ -31,7 +31,6 @@ UNSUPPORTED_EXTRAS: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
     "use_beam_search": (None, False),
     "length_penalty": (None, 1, 1.0),
-    "bad_words": (None, []),
     "logits_processors": (None, []),
     "tools": (None, []),
     "functions": (None, []),
@@ -122,6 +121,7 @@ def sampling_params(req: SamplingFields, max_tokens: int, seed_offset: int = 0,
         "logprobs": requested_logprobs(req),
         "prompt_logprobs": wanted_prompt_logprobs(req),
         "skip_special_tokens": req.skip_special_tokens,
+        "bad_words": tuple(req.bad_words or ()),
         **(constraints or {}),
     }
     try:

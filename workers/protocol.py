@@ -89,6 +89,10 @@ class SamplingParams(BaseModel):
         None, description="only these tokens may be sampled"
     )
     structured_outputs: StructuredOutputs | None = None
+    bad_words: tuple[str, ...] = Field(
+        (), description="words the output may not contain (a word's last token is held back "
+        "where its others end the output)",
+    )  # fmt: skip
     truncate_prompt_tokens: int | None = Field(
         None, ge=-1, description="only the prompt's last k tokens are used; -1: the context's"
     )

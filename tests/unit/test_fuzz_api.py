@@ -93,7 +93,6 @@ REFUSED: dict[str, st.SearchStrategy[Any]] = {
     "suffix": st.sampled_from([None, "", "x"]),
     "use_beam_search": st.booleans(),
     "length_penalty": st.sampled_from([1.0, 0.5, None]),
-    "bad_words": st.sampled_from([[], ["a"]]),
     "allowed_token_ids": st.none() | st.lists(token_id, max_size=2),
     "guided_json": st.none() | st.just({"type": "object"}),
     "guided_choice": st.none() | st.just(["a", "b"]),

@@ -388,6 +388,17 @@ async def test_truncate_prompt_tokens_runs_the_prompts_last_tokens(app, engine) 
     assert "greater than max_model_len" in bad[0].text
 
 
+async def test_bad_words_keep_a_word_out_of_the_answer(app) -> None:
+    """vLLM's `bad_words` over HTTP: the greedy answer that says "Paris" does not with it."""
+    body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 6,
+            "temperature": 0}  # fmt: skip
+    async with http(app) as c:
+        plain = (await c.post("/v1/completions", json=body)).json()["choices"][0]["text"]
+        r = await c.post("/v1/completions", json={**body, "bad_words": ["Paris"]})
+    assert "Paris" in plain
+    assert r.status_code == 200 and "Paris" not in r.json()["choices"][0]["text"]
+
+
 async def test_unknown_model_is_404_and_the_server_keeps_serving(app) -> None:
     oc = client(app)
     with pytest.raises(openai.NotFoundError) as e:

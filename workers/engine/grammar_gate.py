@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from workers.sampling.bad_words import bad_word_ids
 from workers.sampling.constraint import Constraint
 from workers.sampling.grammar import GrammarCompiler, vocab_tokenizer
 from workers.sequence import Sequence
@@ -24,7 +25,7 @@ class GrammarGate:
         """The token constraint of a request with sampling `params` (None: unconstrained);
         ValueError if `allowed_token_ids` allows nothing."""
         spec, allowed = params.structured_outputs, params.allowed_token_ids
-        if spec is None and allowed is None:
+        if spec is None and allowed is None and not params.bad_words:
             return None
         if allowed is not None and not any(t < self.vocab for t in allowed):
             raise ValueError("allowed_token_ids names no token of the vocabulary")
@@ -36,7 +37,8 @@ class GrammarGate:
                     lambda: vocab_tokenizer(tokenizer, vocab), shards=self.shards
                 )
             compiled = self._compiler.submit(spec)
-        return Constraint(compiled, allowed, self.vocab)
+        words = bad_word_ids(self.tokenizer, params.bad_words)
+        return Constraint(compiled, allowed, self.vocab, words)
 
     def holds(self, seq: Sequence) -> bool:
         """Whether `seq` must wait for its grammar (then it is held here)."""

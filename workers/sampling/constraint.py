@@ -1,5 +1,6 @@
-"""A request's constraint on its next token: a grammar matcher (structured outputs) and / or a
-static set of allowed token ids, and the batch's bitmask filled from them each step.
+"""A request's constraint on its next token: a grammar matcher (structured outputs), a static
+set of allowed token ids and / or bad words (`bad_words.py`: tokens held back after what the
+output ends with), and the batch's bitmask filled from them each step.
 
 The matcher follows the request's output tokens by count (`sync`): it consumes the ones it has
 not seen, and rolls back if the request kept fewer (it never does today: a preempted request
@@ -20,6 +21,7 @@ import llguidance
 import numpy as np
 import torch
 
+from workers.sampling.bad_words import TokenSeqs, banned_after
 from workers.sampling.token_mask import BITS, bitmask_words
 
 GRAMMAR_WAIT_S = 30.0  # a request whose grammar is not compiled by then ends with an error
@@ -27,8 +29,9 @@ GRAMMAR_WAIT_S = 30.0  # a request whose grammar is not compiled by then ends wi
 
 class Constraint:
     def __init__(
-        self, compiled: Future[Any] | None, allowed: Sequence[int] | None, vocab: int
-    ) -> None:
+        self, compiled: Future[Any] | None, allowed: Sequence[int] | None, vocab: int,
+        bad_words: TokenSeqs = (),
+    ) -> None:  # fmt: skip
         self._compiled = compiled
         self.matcher: Any = None  # this request's copy, once compiled
         self.shard = 0  # which compiled matcher it copies (`GrammarCompiler`), by its id
@@ -41,6 +44,9 @@ class Constraint:
             bits = np.zeros(bitmask_words(vocab) * BITS, dtype=np.uint8)
             bits[[t for t in allowed if t < vocab]] = 1
             self.static = np.packbits(bits, bitorder="little").view(np.int32)
+        self.bad_words = bad_words
+        self.banned = [t for t in banned_after(bad_words, ()) if t < vocab]  # after `sync`'s output
+        self.vocab = vocab
 
     def poll(self) -> bool | str:
         """True once ready, False while compiling, or the error text if it cannot be used."""
@@ -65,7 +71,10 @@ class Constraint:
         return self.poll()
 
     def sync(self, output_ids: Sequence[int]) -> None:
-        """Bring the matcher to `output_ids` (the request's output tokens, in order)."""
+        """Bring the matcher to `output_ids` (the request's output tokens, in order), and the
+        bad words' held-back tokens after them."""
+        if self.bad_words:
+            self.banned = [t for t in banned_after(self.bad_words, output_ids) if t < self.vocab]
         n = len(output_ids)
         if self.matcher is None or n == self.num_consumed:
             return  # nothing to do: no call on a matcher that a fill may hold
@@ -168,4 +177,8 @@ class PendingMask:
             c.refresh()  # a fill can leave a matcher in an error state
             if c.static is not None:
                 self._mask[i] &= torch.from_numpy(c.static)
+            if c.banned:
+                words = self._mask[i].numpy().view(np.uint32)
+                for t in c.banned:
+                    words[t // BITS] &= ~np.uint32(1 << (t % BITS))
         return self._filler.to_device(self._k, self._mask)

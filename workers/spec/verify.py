@@ -30,10 +30,11 @@ def verify_rows(seqs: list[Sequence]) -> tuple[list[Sequence], np.ndarray]:
 def _view(seq: Sequence, j: int) -> Sequence:
     """`seq` as if its first `j` drafts were its newest tokens (no drafts of its own)."""
     constraint = seq.constraint
-    if constraint is not None and constraint.matcher is not None:
+    if constraint is not None:  # a view's own: its mask follows its own output
         constraint.sync(seq.output_token_ids)
         constraint = copy.copy(constraint)
-        constraint.matcher = constraint.matcher.deep_copy()
+        if constraint.matcher is not None:
+            constraint.matcher = constraint.matcher.deep_copy()
     return dataclasses.replace(
         seq,
         token_ids=seq.token_ids + seq.draft_ids[:j],
