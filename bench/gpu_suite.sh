@@ -34,6 +34,9 @@
 #   spec_tests the speculative-decoding GPU tests alone (also part of `tests`)
 #   spec       speculative decoding: a repetitive workload on SmolLM2 (--model) with and without
 #              ngram drafts, and the verify step against the decode step (bench.spec_decode)
+#   lora_tests the LoRA GPU tests alone (SGMV kernels, the products beside a GEMM and what adds
+#              them: sums of squares, activation, rotary; the engine's tokens, with --model
+#              SmolLM2's against HF PEFT's; also part of `tests`)
 #   moe_tests  the MoE GPU tests alone (fused expert kernel, engine on a tiny Qwen3-MoE; also
 #              part of `tests`)
 #   moe        Qwen3-30B-A3B shapes: decode at batch 1 and 64 against the routed-expert floor,
@@ -142,6 +145,9 @@ part spec_tests 300 1 python3 -m pytest tests/gpu/test_speculative_gpu.py -m gpu
 spec_model=()
 [ -n "$MODEL" ] && spec_model=(--model "$MODEL")
 part spec 300 1 python3 -m bench.spec_decode "${tok[@]}" "${spec_model[@]}" --out "$OUT"
+part lora_tests 300 1 python3 -m pytest tests/gpu/test_lora_kernels_gpu.py \
+  tests/gpu/test_lora_gpu.py tests/gpu/test_fused_kernels.py -m gpu -q -rs -p no:cacheprovider \
+  --junitxml="$OUT/lora-tests.xml"
 part moe_tests 300 1 python3 -m pytest tests/gpu/test_moe_gpu.py -m gpu -q -rs \
   -p no:cacheprovider --junitxml="$OUT/moe-tests.xml"
 part moe_sweep 900 1 python3 bench/sweep_moe.py --write
