@@ -46,6 +46,8 @@ class Prompts:
             raise BadRequestError("prompt is empty: at least one token is needed", param="prompt")
         if min(ids) < 0:
             raise BadRequestError("prompt token ids must be non-negative", param="prompt")
+        if max(ids) >= self.vocab_size:  # as vLLM; echo would decode it before the engine sees it
+            raise BadRequestError(f"Token id {max(ids)} is out of vocabulary", param="prompt")
         return ids
 
     # ---- chat -----------------------------------------------------------------------------

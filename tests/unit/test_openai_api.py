@@ -316,6 +316,7 @@ async def test_bad_completion_requests_are_400(app) -> None:
                      {**base, "logprobs": -1}, {**base, "prompt_logprobs": 21},
                      {**base, "max_tokens": 0}, {**base, "suffix": "x"},
                      {**base, "prompt": [60000]}, {**base, "prompt": [60000], "stream": True},
+                     {**base, "prompt": [2**32], "echo": True},
                      {**base, "logit_bias": {"60000": 1}}):
             r = await c.post("/v1/completions", json=body)
             assert r.status_code == 400 and "error" in r.json(), body
