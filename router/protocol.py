@@ -104,6 +104,7 @@ class SamplingFields(RequestBody, StructuredFields):
     return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name tokens "token_id:N"
     truncate_prompt_tokens: int | None = Field(None, ge=-1)  # vLLM's: the prompt's last k tokens
     bad_words: list[str] | None = None  # vLLM's: words the output may not contain
+    cache_salt: str | None = Field(None, min_length=1)  # vLLM's: prefix cache shared per salt
     user: str | None = None
 
     @field_validator("n", "stream", "ignore_eos", "min_tokens", "include_stop_str_in_output",

@@ -10,7 +10,7 @@ LoRA registry's keys in it. The router imports nothing else from
 from __future__ import annotations
 
 from workers.engine_stats import ITERATION_TOKENS_BUCKETS, EngineDeadError, EngineStats
-from workers.kvcache.kv_events import KVEventBatch, lora_cache_ids, page_hashes
+from workers.kvcache.kv_events import KVEventBatch, page_hashes, prefix_cache_ids
 from workers.lora.registered import read_registered, registry_prefix
 from workers.protocol import (
     MAX_LOGPROBS,
@@ -56,8 +56,8 @@ __all__ = [
     "StructuredOutputs",
     "TokenLogprob",
     "check_structured_outputs",
-    "lora_cache_ids",
     "page_hashes",
+    "prefix_cache_ids",
     "ray_internal_kv",
     "read_kv_events",
     "read_pool",

@@ -177,6 +177,9 @@ class GenerateRequest(BaseModel):
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams = SamplingParams()
     lora: LoRARequest | None = None
+    cache_salt: str | None = Field(
+        None, min_length=1, description="vLLM's: prefix-cache pages shared only within one salt"
+    )
 
     @field_validator("prompt_token_ids")
     @classmethod

@@ -51,6 +51,7 @@ class Sequence:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     lora: LoRARequest | None = None  # the adapter it runs with; None: the base model
+    cache_salt: str | None = None  # shares prefix-cache pages only with requests of this salt
 
     @property
     def lora_id(self) -> int:

@@ -40,15 +40,16 @@ from typing import TypeVar
 
 from router.routing.loads import LoadBoard
 from router.routing.prefix_index import PrefixIndex, uncached_tokens
-from workers.api import GenerateRequest, KVEventBatch, lora_cache_ids, page_hashes
+from workers.api import GenerateRequest, KVEventBatch, page_hashes, prefix_cache_ids
 
 R = TypeVar("R", bound=Hashable)  # a replica key (Serve's ReplicaID)
 
 
 def cache_ids(req: GenerateRequest) -> Sequence[int]:
     """`req`'s prompt as the engines' prefix caches name its pages: by its LoRA adapter too
-    (`lora_cache_ids`); the same object for a base request, so its names are hashed once."""
-    return lora_cache_ids(req.prompt_token_ids, lora_id(req))
+    (`prefix_cache_ids`); the same object for a base request, so its names are hashed once."""
+    salt = getattr(req, "cache_salt", None)  # as `lora_id`: any request with a prompt
+    return prefix_cache_ids(req.prompt_token_ids, lora_id(req), salt)
 
 
 def lora_id(req: GenerateRequest) -> int:

@@ -15,7 +15,7 @@ from tests.conftest import hf_greedy_batch
 from tests.lora_adapters import ALL_MODULES, make_lora_adapter, peft_model
 from workers import LLM, LoRARequest, SamplingParams
 from workers.config import EngineConfig
-from workers.kvcache.kv_events import LORA_SALT, lora_cache_ids
+from workers.kvcache.kv_events import LORA_SALT, prefix_cache_ids
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
 NEW_TOKENS = 12
@@ -97,9 +97,9 @@ def test_prefix_cache_keys_pages_by_adapter(adapters, references) -> None:
 
 def test_cache_ids_keep_adapters_apart() -> None:
     ids = [5, 7, 9]
-    assert lora_cache_ids(ids, 0) is ids
-    assert lora_cache_ids(ids, 3) == [3 * LORA_SALT + t for t in ids]
-    assert set(lora_cache_ids(ids, 1)).isdisjoint(lora_cache_ids(ids, 2))
+    assert prefix_cache_ids(ids, 0) is ids
+    assert prefix_cache_ids(ids, 3) == [3 * LORA_SALT + t for t in ids]
+    assert set(prefix_cache_ids(ids, 1)).isdisjoint(prefix_cache_ids(ids, 2))
 
 
 def test_bad_adapters_fail_clearly(adapters, tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ from workers import LoRARequest, SamplingParams
 from workers.config import EngineConfig
 from workers.engine.engine import Engine
 from workers.kvcache.allocator import PageAllocator
-from workers.kvcache.kv_events import LORA_SALT, lora_cache_ids
+from workers.kvcache.kv_events import LORA_SALT, prefix_cache_ids
 from workers.kvcache.radix_cache import RadixCache
 from workers.protocol import GenerateRequest
 from workers.serve.decode import DecodeWorker
@@ -109,7 +109,7 @@ def test_an_unloaded_adapters_pages_are_freed_not_spilled_to_the_tiers() -> None
     cache = RadixCache(2, PageAllocator(16))
     cache.below = tiers = _Tiers()  # type: ignore[assignment]
     for lora, tokens in ((1, [5, 6, 7, 8]), (2, [5, 6, 9, 9])):
-        ids = lora_cache_ids(tokens, lora)
+        ids = prefix_cache_ids(tokens, lora)
         cache.insert(ids, cache.allocator.allocate(2))
     free = cache.allocator.num_free
     assert cache.drop_where(lambda key: key[0] // LORA_SALT == 1) == 2

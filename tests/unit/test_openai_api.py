@@ -400,6 +400,23 @@ async def test_bad_words_keep_a_word_out_of_the_answer(app) -> None:
     assert r.status_code == 200 and "Paris" not in r.json()["choices"][0]["text"]
 
 
+async def test_cache_salt_reaches_the_engine_and_an_empty_one_is_400(app, engine) -> None:
+    """vLLM's `cache_salt`: the engine's request carries it (its pages are keyed by it:
+    tests/unit/test_cache_salt.py); an empty salt is 400 naming the field."""
+    seen: list[str | None] = []
+    add = engine.engine.add_request
+    engine.engine.add_request = lambda req: seen.append(req.cache_salt) or add(req)  # type: ignore[method-assign]
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1}
+    try:
+        async with http(app) as c:
+            ok = await c.post("/v1/completions", json={**body, "cache_salt": "tenant-a"})
+            bad = await c.post("/v1/completions", json={**body, "cache_salt": ""})
+    finally:
+        del engine.engine.add_request
+    assert ok.status_code == 200 and seen == ["tenant-a"]
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_salt"
+
+
 async def test_unknown_model_is_404_and_the_server_keeps_serving(app) -> None:
     oc = client(app)
     with pytest.raises(openai.NotFoundError) as e:

@@ -107,7 +107,6 @@ class Engine:
             raise EngineDeadError(str(self.dead))
         if req.request_id in self.seqs:
             raise RequestRejectedError(f"request id {req.request_id!r} is already running")
-        n = len(req.prompt_token_ids)
         check_token_ids(req, self.max_model_len, self.runner.model_config.vocab_size)
         try:
             constraint = self.grammars.constraint(req.params)
@@ -122,13 +121,14 @@ class Engine:
         seq = Sequence(
             request_id=req.request_id,
             token_ids=list(req.prompt_token_ids),
-            num_prompt_tokens=n,
+            num_prompt_tokens=len(req.prompt_token_ids),
             params=p,
             stop_token_ids=frozenset(p.stop_token_ids)
             | (frozenset() if p.ignore_eos else self.eos_token_ids),
             detokenizer=detokenizer,
             constraint=constraint,
             lora=lora,
+            cache_salt=req.cache_salt,
         )
         self.seqs[req.request_id] = seq
         return seq

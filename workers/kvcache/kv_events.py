@@ -17,6 +17,7 @@ drops what it knew of a replica whose incarnation changed (a restart with an emp
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -24,16 +25,26 @@ ROOT = 0x5EED  # the name "before" the first page
 
 
 LORA_SALT = 1 << 32  # above every token id: an adapter's cache ids sit in a range of their own
+_SALTED = 1 << 31  # a salted first id: in the upper half of its adapter's range, past any token
 
 
-def lora_cache_ids(token_ids: Sequence[int], lora_id: int) -> Sequence[int]:
+def prefix_cache_ids(
+    token_ids: Sequence[int], lora_id: int, cache_salt: str | None = None
+) -> Sequence[int]:
     """The ids the prefix cache keys a request's pages by (and names them from): its tokens,
     shifted by its LoRA adapter's id times LORA_SALT (0, the base model: unchanged), so that the
-    same text under two adapters never shares KV."""
-    if not lora_id:
+    same text under two adapters never shares KV; with `cache_salt` (vLLM's), the first id
+    replaced by a 31-bit hash of the salt and that token, so requests share KV only with those
+    of the same salt (two salts meet at one first token with odds of 2^-31)."""
+    if not lora_id and cache_salt is None:
         return token_ids
     shift = lora_id * LORA_SALT
-    return [t + shift for t in token_ids]
+    ids = [t + shift for t in token_ids]
+    if cache_salt is not None and ids:
+        key = f"{cache_salt}\0{token_ids[0]}".encode()
+        salted = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest()) % _SALTED
+        ids[0] = shift + _SALTED + salted
+    return ids
 
 
 def page_hashes(token_ids: Sequence[int], page_size: int, parent: int = ROOT) -> list[int]:

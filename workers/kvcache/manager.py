@@ -20,7 +20,7 @@ sequence that leaves meanwhile leaves the job to end on its own; its pages still
 from __future__ import annotations
 
 from workers.kvcache.allocator import PageAllocator
-from workers.kvcache.kv_events import LORA_SALT, ROOT, lora_cache_ids
+from workers.kvcache.kv_events import LORA_SALT, ROOT, prefix_cache_ids
 from workers.kvcache.radix_cache import RadixCache
 from workers.kvcache.tiers.offloader import OnloadJob, TieredStore
 from workers.sequence import Sequence
@@ -176,5 +176,6 @@ class KVManager:
 
 
 def _ids(seq: Sequence) -> list[int]:
-    """`seq`'s ids as the prefix cache keys them (its adapter's range, `lora_cache_ids`)."""
-    return list(lora_cache_ids(seq.token_ids, seq.lora_id))
+    """`seq`'s ids as the prefix cache keys them (its adapter's range and its salt,
+    `prefix_cache_ids`)."""
+    return list(prefix_cache_ids(seq.token_ids, seq.lora_id, seq.cache_salt))

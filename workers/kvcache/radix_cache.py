@@ -199,7 +199,7 @@ class RadixCache:
 
     def drop_where(self, owns: Callable[[tuple[int, ...]], bool]) -> int:
         """Evict the unlocked pages of the prefixes whose first page `owns` (an unloaded LoRA
-        adapter's, `lora_cache_ids`); return how many were freed."""
+        adapter's, `prefix_cache_ids`); return how many were freed."""
         order, stack = [], [c for key, c in self.root.children.items() if owns(key)]
         while stack:
             node = stack.pop()
