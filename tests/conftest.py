@@ -180,15 +180,17 @@ def _smollm2_vocabulary() -> dict[str, tuple[Any, Any, Any]]:
     }
 
 
-def make_random_qwen3_moe_gguf(
-    path: Path, *, hidden: int = 64, layers: int = 2, experts: int = 8, top_k: int = 2,
-    expert_size: int = 32, heads: int = 4, kv_heads: int = 2, head_dim: int = 16, seed: int = 0,
+def make_random_moe_gguf(
+    path: Path, *, arch: str = "qwen3moe", hidden: int = 64, layers: int = 2, experts: int = 8,
+    top_k: int = 2, expert_size: int = 32, shared_size: int = 48, heads: int = 4,
+    kv_heads: int = 2, head_dim: int = 16, seed: int = 0,
 ) -> Path:  # fmt: skip
-    """A tiny random Qwen3-MoE written as llama.cpp writes one to GGUF (architecture `qwen3moe`,
-    its tensor names and metadata keys, float32 tensors) with SmolLM2's vocabulary (49152 tokens:
-    its GGUF's `tokenizer.*` fields). Tensors are in torch's orientation, `[out, in]` and the
-    experts stacked `[E, out, in]` (GGUF's shape lists the dimensions reversed); q and k are not
-    permuted (llama.cpp permutes them for `llama`'s rotary layout only, and transformers
+    """A tiny random Qwen3-MoE (`arch` "qwen3moe": q/k norms) or Qwen2-MoE ("qwen2moe": q/k/v
+    biases, a gated shared expert `shared_size` wide) written as llama.cpp writes one to GGUF
+    (its tensor names and metadata keys, float32 tensors) with SmolLM2's vocabulary (49152
+    tokens: its GGUF's `tokenizer.*` fields). Tensors are in torch's orientation, `[out, in]` and
+    the experts stacked `[E, out, in]` (GGUF's shape lists the dimensions reversed); q and k are
+    not permuted (llama.cpp permutes them for `llama`'s rotary layout only, and transformers
     un-permutes only that architecture). Weights are N(0, 1/fan_in) and the norms' 1 + N(0, 0.01),
     so every matrix, the router included, moves the greedy tokens."""
     import numpy as np
@@ -204,8 +206,9 @@ def make_random_qwen3_moe_gguf(
     def norm(n: int) -> Any:
         return (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
 
-    w = GGUFWriter(path, "qwen3moe")
-    w.add_name("tiny-random-qwen3-moe")
+    qwen2 = arch == "qwen2moe"
+    w = GGUFWriter(path, arch)
+    w.add_name(f"tiny-random-{arch}")
     w.add_file_type(LlamaFileType.ALL_F32)
     w.add_block_count(layers)
     w.add_context_length(512)
@@ -220,6 +223,8 @@ def make_random_qwen3_moe_gguf(
     w.add_expert_count(experts)
     w.add_expert_used_count(top_k)
     w.add_expert_feed_forward_length(expert_size)
+    if qwen2:
+        w.add_expert_shared_feed_forward_length(shared_size)
     w.add_vocab_size(vocab_size)
     for name, (value, kind, item_kind) in vocab.items():
         w.add_key_value(name, value, kind, item_kind)
@@ -231,8 +236,17 @@ def make_random_qwen3_moe_gguf(
         w.add_tensor(blk + "attn_k.weight", linear(kv_heads * head_dim, hidden))
         w.add_tensor(blk + "attn_v.weight", linear(kv_heads * head_dim, hidden))
         w.add_tensor(blk + "attn_output.weight", linear(hidden, heads * head_dim))
-        w.add_tensor(blk + "attn_q_norm.weight", norm(head_dim))
-        w.add_tensor(blk + "attn_k_norm.weight", norm(head_dim))
+        if qwen2:
+            for part, n in (("q", heads), ("k", kv_heads), ("v", kv_heads)):
+                bias = 0.1 * rng.standard_normal(n * head_dim)
+                w.add_tensor(blk + f"attn_{part}.bias", bias.astype(np.float32))
+            w.add_tensor(blk + "ffn_gate_inp_shexp.weight", linear(1, hidden)[0])
+            w.add_tensor(blk + "ffn_gate_shexp.weight", linear(shared_size, hidden))
+            w.add_tensor(blk + "ffn_up_shexp.weight", linear(shared_size, hidden))
+            w.add_tensor(blk + "ffn_down_shexp.weight", linear(hidden, shared_size))
+        else:
+            w.add_tensor(blk + "attn_q_norm.weight", norm(head_dim))
+            w.add_tensor(blk + "attn_k_norm.weight", norm(head_dim))
         w.add_tensor(blk + "ffn_norm.weight", norm(hidden))
         w.add_tensor(blk + "ffn_gate_inp.weight", linear(experts, hidden))  # the router
         w.add_tensor(blk + "ffn_gate_exps.weight", linear(expert_size, hidden, experts))

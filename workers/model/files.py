@@ -153,11 +153,18 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
 
 
 # Metadata that transformers' GGUF reader leaves out, per `general.architecture`: GGUF key (after
-# the architecture's prefix) -> config field. transformers (5.25) maps no Qwen3-MoE
-# `expert_feed_forward_length`, so `moe_intermediate_size` stays Qwen3MoeConfig's default, 768
-# (Qwen3-30B-A3B's), and a file whose experts are of another width (Qwen3-235B-A22B's 1536) fails
-# to load. Given the file's own value, the read is right whether or not transformers learns the key.
-GGUF_CONFIG_FIXES = {"qwen3moe": {"expert_feed_forward_length": "moe_intermediate_size"}}
+# the architecture's prefix) -> config field. transformers (5.25) maps no Qwen3-MoE or Qwen2-MoE
+# `expert_feed_forward_length`, so `moe_intermediate_size` stays the config class's default
+# (Qwen3-30B-A3B's 768, Qwen1.5-MoE's 1408), and a file whose experts are of another width
+# (Qwen3-235B-A22B's 1536) fails to load; nor Qwen2-MoE's shared expert width. Given the file's
+# own values, the read is right whether or not transformers learns the keys.
+GGUF_CONFIG_FIXES = {
+    "qwen3moe": {"expert_feed_forward_length": "moe_intermediate_size"},
+    "qwen2moe": {
+        "expert_feed_forward_length": "moe_intermediate_size",
+        "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
+    },
+}
 
 
 def gguf_config_fixes(gguf: Path) -> dict[str, Any]:
