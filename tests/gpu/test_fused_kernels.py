@@ -151,6 +151,34 @@ def test_rotary_store_rotates_and_writes_slots(
     assert torch.equal(pool, before)  # no slot but the tokens' own was written
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_store_adds_the_products_as_an_add_before_it(dtype: torch.dtype) -> None:
+    """`rotary_store(added=...)` (LoRA's q/k/v products, `lora_products="beside"`): the same q
+    and pool bytes as the products added by torch first, then the kernel; not those without."""
+    from workers.kernels import rope
+
+    tokens, heads, kv_heads, head_dim, pages, page_size = 21, 32, 8, 128, 9, 4
+    width = (heads + 2 * kv_heads) * head_dim
+    packed = torch.randn(tokens, width, device="cuda").to(dtype)
+    added = (torch.randn(tokens, width, device="cuda") * 0.3).to(dtype)
+    split = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+    shapes = [(tokens, heads, head_dim), (tokens, kv_heads, head_dim), (tokens, kv_heads, head_dim)]
+    qkv = [x.view(s) for x, s in zip(packed.split(split, dim=-1), shapes)]
+    summed = [x.view(s) for x, s in zip((packed + added).split(split, dim=-1), shapes)]
+    positions = torch.randint(0, 8000, (tokens,), device="cuda")
+    cos, sin = RotaryEmbedding(head_dim, 500000.0, None).cuda().cos_sin(positions, dtype)
+    slots = torch.randperm(pages * page_size, device="cuda")[:tokens]
+    pools = [torch.zeros(pages, 2, page_size, kv_heads, head_dim, device="cuda", dtype=dtype)
+             for _ in range(3)]  # fmt: skip
+    where = (slots // page_size, slots % page_size)
+    got = rope.rotary_store(*qkv, cos, sin, pools[0], *where,
+                            added=added.view(tokens, -1, head_dim))  # fmt: skip
+    want = rope.rotary_store(*summed, cos, sin, pools[1], *where)
+    alone = rope.rotary_store(*qkv, cos, sin, pools[2], *where)
+    assert torch.equal(got, want) and torch.equal(pools[0], pools[1])
+    assert not torch.equal(got, alone) and not torch.equal(pools[0], pools[2])
+
+
 QK_EPS = 1e-6
 
 
