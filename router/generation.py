@@ -165,9 +165,6 @@ def build_job(req: SamplingFields, prompt_ids: list[list[int]], prompts: Prompts
 
 def _truncated(ids: list[int], keep: int, prompts: Prompts) -> list[int]:
     """The prompt's last `keep` tokens (`truncate_prompt_tokens`), or 400."""
-    if keep == 0:
-        raise BadRequestError("truncate_prompt_tokens must be -1 or at least 1",
-                              param="truncate_prompt_tokens")  # fmt: skip
     try:
         return truncated_prompt(ids, keep, prompts.max_model_len)
     except ValueError as e:

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, field_validat
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 MAX_LOGPROBS = 20
+_KEEP_A_TOKEN = "truncate_prompt_tokens must be -1 or at least 1"
 
 
 class StructuredOutputs(BaseModel):
@@ -101,7 +102,7 @@ class SamplingParams(BaseModel):
     @classmethod
     def _keeps_a_token(cls, v: int | None) -> int | None:
         if v == 0:
-            raise ValueError("truncate_prompt_tokens must be -1 or at least 1")
+            raise ValueError(_KEEP_A_TOKEN)
         return v
 
     @field_validator("logit_bias", mode="before")
@@ -144,9 +145,11 @@ class SamplingParams(BaseModel):
 
 def truncated_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
     """The prompt's last `keep` tokens (vLLM's `truncate_prompt_tokens`; -1: as many as the
-    context holds; None: all of them)."""
+    context holds; None: all of them); ValueError for 0 or more than the context."""
     if keep is None:
         return ids
+    if keep == 0:
+        raise ValueError(_KEEP_A_TOKEN)
     if keep > max_model_len:
         raise ValueError(
             f"truncate_prompt_tokens value ({keep}) is greater than max_model_len "

@@ -49,11 +49,14 @@ class Attention(nn.Module):
         # This rank's partial sum: the norm after attention sums it over the group.
         if self.lora is not None and self.lora.active:
             lora = self.lora
+
+            def base() -> torch.Tensor:
+                return self.qkv_proj(x)
+
             if (store := self.lora_store(lora, x, cos_sin, attn)) is not None:
-                out = self.attend_added(store, *lora.apart("qkv", x, lambda: self.qkv_proj(x)),
-                                        attn)  # fmt: skip
+                out = self.attend_added(store, *lora.apart("qkv", x, base), attn)
             else:
-                out = self.attend(lora.linear("qkv", x, lambda: self.qkv_proj(x)), cos_sin, attn)
+                out = self.attend(lora.linear("qkv", x, base), cos_sin, attn)
             return lora.linear("o", out, lambda: self.o_proj(out, reduce=False))
         return self.o_proj(self.attend(self.qkv_proj(x), cos_sin, attn), reduce=False)
 

@@ -84,10 +84,11 @@ class LayerLoRA:
         activation of that, `silu_and_mul`): beside it on a second stream where the context
         says so (added in the activation's launch, or by `add_lora_beside`, which with
         `sums_out` redoes the sums of squares `base()` wrote), else after it."""
-        step, stack = self.context.step, self.stacks.get(name)
-        if step is not None and stack is not None and self._beside(x):
+        if self.runs_beside(name, x):
             if gated:
                 return silu_and_mul(*self.apart(name, x, base, sumsq, eps))
+            step, stack = self.context.step, self.stacks[name]
+            assert step is not None
             return add_lora_beside(base, x, stack.a, stack.b, step.mask, stack.out_parts, sumsq,
                                    eps, sums_out)  # fmt: skip
         y = self.add(name, x, base(), sumsq, eps)

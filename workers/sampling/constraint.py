@@ -44,9 +44,9 @@ class Constraint:
             bits = np.zeros(bitmask_words(vocab) * BITS, dtype=np.uint8)
             bits[[t for t in allowed if t < vocab]] = 1
             self.static = np.packbits(bits, bitorder="little").view(np.int32)
-        self.bad_words = bad_words
-        self.banned = [t for t in banned_after(bad_words, ()) if t < vocab]  # after `sync`'s output
-        self.vocab = vocab
+        # a word ending past the logits' width can never be sampled: nothing to hold back
+        self.bad_words = tuple(seq for seq in bad_words if seq[-1] < vocab)
+        self.banned = banned_after(self.bad_words, ())  # after `sync`'s output
 
     def poll(self) -> bool | str:
         """True once ready, False while compiling, or the error text if it cannot be used."""
@@ -74,7 +74,7 @@ class Constraint:
         """Bring the matcher to `output_ids` (the request's output tokens, in order), and the
         bad words' held-back tokens after them."""
         if self.bad_words:
-            self.banned = [t for t in banned_after(self.bad_words, output_ids) if t < self.vocab]
+            self.banned = banned_after(self.bad_words, output_ids)
         n = len(output_ids)
         if self.matcher is None or n == self.num_consumed:
             return  # nothing to do: no call on a matcher that a fill may hold
