@@ -184,7 +184,7 @@ def main() -> None:
         cases = [tuple(int(v) for v in c.split("x")) for c in args.cases.split(",")]
         profiled = cases
     page_size = PAGE_SIZE
-    cfg = decode_config(args, CASES + cases, tensor_parallel_size=args.tp)
+    cfg = decode_config(args, cases, tensor_parallel_size=args.tp)  # pages for these alone
     engine = Engine(cfg)
     assert engine.overlap
     runner = engine.runner

@@ -19,7 +19,6 @@ CASES = [  # (tokens, experts held, first expert, Config fields)
 
 def check() -> None:
     """Each case against the torch path in float64; run with TRITON_INTERPRET=1."""
-    from workers.kernels.moe_align import align
     from workers.kernels.moe_fused import fused_moe
     from workers.kernels.moe_tuning import MoEConfig
 
@@ -35,16 +34,36 @@ def check() -> None:
         mine = slice(first, first + held)
         out = fused_moe(x, w13[mine], w2[mine], weights, ids, first, E, cfg)
         assert_matches_torch_path(out, x, w13[mine], w2[mine], weights, ids, first, fields)
-        # each tile holds one expert's pairs; every routed pair of this rank in exactly one slot
-        pairs, tile_expert = align(ids, first, held, cfg.block_m)
-        slots = pairs[:-1].view(-1, cfg.block_m)
-        local = ids.flatten() - first
-        for tile, e in zip(slots, tile_expert.tolist()):
-            real = tile[tile < ids.numel()]
-            assert e >= 0 or len(real) == 0
-            assert (local[real] == e).all()
-        routed = ((local >= 0) & (local < held)).nonzero().flatten()
-        assert sorted(slots[slots < ids.numel()].tolist()) == routed.tolist()
+        assert_aligned(ids, first, held, cfg.block_m)
+    # more pairs than one program of the count takes, and than its last program sums at once
+    from workers.kernels import moe_align
+
+    many = moe_align.COUNT_CHUNK * (moe_align.ROWS + 2) // k + 5
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(many)])
+    assert_aligned(ids, 0, E, 64)
+    assert_aligned(ids, 2, 3, 16)
+
+
+def assert_aligned(ids: torch.Tensor, first: int, held: int, block_m: int) -> None:
+    """Each tile of an expert holds that expert's pairs then the sentinel; every routed pair of
+    this rank is in exactly one slot; the tiles past the runs are marked -1."""
+    from workers.kernels.moe_align import align
+
+    n = ids.numel()
+    pairs, tile_expert = align(ids, first, held, block_m)
+    slots = pairs[:-1].view(-1, block_m)
+    local = ids.flatten() - first
+    experts = tile_expert.tolist()
+    used = [tile for tile, e in zip(slots, experts) if e >= 0]
+    assert all(e >= 0 for e in experts[: len(used)]) and all(e == -1 for e in experts[len(used) :])
+    for tile, e in zip(used, experts):
+        real = tile[tile < n]
+        assert (tile[len(real) :] == n).all() and len(real) > 0
+        assert (local[real] == e).all()
+    routed = ((local >= 0) & (local < held)).nonzero().flatten()
+    got = torch.cat(used) if used else torch.empty(0, dtype=torch.int32)
+    assert sorted(got[got < n].tolist()) == routed.tolist()
+    assert experts[: len(used)] == sorted(experts[: len(used)])
 
 
 def test_fused_moe_equals_the_torch_path() -> None:
