@@ -145,7 +145,8 @@ def build_job(req: SamplingFields, prompt_ids: list[list[int]], prompts: Prompts
             name = rid if len(prompt_ids) * req.n == 1 else f"{rid}-{index}"
             requests.append(GenerateRequest(request_id=name, prompt_token_ids=tuple(ids),
                                             params=params, lora=lora,
-                                            cache_salt=req.cache_salt))  # fmt: skip
+                                            cache_salt=req.cache_salt,
+                                            priority=req.priority))  # fmt: skip
             timer = metrics.request_timer(len(ids), req.n, max_tokens, arrival)
             choices.append(ChoiceState(index=index, prompt=p, timer=timer))
     opts = req.stream_options

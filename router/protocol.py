@@ -105,11 +105,12 @@ class SamplingFields(RequestBody, StructuredFields):
     truncate_prompt_tokens: int | None = Field(None, ge=-1)  # vLLM's: the prompt's last k tokens
     bad_words: list[str] | None = None  # vLLM's: words the output may not contain
     cache_salt: str | None = Field(None, min_length=1)  # vLLM's: prefix cache shared per salt
+    priority: int = Field(0, ge=-(2**63), le=2**63 - 1)  # vLLM's: lower first (priority policy)
     user: str | None = None
 
     @field_validator("n", "stream", "ignore_eos", "min_tokens", "include_stop_str_in_output",
                      "skip_special_tokens", "logprobs", "echo", "add_generation_prompt",
-                     "continue_final_message", mode="before", check_fields=False)
+                     "continue_final_message", "priority", mode="before", check_fields=False)
     @classmethod
     def _null_is_default(cls, value: Any, info: ValidationInfo) -> Any:
         """`"n": null` and friends mean "the default", as clients and benchmarks send them."""

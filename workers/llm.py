@@ -63,10 +63,12 @@ class LLM:
         params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = False,
         lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
+        priority: Seq[int] | None = None,
     ) -> list[GenerationOutput]:
         """Run every prompt to completion as one continuously batched workload; with
         `lora_request` (one for all prompts, or one per prompt, None for the base model) under
-        those LoRA adapters."""
+        those LoRA adapters; `priority` (one per prompt, lower first) where the engine's
+        `scheduling_policy` is "priority", as vLLM's."""
         batch = _as_prompt_list(prompts)
         plist = params if isinstance(params, Seq) else [params or SamplingParams()] * len(batch)
         if len(plist) != len(batch):
@@ -74,13 +76,17 @@ class LLM:
         loras = lora_request if isinstance(lora_request, Seq) else [lora_request] * len(batch)
         if len(loras) != len(batch):
             raise ValueError(f"{len(batch)} prompts but {len(loras)} LoRA requests")
+        priorities = [0] * len(batch) if priority is None else list(priority)
+        if len(priorities) != len(batch):
+            raise ValueError(f"{len(batch)} prompts but {len(priorities)} priorities")
         outputs: dict[str, GenerationOutput] = {}
         order = []
-        for prompt, p, lora in zip(batch, plist, loras):
+        for prompt, p, lora, rank in zip(batch, plist, loras, priorities):
             ids = truncated_prompt(self._encode(prompt), p.truncate_prompt_tokens,
                                    self.engine.max_model_len)  # fmt: skip
             rid = f"offline-{next(self._ids)}"
-            req = GenerateRequest(request_id=rid, prompt_token_ids=ids, params=p, lora=lora)
+            req = GenerateRequest(request_id=rid, prompt_token_ids=ids, params=p, lora=lora,
+                                  priority=rank)  # fmt: skip
             self.engine.add_request(req)
             outputs[rid] = GenerationOutput(
                 request_id=rid,

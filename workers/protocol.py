@@ -183,6 +183,10 @@ class GenerateRequest(BaseModel):
     cache_salt: str | None = Field(
         None, min_length=1, description="vLLM's: prefix-cache pages shared only within one salt"
     )
+    priority: int = Field(
+        0, ge=-(2**63), le=2**63 - 1,
+        description="vLLM's: lower runs first where the engine's scheduling_policy is 'priority'",
+    )  # fmt: skip
 
     @field_validator("prompt_token_ids")
     @classmethod

@@ -52,6 +52,7 @@ class Sequence:
     num_accepted_tokens: int = 0
     lora: LoRARequest | None = None  # the adapter it runs with; None: the base model
     cache_salt: str | None = None  # shares prefix-cache pages only with requests of this salt
+    priority: int = 0  # lower runs first under the priority scheduling policy
 
     @property
     def lora_id(self) -> int:

@@ -417,6 +417,19 @@ async def test_cache_salt_reaches_the_engine_and_an_empty_one_is_400(app, engine
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_salt"
 
 
+async def test_a_priority_under_the_fcfs_policy_is_400_as_vllm(app) -> None:
+    """vLLM's `priority` needs `scheduling_policy: priority` (tests/unit/
+    test_priority_scheduling.py); this app's engine runs the default fcfs."""
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1}
+    async with http(app) as c:
+        bad = await c.post("/v1/completions", json={**body, "priority": 3})
+        zero = await c.post("/v1/completions", json={**body, "priority": 0})
+        null = await c.post("/v1/completions", json={**body, "priority": None})
+    assert bad.status_code == 400
+    assert "priority scheduling is not enabled" in bad.json()["error"]["message"]
+    assert zero.status_code == 200 and null.status_code == 200
+
+
 async def test_unknown_model_is_404_and_the_server_keeps_serving(app) -> None:
     oc = client(app)
     with pytest.raises(openai.NotFoundError) as e:

@@ -9,6 +9,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from workers.config.kernels import KernelConfig
 
+SchedulingPolicy = Literal["fcfs", "priority"]  # the order the scheduler admits requests in
+
 if TYPE_CHECKING:
     import torch
 
@@ -163,6 +165,12 @@ class EngineConfig(BaseModel):
     max_model_len: int | None = Field(None, ge=1)
     max_num_seqs: int = Field(256, ge=1, description="running sequences at most")
     max_num_batched_tokens: int = Field(2048, ge=1, description="token budget of one step")
+    scheduling_policy: SchedulingPolicy = Field(
+        "fcfs",
+        description="fcfs: requests admitted in arrival order, a request with a priority refused "
+        "(400); priority: by each request's `priority` (lower first), then arrival, and the "
+        "lowest-priority running sequence preempted first (vLLM's --scheduling-policy)",
+    )
     kv_cache_dtype: Literal["auto", "fp8_e4m3", "int8"] = Field(
         "auto",
         description="auto: K/V stored in the model's dtype; fp8_e4m3: in FP8 (E4M3), one byte "

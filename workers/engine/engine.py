@@ -20,8 +20,12 @@ import time
 from typing import NoReturn
 
 from workers.config import EngineConfig
-from workers.detokenizer import IncrementalDetokenizer
-from workers.engine.admission import RequestRejectedError, check_pages, check_token_ids
+from workers.engine.admission import (
+    RequestRejectedError,
+    check_pages,
+    check_request,
+    new_sequence,
+)
 from workers.engine.finish import check_finish, take_output, token_logprob
 from workers.engine.grammar_gate import GrammarGate
 from workers.engine.speculation import build_speculator
@@ -66,7 +70,7 @@ class Engine:
         tiers = build_tiers(self.runner, cfg)
         self.kv = KVManager(self.allocator, cfg.page_size, cfg.enable_prefix_caching, tiers)
         limits = (cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_loras * cfg.enable_lora)
-        self.scheduler = Scheduler(self.kv, *limits)
+        self.scheduler = Scheduler(self.kv, *limits, cfg.scheduling_policy)
         eos = {*self.runner.model_config.eos_token_ids, self.tokenizer.eos_token_id} - {None}
         self.eos_token_ids = frozenset(eos)
         self.seqs: dict[str, Sequence] = {}
@@ -107,29 +111,15 @@ class Engine:
             raise EngineDeadError(str(self.dead))
         if req.request_id in self.seqs:
             raise RequestRejectedError(f"request id {req.request_id!r} is already running")
-        check_token_ids(req, self.max_model_len, self.runner.model_config.vocab_size)
+        check_request(req, self.cfg.scheduling_policy, self.max_model_len,
+                      self.runner.model_config.vocab_size)  # fmt: skip
         try:
             constraint = self.grammars.constraint(req.params)
             lora = request_adapter(self.runner.lora, req.lora)  # a bad adapter fails it now
         except ValueError as e:
             raise RequestRejectedError(str(e)) from e
         check_pages(req, self.max_model_len, self.cfg.page_size, self.allocator.num_usable)
-        p = req.params
-        detokenizer = IncrementalDetokenizer(self.tokenizer, list(req.prompt_token_ids),
-                                             p.skip_special_tokens, p.stop,
-                                             p.include_stop_str_in_output)  # fmt: skip
-        seq = Sequence(
-            request_id=req.request_id,
-            token_ids=list(req.prompt_token_ids),
-            num_prompt_tokens=len(req.prompt_token_ids),
-            params=p,
-            stop_token_ids=frozenset(p.stop_token_ids)
-            | (frozenset() if p.ignore_eos else self.eos_token_ids),
-            detokenizer=detokenizer,
-            constraint=constraint,
-            lora=lora,
-            cache_salt=req.cache_salt,
-        )
+        seq = new_sequence(req, self.tokenizer, self.eos_token_ids, constraint, lora)
         self.seqs[req.request_id] = seq
         return seq
 

@@ -14,8 +14,8 @@ expert's pairs.
    on their own and written to the pair's own output row.
 Both are spread over the pairs: with a one-program count (a loop over 64 dependent chunks, the
 padding and the tile map too) the two took 0.26 ms a layer at a prefill of 8,192 tokens (65,536
-pairs) on an H100, 7% of the step. At decode the count is one program. No host sync; the grid size comes from the bound
-sum_e ceil(n_e / BLOCK_M) <= min(pairs, pairs / BLOCK_M + E).
+pairs) on an H100, 7% of the step. At decode the count is one program. No host sync; the grid
+size comes from the bound sum_e ceil(n_e / BLOCK_M) <= min(pairs, pairs / BLOCK_M + E).
 """
 
 from __future__ import annotations

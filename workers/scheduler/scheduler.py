@@ -6,6 +6,9 @@ while the step's token budget and the running-seat limit last. A long prompt is 
 steps; many prompts share one step. When a running sequence needs a page and none can be
 freed, the newest running sequence is preempted: its computed pages go to the prefix cache,
 it returns to the head of the queue, and it is recomputed later. Nothing is ever dropped.
+Under the priority policy (`EngineConfig.scheduling_policy`) the queue is ordered by each
+request's priority, then arrival, and the victim is the lowest-priority running sequence
+(`waiting.py`).
 
 With KV tiers, a waiting sequence whose prompt pages sit in host memory or on disk waits aside
 (`loading`) while they are loaded, and rejoins the head of the queue when they are in; others
@@ -16,12 +19,13 @@ them (a swap to host memory) and come back the same way, instead of being recomp
 from __future__ import annotations
 
 import logging
-from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
+from workers.config import SchedulingPolicy
 from workers.kvcache.manager import KVManager
 from workers.scheduler.step import StepInput
+from workers.scheduler.waiting import WaitingQueue, admission_key
 from workers.sequence import SeqStatus, Sequence
 
 logger = logging.getLogger(__name__)
@@ -29,20 +33,21 @@ logger = logging.getLogger(__name__)
 
 class Scheduler:
     def __init__(
-        self, kv: KVManager, max_num_seqs: int, max_num_batched_tokens: int, max_loras: int = 0
-    ) -> None:
+        self, kv: KVManager, max_num_seqs: int, max_num_batched_tokens: int, max_loras: int = 0,
+        policy: SchedulingPolicy = "fcfs",
+    ) -> None:  # fmt: skip
         self.kv = kv
         self.max_loras = max_loras  # distinct LoRA adapters in one step (0: LoRA is off)
         self.max_num_seqs = max_num_seqs
         self.budget = max_num_batched_tokens
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = WaitingQueue(policy)
         self.running: list[Sequence] = []  # in admission order: the newest is last
         self.loading: dict[Sequence, None] = {}  # waiting for pages from the KV tiers
         self.num_preemptions = 0
         self.num_swap_preemptions = 0  # of which swapped to the KV tiers, not recomputed
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        self.waiting.push(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.loading)
@@ -91,23 +96,23 @@ class Scheduler:
         loaded = [s for s in self.kv.finished_onloads() if s in self.loading]
         for seq in reversed(loaded):  # back to the head of the queue, in their order
             del self.loading[seq]
-            self.waiting.appendleft(seq)
+            self.waiting.push_back(seq)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+            seq = self.waiting.head()
             if not self._lora_fits(seq, loras):
                 break  # FIFO: it waits for a slot of its adapter
             started = self.kv.start_onload(seq)
             if started is None:
                 break  # its pages are below but no room to load them yet: FIFO, retry next step
             if started:
-                self.loading[self.waiting.popleft()] = None
+                self.loading[self.waiting.pop_head()] = None
                 continue
             self.kv.match_prefix(seq)
             n = min(seq.num_uncomputed_tokens, budget)
             if not self.kv.reserve(seq, seq.num_computed_tokens + n):
                 self.kv.release(seq, cache=False)
                 break  # no room: keep FIFO order, retry next step
-            self.waiting.popleft()
+            self.waiting.pop_head()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             step.seqs.append(seq)
@@ -131,11 +136,19 @@ class Scheduler:
         while not self.kv.reserve(seq, seq.num_computed_tokens + n):
             if not preempt:
                 return False
-            victim = next((s for s in reversed(self.running) if s not in step.seqs), None)
+            victim = self._victim(step)
             self._preempt(victim)
             if victim is seq:
                 return False
         return True
+
+    def _victim(self, step: StepInput) -> Sequence | None:
+        """The running sequence to preempt, of those not in `step` yet: the newest, or under
+        the priority policy the one of lowest priority (the newest of those)."""
+        free = [s for s in self.running if s not in step.seqs]
+        if not free:
+            return None
+        return max(free, key=admission_key) if self.waiting.by_priority else free[-1]
 
     def _preempt(self, seq: Sequence | None) -> None:
         if seq is None:  # only sequences already in this step hold pages: cannot happen when
@@ -146,7 +159,7 @@ class Scheduler:
         self.kv.release(seq, cache=True)  # only when no step is running: nothing is pending
         seq.draft_ids.clear()  # recomputed from its known tokens alone
         seq.status = SeqStatus.WAITING
-        self.waiting.appendleft(seq)
+        self.waiting.push_back(seq)
         self.num_preemptions += 1
         self.num_swap_preemptions += self.kv.tiers is not None
 
