@@ -23,39 +23,39 @@ def admission_key(seq: Sequence) -> tuple[int, float]:
 
 class WaitingQueue:
     """Waiting sequences: `push` one that arrives, `push_back` one that was taken out before
-    (preempted, loaded), `head` / `pop_head` the next to admit."""
+    (preempted, loaded), `head` / `pop_head` the next to admit. One deque for both policies:
+    the priority policy only inserts by `admission_key` where fcfs appends."""
 
     def __init__(self, policy: SchedulingPolicy) -> None:
         self.by_priority = policy == "priority"
-        self._fifo: deque[Sequence] = deque()
-        self._sorted: list[Sequence] = []  # by admission_key, under the priority policy
+        self._seqs: deque[Sequence] = deque()
 
     def push(self, seq: Sequence) -> None:
         if self.by_priority:
-            bisect.insort(self._sorted, seq, key=admission_key)
+            bisect.insort(self._seqs, seq, key=admission_key)
         else:
-            self._fifo.append(seq)
+            self._seqs.append(seq)
 
     def push_back(self, seq: Sequence) -> None:
         if self.by_priority:
-            self.push(seq)
+            self.push(seq)  # its key's place: the head if it is the most urgent
         else:
-            self._fifo.appendleft(seq)
+            self._seqs.appendleft(seq)
 
     def head(self) -> Sequence:
-        return self._sorted[0] if self.by_priority else self._fifo[0]
+        return self._seqs[0]
 
     def pop_head(self) -> Sequence:
-        return self._sorted.pop(0) if self.by_priority else self._fifo.popleft()
+        return self._seqs.popleft()
 
     def remove(self, seq: Sequence) -> None:
-        (self._sorted if self.by_priority else self._fifo).remove(seq)
+        self._seqs.remove(seq)
 
     def __contains__(self, seq: object) -> bool:
-        return seq in (self._sorted if self.by_priority else self._fifo)
+        return seq in self._seqs
 
     def __iter__(self) -> Iterator[Sequence]:
-        return iter(self._sorted if self.by_priority else self._fifo)
+        return iter(self._seqs)
 
     def __len__(self) -> int:
-        return len(self._sorted) + len(self._fifo)
+        return len(self._seqs)
