@@ -25,22 +25,13 @@ import triton
 import triton.language as tl
 
 from workers.kernels import pdl
+from workers.kernels.arrivals import arrival_counters
 from workers.kernels.pdl import start_dependents, wait_for_inputs
 
 COUNT_CHUNK = 4096  # pairs a program of the count takes
 SCATTER_CHUNK = 1024  # pairs a program of the scatter takes
 ROWS = 16  # partial-count rows the last program sums at once
 TILE_CHUNK = 64  # tiles a loop iteration of the tile -> expert map takes
-_tickets: dict[torch.device, torch.Tensor] = {}
-
-
-def _ticket(device: torch.device) -> torch.Tensor:
-    """The device's zeroed arrival counter of `_count_kernel`: allocated once, on the first call
-    (a warm-up forward, before any CUDA-graph capture), reset by the kernel itself, so captured
-    graphs keep a valid pointer. Launches share it, so they run in order on one stream."""
-    if device not in _tickets:
-        _tickets[device] = torch.zeros(1, dtype=torch.int32, device=device)
-    return _tickets[device]
 
 
 @triton.jit
@@ -128,7 +119,7 @@ def align(
     pairs = torch.empty(tiles * block_m + 1, dtype=torch.int32, device=device)
     launch = pdl.launch_options(topk_ids)
     _count_kernel[(counters,)](
-        ids, n, first, num_local, block_m, partial, _ticket(device), runs,
+        ids, n, first, num_local, block_m, partial, arrival_counters("moe_align", 1, device), runs,
         CHUNK=COUNT_CHUNK, ROWS=ROWS, E_BINS=e_bins, num_warps=4, **launch,
     )  # fmt: skip
     _scatter_kernel[(max(triton.cdiv(n, SCATTER_CHUNK), num_local),)](

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from workers.kernels import pdl
+from workers.kernels.arrivals import arrival_counters
 from workers.kernels.pdl import start_dependents, wait_for_inputs
 
 
@@ -124,17 +125,6 @@ def route_top_k(
 
 FUSED_MAX_TOKENS = 16  # rows `route_fused` takes: each re-reads the router's weight (from L2)
 EXPERTS_PER_PROGRAM = 4  # 32 programs a row at 128 experts: enough to spread the weight's reads
-_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def _row_counters(device: torch.device) -> torch.Tensor:
-    """The device's zeroed per-row counters of `route_fused`: allocated once, on the first call
-    (a warm-up forward, before any CUDA-graph capture), and reset by the kernel itself, so
-    captured graphs keep valid pointers. Launches share them, so they must run in order on one
-    stream (as a model's forward does)."""
-    if device not in _counters:
-        _counters[device] = torch.zeros(FUSED_MAX_TOKENS, dtype=torch.int32, device=device)
-    return _counters[device]
 
 
 def route_fused(
@@ -157,8 +147,9 @@ def route_fused(
     if tokens == 0:
         return weights, ids
     block_k = block_k or min(512, triton.next_power_of_2(hidden))
+    counters = arrival_counters("route_fused", FUSED_MAX_TOKENS, x.device)  # one a row
     _router_kernel[(tokens, triton.cdiv(num_experts, experts_per_program))](
-        x, weight, logits, _row_counters(x.device), weights, ids, num_experts, hidden,
+        x, weight, logits, counters, weights, ids, num_experts, hidden,
         x.stride(0), weight.stride(0), TOP_K=top_k, E_PAD=triton.next_power_of_2(num_experts),
         EXPERTS=experts_per_program, BLOCK_K=block_k, RENORMALIZE=renormalize, num_warps=4,
         **pdl.launch_options(x),
